@@ -1,0 +1,3 @@
+from mechdiag.cli import main
+
+main()

@@ -1,0 +1,97 @@
+"""Crash-safe file output: whole files are written to a temporary name and renamed; JSON Lines are appended
+and flushed record by record, and a partial last line left by a crash is dropped on read."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it over `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp)
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def clean_json(value: Any) -> Any:
+    """NaN and Inf become null, numpy/torch scalars become Python numbers (the JSON contract)."""
+    if isinstance(value, dict):
+        return {str(k): clean_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean_json(v) for v in value]
+    if hasattr(value, "item") and callable(value.item) and getattr(value, "ndim", 0) == 0:
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+def dumps(record: Any) -> str:
+    return json.dumps(clean_json(record), allow_nan=False, ensure_ascii=False)
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    write_text(path, dumps(obj) + "\n")
+
+
+def append_jsonl(path: str | os.PathLike, records: list[dict], fsync: bool = False) -> None:
+    """Append whole lines; a crash can leave at most one partial last line, which read_jsonl drops."""
+    if not records:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = "".join(dumps(r) + "\n" for r in records)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(data)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    """Read JSON Lines; a last line without its newline (a crash mid-write) is dropped."""
+    path = Path(path)
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]  # partial last line
+    out = []
+    for line in lines:
+        if line.strip():
+            out.append(json.loads(line))
+    return out
+
+
+def truncate_jsonl(path: str | os.PathLike, keep: callable) -> None:
+    """Rewrite a JSON Lines file keeping only records for which keep(record) is true (used on resume)."""
+    path = Path(path)
+    if not path.exists():
+        return
+    records = [r for r in read_jsonl(path) if keep(r)]
+    write_text(path, "".join(dumps(r) + "\n" for r in records))

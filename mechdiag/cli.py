@@ -1,0 +1,30 @@
+"""Command line: thin click commands that parse, call the library, print, and map bad input to exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from mechdiag.errors import UserError
+
+
+class _Group(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except UserError as e:
+            click.echo(f"mechdiag: error: {e}", err=True)
+            sys.exit(2)
+        except KeyboardInterrupt:
+            click.echo("mechdiag: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="mechdiag")
+def main():
+    """mechdiag: record, diagnose and tune GRPO fine-tuning of small language models."""
+
+
+# Commands are added below, one section per command.

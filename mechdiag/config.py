@@ -1,0 +1,327 @@
+"""The design lambda of the study (paper-notes §1) as typed, validated data, with YAML in and out.
+
+Defaults are the embedded default run (`mechdiag train` with no arguments); presets math/code/mcq follow the
+study's Table 7 and reward weights its Table 6.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from mechdiag.errors import UserError
+
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+# Table 6: reward component weights per domain.
+REWARD_WEIGHTS = {
+    "math": {"correctness": 2.0, "xml_count": 0.5, "numeric": 0.5, "format": 0.5,
+             "reasoning_nonempty": 0.1, "answer_nonempty": 0.1},
+    "mcq": {"correctness": 2.0, "valid_option": 0.5, "xml_count": 0.5, "format": 0.5},
+    "code": {"correctness": 1.0, "complexity": 1.0, "xml_count": 0.5, "syntax": 0.5, "reasoning_nonempty": 0.1},
+}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    name_or_path: str = "bundled"  # "bundled" = the tiny arith Llama shipped in mechdiag/assets
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class DataSource(_Strict):
+    name: str = "arith"
+    path: str | None = None  # local file; None = the task's default (shared data or a dataset name)
+    weight: float = Field(1.0, gt=0)
+    options: dict[str, Any] = Field(default_factory=dict)  # task-specific knobs, e.g. arith difficulty
+
+
+class TaskConfig(_Strict):
+    name: str = "arith"
+    path: str | None = None
+    options: dict[str, Any] = Field(default_factory=dict)
+    train_split: str = "train"
+    eval_split: str = "test"
+    n_train: int | None = Field(None, gt=0)
+    mixture: list[DataSource] = Field(default_factory=list)  # extra sources mixed into training by weight
+
+
+class LoraConfig(_Strict):
+    enabled: bool = True
+    r: int = Field(16, gt=0)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    use_rslora: bool = False
+    target_modules: list[str] = Field(default_factory=lambda: list(ALL_MODULES))
+    layers: str | list[int] = "all"  # "all", "0-3,7", "first2+last2", "last3", or a list of indices
+
+    @field_validator("target_modules")
+    @classmethod
+    def _modules_nonempty(cls, v):
+        if not v:
+            raise ValueError("must name at least one module")
+        return v
+
+    @field_validator("layers")
+    @classmethod
+    def _layers_parse(cls, v):
+        parse_layers(v, n_layers=None)  # syntax check; bounds are checked against the model later
+        return v
+
+
+class RewardConfig(_Strict):
+    weights: dict[str, float] = Field(default_factory=lambda: dict(REWARD_WEIGHTS["math"]))
+    reasoning_tag: str = "reasoning"
+    answer_tag: str = "answer"
+
+
+class RecordConfig(_Strict):
+    displacement_every: int = Field(10, ge=0)  # steps; 0 = off
+    shift_at_eval: bool = True
+    shift_n: int = Field(64, ge=1)
+    samples_every: int = Field(10, ge=0)
+
+
+class Config(_Strict):
+    preset: Literal["math", "code", "mcq"] | None = None
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    rewards: RewardConfig = Field(default_factory=RewardConfig)
+    record: RecordConfig = Field(default_factory=RecordConfig)
+
+    # GRPO (paper-notes §2)
+    group_size: int = Field(8, ge=2)
+    prompts_per_step: int = Field(16, ge=1)
+    grad_accum: int = Field(1, ge=1)
+    epsilon: float = Field(0.2, ge=0, le=1)
+    epsilon_high: float | None = Field(None, ge=0, le=10)  # None = epsilon (symmetric clip)
+    beta: float = Field(0.005, ge=0)
+    num_iterations: int = Field(1, ge=1)
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "grpo"
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+
+    # optimisation
+    learning_rate: float = Field(2e-3, gt=0, le=1)
+    lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    warmup_ratio: float = Field(0.1, ge=0, lt=1)
+    adam_beta1: float = Field(0.9, ge=0, lt=1)
+    adam_beta2: float = Field(0.99, ge=0, lt=1)
+    weight_decay: float = Field(0.1, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+
+    # sampling
+    temperature: float = Field(1.0, gt=0, le=5)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_prompt_tokens: int = Field(64, ge=1)
+    max_completion_tokens: int = Field(48, ge=1)
+
+    # schedule
+    seed: int = 42
+    max_steps: int | None = Field(60, ge=1)
+    epochs: float | None = Field(None, gt=0)
+    eval_every: int = Field(0, ge=0)  # 0 = only at start and end
+    eval_n: int = Field(500, ge=1)
+    eval_samples: int = Field(1, ge=1)  # completions per eval problem for pass@k
+    pass_k: list[int] = Field(default_factory=lambda: [1])
+    save_every: int = Field(20, ge=0)
+    max_bad_steps: int = Field(5, ge=1)  # non-finite updates in a row before the run stops
+    threads: int | None = Field(None, ge=1)
+    hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.pass_k and max(self.pass_k) > self.eval_samples and self.eval_samples > 1:
+            raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
+        if any(k < 1 for k in self.pass_k):
+            raise ValueError("pass_k values must be >= 1")
+        return self
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ---- presets (Table 7) ------------------------------------------------------------------------------------
+_SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
+           "lr_schedule": "cosine", "max_grad_norm": 0.1, "temperature": 0.8, "epsilon": 0.2,
+           "max_prompt_tokens": 256, "max_completion_tokens": 512, "eval_every": 100, "max_steps": None}
+PRESETS: dict[str, dict[str, Any]] = {
+    "math": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
+             "beta": 0.005, "task": {"name": "gsm8k"},
+             "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
+             "rewards": {"weights": REWARD_WEIGHTS["math"]}},
+    "code": {**_SHARED, "learning_rate": 5e-6, "epochs": 1, "prompts_per_step": 1, "grad_accum": 64,
+             "beta": 0.005, "task": {"name": "mbpp"},
+             "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ATTN_MODULES},
+             "rewards": {"weights": REWARD_WEIGHTS["code"]}},
+    "mcq": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
+            "beta": 0.003, "task": {"name": "arc"},
+            "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
+            "rewards": {"weights": REWARD_WEIGHTS["mcq"]}},
+}
+
+
+# ---- layer selection ---------------------------------------------------------------------------------------
+_NAMED = re.compile(r"^(first|last)(\d+)$")
+
+
+def parse_layers(spec: str | list[int], n_layers: int | None) -> list[int] | None:
+    """Resolve a layer spec to sorted indices ("all" -> None when n_layers is unknown).
+
+    Accepts "all", comma lists of indices and ranges ("0-3,7"), "firstK", "lastK" joined by "+"
+    ("first2+last2", the study's reduced layers), or a list of ints. Negative indices count from the end.
+    """
+    if isinstance(spec, list):
+        idx = list(spec)
+    else:
+        s = spec.strip().lower().replace(" ", "")
+        if s == "all":
+            return None if n_layers is None else list(range(n_layers))
+        idx = []
+        for part in s.split("+"):
+            m = _NAMED.match(part)
+            if m:
+                k = int(m.group(2))
+                if n_layers is None:
+                    continue
+                idx += list(range(min(k, n_layers))) if m.group(1) == "first" else \
+                    list(range(max(0, n_layers - k), n_layers))
+                continue
+            for item in part.split(","):
+                if re.fullmatch(r"-?\d+", item):
+                    idx.append(int(item))
+                elif re.fullmatch(r"\d+-\d+", item):
+                    a, b = map(int, item.split("-"))
+                    if b < a:
+                        raise ValueError(f"bad layer range {item!r}")
+                    idx += list(range(a, b + 1))
+                else:
+                    raise ValueError(f"bad layer spec {item!r} (use all, 0-3,7, first2+last2, last3 or a list)")
+    if n_layers is None:
+        return sorted(set(idx))
+    out = set()
+    for i in idx:
+        j = i + n_layers if i < 0 else i
+        if not 0 <= j < n_layers:
+            raise UserError(f"lora.layers: layer {i} out of range for a model with {n_layers} layers")
+        out.add(j)
+    if not out:
+        raise UserError("lora.layers selects no layer")
+    return sorted(out)
+
+
+# ---- loading -----------------------------------------------------------------------------------------------
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("weights", "options"):
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
+    for p in path:
+        f = model.model_fields.get(p)
+        ann = getattr(f, "annotation", None) if f else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _explain(err: ValidationError) -> str:
+    e = err.errors()[0]
+    loc = [str(x) for x in e["loc"]]
+    where = ".".join(loc) or "config"
+    if e["type"] == "extra_forbidden":
+        known = _field_names(Config, loc[:-1])
+        near = difflib.get_close_matches(loc[-1], known, n=1) or \
+            [k for k in known if loc[-1].startswith(k) or k.startswith(loc[-1])][:1]
+        hint = f" (did you mean {'.'.join(loc[:-1] + near)}?)" if near else ""
+        return f"unknown config key {where}{hint}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"invalid config value for {where}: {msg} (got {e.get('input')!r})"
+
+
+def from_dict(data: dict | None) -> Config:
+    data = dict(data or {})
+    preset = data.get("preset")
+    if preset is not None:
+        if preset not in PRESETS:
+            near = difflib.get_close_matches(str(preset), PRESETS, n=1)
+            raise UserError(f"unknown preset {preset!r}" + (f" (did you mean {near[0]}?)" if near else ""))
+        data = _deep_merge(PRESETS[preset], data)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise UserError(_explain(err)) from None
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Apply `key.sub=value` strings (values parsed as YAML) to a raw config dict."""
+    data = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise UserError(f"--set expects key=value, got {item!r}")
+        key, value = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise UserError(f"--set {key}: {p} is not a section")
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"invalid YAML in {path}: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UserError(f"config {path} must be a mapping of keys to values")
+    return data
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data = read_yaml(path) if path else {}
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+def to_yaml(cfg: Config, header: str = "") -> str:
+    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    if header:
+        body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
+    return body
+
+
+def save(cfg: Config, path: str | Path, header: str = "") -> None:
+    from mechdiag import atomic
+
+    atomic.write_text(path, to_yaml(cfg, header))

@@ -1,0 +1,28 @@
+"""Tasks: registry by name. `get_task(name, path=None, **options)` returns a Task."""
+
+from __future__ import annotations
+
+import difflib
+
+from mechdiag.errors import UserError
+from mechdiag.tasks.base import Example, Task
+
+REGISTRY: dict[str, str] = {}  # name -> "module:Class", filled by the task modules' authors
+
+
+def register(name: str, target: str) -> None:
+    REGISTRY[name] = target
+
+
+def get_task(name: str, path: str | None = None, **options) -> Task:
+    import importlib
+
+    if name not in REGISTRY:
+        near = difflib.get_close_matches(name, REGISTRY, n=1)
+        raise UserError(f"unknown task {name!r}" + (f" (did you mean {near[0]}?)" if near else "")
+                        + f"; known: {', '.join(sorted(REGISTRY))}")
+    mod, cls = REGISTRY[name].split(":")
+    return getattr(importlib.import_module(mod), cls)(path=path, **options)
+
+
+__all__ = ["Example", "Task", "get_task", "register", "REGISTRY"]

@@ -1,0 +1,42 @@
+"""What a task is: data + prompt + reward components + eval metric.
+
+A task yields Examples, formats each as a prompt (the model's chat template where it has one, else a plain
+template), scores a completion into named reward components in [0, 1] (weighted by config.rewards.weights)
+and says whether it is correct (the eval metric).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Example:
+    id: str
+    question: str
+    answer: Any  # gold: a number string, an option letter, or test code
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+class Task:
+    name: str = "task"
+    domain: str = "math"  # math | mcq | code: picks the default reward weights (paper-notes §6)
+
+    def examples(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
+        raise NotImplementedError
+
+    def prompt(self, example: Example, tokenizer=None) -> str:
+        raise NotImplementedError
+
+    def components(self, completion: str, example: Example) -> dict[str, float]:
+        """Named reward components, each in [0, 1] before weighting."""
+        raise NotImplementedError
+
+    def correct(self, completion: str, example: Example) -> bool:
+        raise NotImplementedError
+
+    def reward(self, completion: str, example: Example, weights: dict[str, float]) -> tuple[float, dict]:
+        comps = self.components(completion, example)
+        total = sum(weights.get(k, 0.0) * v for k, v in comps.items())
+        return total, comps
