@@ -7,7 +7,9 @@ import difflib
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
 
-REGISTRY: dict[str, str] = {}  # name -> "module:Class", filled by the task modules' authors
+REGISTRY: dict[str, str] = {  # name -> "module:Class"
+    "arith": "mechdiag.tasks.arith:Arith",
+}
 
 
 def register(name: str, target: str) -> None:

@@ -40,3 +40,15 @@ class Task:
         comps = self.components(completion, example)
         total = sum(weights.get(k, 0.0) * v for k, v in comps.items())
         return total, comps
+
+
+SYSTEM_PROMPT = ("Think step by step inside <reasoning>...</reasoning>, then give only the final answer "
+                 "inside <answer>...</answer>.")
+
+
+def format_prompt(question: str, tokenizer=None, system: str = SYSTEM_PROMPT) -> str:
+    """The training prompt: the model's chat template where it has one, else the plain 'Q: ...\\nA: ' form."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return f"Q: {question}\nA: "

@@ -1,0 +1,111 @@
+"""arith: synthetic multi-step integer arithmetic word problems, the embedded default's task.
+
+Splits are deterministic and disjoint: a problem belongs to `test` iff a hash of its text falls in one bucket
+of ten, and `train` rejects that bucket. The out-of-distribution splits are the analogue of the study's OOD
+benchmarks: `ood_steps` needs two more steps, `ood_numbers` uses numbers five times larger.
+
+A gold completion reads `<reasoning>12+7=19;19-5=14</reasoning><answer>14</answer>`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+from mechdiag.errors import UserError
+from mechdiag.tasks.base import Example, Task, format_prompt
+from mechdiag.tasks.rewards import answer_number, math_components, numbers_equal, parse_number
+
+NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Ola", "Pam"]
+ITEMS = ["apples", "pens", "coins", "cards", "books", "eggs", "toys", "shells", "stamps", "beads"]
+# (difficulty) -> (min steps, max steps, max number)
+LEVELS = {1: (1, 2, 9), 2: (2, 3, 20), 3: (2, 4, 50), 4: (3, 5, 99)}
+SPLITS = ("train", "test", "ood_steps", "ood_numbers")
+
+
+def _bucket(text: str) -> int:
+    return int(hashlib.sha1(text.encode()).hexdigest(), 16) % 10
+
+
+def make_problem(rng: random.Random, steps: int, max_number: int) -> tuple[str, str, int]:
+    """One word problem: (question, gold reasoning, answer). Intermediate values stay non-negative."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    value = rng.randint(1, max_number)
+    sentences = [f"{name} has {value} {item}."]
+    work = []
+    for _ in range(steps):
+        op = rng.choice("+-+-*") if value <= max_number else "-"
+        if op == "*" and value * 2 > 4 * max_number:
+            op = "-"
+        if op == "-" and value == 0:
+            op = "+"
+        if op == "+":
+            n = rng.randint(1, max_number)
+            sentences.append(rng.choice([f"{name} gets {n} more.", f"{name} finds {n} more."]))
+            new = value + n
+        elif op == "-":
+            n = rng.randint(1, value)
+            sentences.append(rng.choice([f"{name} gives away {n}.", f"{name} loses {n}."]))
+            new = value - n
+        else:
+            n = rng.randint(2, 3)
+            sentences.append(f"{name} ends up with {'twice' if n == 2 else 'three times'} as many.")
+        new = value * n if op == "*" else new
+        work.append(f"{value}{op}{n}={new}")
+        value = new
+    sentences.append(f"How many {item} does {name} have?")
+    return " ".join(sentences), ";".join(work), value
+
+
+def gold_completion(reasoning: str, answer) -> str:
+    return f"<reasoning>{reasoning}</reasoning><answer>{answer}</answer>"
+
+
+class Arith(Task):
+    name = "arith"
+    domain = "math"
+
+    def __init__(self, path: str | None = None, difficulty: int = 2, steps: list[int] | None = None,
+                 max_number: int | None = None, seed: int = 0):
+        if path is not None:
+            raise UserError("task arith is generated; it takes no path")
+        if difficulty not in LEVELS:
+            raise UserError(f"arith difficulty must be one of {sorted(LEVELS)}, got {difficulty!r}")
+        lo, hi, mx = LEVELS[difficulty]
+        if steps is not None:
+            lo, hi = int(steps[0]), int(steps[-1])
+        self.steps = (lo, hi)
+        self.max_number = int(max_number or mx)
+        self.seed = seed
+        if not (1 <= lo <= hi) or self.max_number < 2:
+            raise UserError("arith needs 1 <= steps and max_number >= 2")
+
+    def examples(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Example]:
+        if split not in SPLITS:
+            raise UserError(f"arith has splits {', '.join(SPLITS)}; got {split!r}")
+        n = 1000 if n is None else n
+        lo, hi, mx = *self.steps, self.max_number
+        if split == "ood_steps":
+            lo, hi = hi + 1, hi + 2
+        elif split == "ood_numbers":
+            mx = mx * 5
+        rng = random.Random(f"arith/{split}/{self.seed}/{seed}/{lo}-{hi}/{mx}")
+        out, seen = [], set()
+        while len(out) < n:
+            q, work, ans = make_problem(rng, rng.randint(lo, hi), mx)
+            in_test = _bucket(q) == 0
+            if q in seen or (split == "train" and in_test) or (split == "test" and not in_test):
+                continue
+            seen.add(q)
+            out.append(Example(id=f"{split}-{len(out)}", question=q, answer=str(ans),
+                               meta={"reasoning": work, "gold_completion": gold_completion(work, ans)}))
+        return out
+
+    def prompt(self, example: Example, tokenizer=None) -> str:
+        return format_prompt(example.question, tokenizer)
+
+    def components(self, completion: str, example: Example) -> dict[str, float]:
+        return math_components(completion, example.answer)
+
+    def correct(self, completion: str, example: Example) -> bool:
+        return numbers_equal(answer_number(completion), parse_number(example.answer))

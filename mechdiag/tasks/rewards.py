@@ -1,0 +1,106 @@
+"""Reward components of the study's Table 6 and the extractors they share.
+
+Every component returns a value in [0, 1]; config.rewards.weights scales them. Extraction is tolerant of
+<think>...</think> in place of <reasoning>, of a missing closing tag at the very end, and of fenced code.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+REASONING_ALIASES = ("reasoning", "think")
+
+
+def extract_tag(text: str, tag: str) -> str | None:
+    """Content of the first <tag>...</tag>; an unclosed last tag runs to the end of the text."""
+    m = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.S)
+    if m:
+        return m.group(1).strip()
+    m = re.search(rf"<{tag}>(.*)$", text, re.S)
+    return m.group(1).strip() if m else None
+
+
+def extract_reasoning(text: str, tag: str = "reasoning") -> str | None:
+    for t in (tag, *REASONING_ALIASES):
+        got = extract_tag(text, t)
+        if got is not None:
+            return got
+    return None
+
+
+def extract_answer(text: str, tag: str = "answer") -> str | None:
+    return extract_tag(text, tag)
+
+
+def xml_count(text: str, reasoning_tag: str = "reasoning", answer_tag: str = "answer") -> float:
+    """A quarter for each of the four tags present exactly once (<think> counts as the reasoning tag)."""
+    r = next((t for t in (reasoning_tag, *REASONING_ALIASES) if f"<{t}>" in text), reasoning_tag)
+    tags = [f"<{r}>", f"</{r}>", f"<{answer_tag}>", f"</{answer_tag}>"]
+    return sum(0.25 for t in tags if text.count(t) == 1)
+
+
+def format_ok(text: str, reasoning_tag: str = "reasoning", answer_tag: str = "answer") -> float:
+    """1 when the whole completion is exactly one reasoning block followed by one answer block."""
+    r = "|".join(re.escape(t) for t in dict.fromkeys((reasoning_tag, *REASONING_ALIASES)))
+    pat = rf"^\s*<({r})>.*?</\1>\s*<{answer_tag}>.*?</{answer_tag}>\s*$"
+    return 1.0 if re.match(pat, text, re.S) else 0.0
+
+
+def nonempty(block: str | None) -> float:
+    return 1.0 if block and block.strip() else 0.0
+
+
+# ---- numbers -----------------------------------------------------------------------------------------------
+_NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
+
+
+def parse_number(text: str | None) -> Fraction | None:
+    """Parse '1,000', '$18', '18.0', '18.', '-3', '3/4', '50%' (as 50) into an exact Fraction; None if absent."""
+    if text is None:
+        return None
+    s = text.strip().replace("$", "").replace("\u2212", "-").rstrip(".").rstrip("%").strip()
+    s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)
+    try:
+        return Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def last_number(text: str | None) -> Fraction | None:
+    """The last number written in free text (the fallback when a completion has no answer tag)."""
+    if not text:
+        return None
+    found = _NUM.findall(text)
+    return parse_number(found[-1]) if found else None
+
+
+def answer_number(completion: str, answer_tag: str = "answer") -> Fraction | None:
+    """The number in the answer block: the block itself, else the last number inside it."""
+    block = extract_answer(completion, answer_tag)
+    if block is None:
+        return None
+    return parse_number(block) if parse_number(block) is not None else last_number(block)
+
+
+def numbers_equal(a: Fraction | None, b: Fraction | None, rel_tol: float = 1e-6) -> bool:
+    if a is None or b is None:
+        return False
+    if a == b:
+        return True
+    return abs(float(a) - float(b)) <= rel_tol * max(1.0, abs(float(b)))
+
+
+def math_components(completion: str, gold, reasoning_tag: str = "reasoning", answer_tag: str = "answer") -> dict:
+    """Table 6, math: correctness, xml_count, numeric, format, reasoning_nonempty, answer_nonempty."""
+    gold_num = gold if isinstance(gold, Fraction) else parse_number(str(gold))
+    got = answer_number(completion, answer_tag)
+    block = extract_answer(completion, answer_tag)
+    return {
+        "correctness": 1.0 if numbers_equal(got, gold_num) else 0.0,
+        "xml_count": xml_count(completion, reasoning_tag, answer_tag),
+        "numeric": 1.0 if block is not None and parse_number(block) is not None else 0.0,
+        "format": format_ok(completion, reasoning_tag, answer_tag),
+        "reasoning_nonempty": nonempty(extract_reasoning(completion, reasoning_tag)),
+        "answer_nonempty": nonempty(block),
+    }
