@@ -68,7 +68,8 @@ def _mean_std(vals: list[float]) -> tuple[float | None, float | None]:
     m = sum(vals) / len(vals)
     if len(vals) < 2:
         return m, None
-    return m, math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
+    return m, 0.0 if sd <= 1e-9 * max(1.0, abs(m)) else sd  # equal seeds: no float noise
 
 
 def _pm(mean, std) -> str:
