@@ -28,3 +28,15 @@ def main():
 
 
 # Commands are added below, one section per command.
+
+
+# ---- report ------------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.option("--out", "out", type=click.Path(dir_okay=True, path_type=str), default=None,
+              help="HTML file to write (default: reports/NAME.html; a folder puts NAME.html in it).")
+def report(runs, out):
+    """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled)."""
+    from mechdiag.report import write_report
+
+    click.echo(str(write_report(list(runs), out)))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import json
 import re
 import sys
@@ -70,8 +71,8 @@ def test_browser_renders_every_figure_without_console_messages(page):
 def test_hostile_completion_is_text_and_never_runs(page):
     path, p = page
     assert p.title != "pwned" and "pwned" not in p.title
-    assert html_escape(XSS_SCRIPT) in p.dom  # shown verbatim, as text
-    assert "&lt;img src=x onerror=" in p.dom
+    texts = [html.unescape(t) for t in re.findall(r'<pre class="completion">([^<]*)</pre>', p.dom)]
+    assert f"{XSS_SCRIPT} {XSS_IMG}" in texts  # shown verbatim, as the text of one element
     assert not re.search(r"<img\b", p.dom)  # no element was created from the payload
     assert not re.search(r"<script>document\.title", path.read_text())
     assert p.console == []  # and nothing tried to run (a blocked attempt would log a CSP violation)
@@ -102,12 +103,6 @@ def test_partial_run_renders_and_says_what_is_missing(tmp_path):
 
 
 # ---- page content -----------------------------------------------------------------------------------------
-def html_escape(s: str) -> str:
-    import html
-
-    return html.escape(s, quote=True)
-
-
 def test_page_size_and_self_contained(tmp_path):
     runs = [make_run(tmp_path / f"long-seed{s}", s, steps=200, layers=8, disp_every=10).path for s in (42, 3407)]
     out = write_report(runs, tmp_path / "long.html")
@@ -155,7 +150,7 @@ def test_heatmap_layers_by_modules_with_steps(runs):
     mass = next(f for f in figs if any(t["type"] == "bar" for t in f["data"]))
     bar = next(t for t in mass["data"] if t["type"] == "bar")
     assert abs(sum(bar["y"]) - 1) < 1e-3
-    assert max(zip(bar["y"], bar["x"]))[1] in ("v_proj", "o_proj")
+    assert max(zip(bar["y"], bar["x"], strict=True))[1] in ("v_proj", "o_proj")
 
 
 def test_shift_intervals(runs):
@@ -164,7 +159,7 @@ def test_shift_intervals(runs):
     tr = shift["data"][0]
     assert tr["x"] == [0.0, 1.0, 2.0, 3.0]
     err = tr["error_y"]
-    assert all(abs(a - 0.1 * y) < 1e-3 for a, y in zip(err["array"], tr["y"]))
+    assert all(abs(a - 0.1 * y) < 1e-3 for a, y in zip(err["array"], tr["y"], strict=True))
 
 
 def test_eval_table_colours_improvements_and_regressions(runs):

@@ -88,8 +88,8 @@ def seed_band(series: list[dict[float, float]]) -> tuple[list, list, list, list]
         steps = [sum(steps[a:b]) / (b - a) for a, b in bins]
         mean = [sum(mean[a:b]) / (b - a) for a, b in bins]
         std = [sum(std[a:b]) / (b - a) for a, b in bins]
-    lo = [m - s for m, s in zip(mean, std)]
-    hi = [m + s for m, s in zip(mean, std)]
+    lo = [m - s for m, s in zip(mean, std, strict=True)]
+    hi = [m + s for m, s in zip(mean, std, strict=True)]
     return [_r(x) for x in steps], [_r(x) for x in mean], [_r(x) for x in lo], [_r(x) for x in hi]
 
 
@@ -265,7 +265,7 @@ def activation_shift(groups: list[Group]) -> go.Figure | None:
     if not runs:
         return None
     last_rows = {}
-    for g, r in runs:
+    for _, r in runs:
         rows = [x for x in r.read("shift") if _num(x.get("layer")) is not None]
         steps = [_num(x.get("step")) for x in rows if _num(x.get("step")) is not None]
         last = max(steps) if steps else None
@@ -296,7 +296,8 @@ def activation_shift(groups: list[Group]) -> go.Figure | None:
                                      mode="lines+markers", line=dict(color=g.color, dash=dashes[k % 4], width=1.5),
                                      marker=dict(size=5), name=name, legendgroup=name,
                                      showlegend=col == 1 and name not in seen,
-                                     hovertemplate=f"{name}<br>step {last:g}<br>layer %{{x}}: %{{y:.4g}}<extra></extra>"),
+                                     hovertemplate=f"{name}<br>step {last:g}<br>layer %{{x}}: "
+                                                   "%{y:.4g}<extra></extra>"),
                           row=1, col=col)
             seen.add(name)
         fig.update_xaxes(title_text="layer", row=1, col=col)

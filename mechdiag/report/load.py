@@ -133,11 +133,11 @@ def group_runs(runs: list[Run]) -> list[Group]:
         keys = sorted({k for f in flats for k in f})
         differ = [k for k in keys if len({_short(f.get(k)) for f in flats}) > 1]
         labels = []
-        for stem, f in zip(stems, flats):
+        for stem, f in zip(stems, flats, strict=True):
             diff = ", ".join(f"{k}={_short(f.get(k))}" for k in differ[:3])
             labels.append(diff or stem)
         labels = [lab if labels.count(lab) == 1 else f"{lab} #{i + 1}" for i, lab in enumerate(labels)]
-    for i, (g, lab) in enumerate(zip(out, labels)):
+    for i, (g, lab) in enumerate(zip(out, labels, strict=True)):
         g.label = lab[:80]
         g.color = PALETTE[i % len(PALETTE)]
     return out
