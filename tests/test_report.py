@@ -60,11 +60,13 @@ def _outside_plotly(html: str) -> str:
 def test_browser_renders_every_figure_without_console_messages(page):
     path, p = page
     n = len(_figures(path.read_text()))
-    assert n == 5  # eight signals, two heatmaps (one per config), WDisp + update mass, activation shift
+    assert n == 6  # eight signals, other signals, two heatmaps (one per config), WDisp + mass, shift
     assert p.console == []  # no error, warning, CSP violation or log of any kind
     assert p.html_attr("data-report-status") == "ok", p.html_attr("data-errors")
     assert p.html_attr("data-figures") == str(n) and p.html_attr("data-rendered") == str(n)
-    assert p.dom.count('class="main-svg"') >= n  # plotly drew an svg into every figure div
+    for k in range(1, n + 1):  # plotly took over every figure div and drew an svg into it
+        div = re.search(rf'<div class="fig js-plotly-plot" id="fig-{k}"(.*?)<script', p.dom, re.S)
+        assert div and 'class="main-svg"' in div.group(1), k
     assert p.title == "mechdiag report: demo, beta"
 
 
@@ -94,12 +96,12 @@ def test_partial_run_renders_and_says_what_is_missing(tmp_path):
                  "No base or final evaluation recorded"):
         assert what in html, what
     figs = _figures(html)
-    assert len(figs) == 1
+    assert len(figs) == 2  # the eight signals and the other train signals
     notes = [a["text"] for a in figs[0]["layout"].get("annotations", []) if a.get("text") == "not recorded"]
     assert len(notes) == 4  # the four eval panels
     p = chromium.load(out)
     assert p.console == [] and p.html_attr("data-report-status") == "ok"
-    assert p.html_attr("data-rendered") == "1"
+    assert p.html_attr("data-rendered") == "2"
 
 
 # ---- page content -----------------------------------------------------------------------------------------
@@ -128,6 +130,13 @@ def test_eight_signals_with_seed_bands(runs):
     assert len(bands) == 8 and len(lines) == 8  # two seeds -> one band and one mean line per panel
     reward = lines[0]
     assert len(reward["x"]) == 200 and reward["x"][0] == 1
+
+
+def test_other_signals_include_reward_components(runs):
+    fig = _figures(render([runs["a42"]]))[1]
+    titles = [a["text"] for a in fig["layout"]["annotations"]]
+    assert titles[:2] == ["reward: correctness", "reward: format"]
+    assert "groups with zero reward std" in titles and "tokens / s" in titles
 
 
 def test_long_runs_are_binned(tmp_path):

@@ -102,16 +102,15 @@ def _series(records: list[dict], key: str) -> dict[float, float]:
     return out
 
 
-def training_dynamics(groups: list[Group]) -> go.Figure | None:
-    """The eight signals as small multiples (2 x 4): runs as colours, seeds as mean line and +-1 std band."""
-    panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
-    if not any(r.has("metrics") or r.has("eval") for g in groups for r in g.runs):
-        return None
-    fig = make_subplots(rows=2, cols=4, subplot_titles=[t for _, _, t in panels], horizontal_spacing=0.07,
-                        vertical_spacing=0.16)
+def _small_multiples(groups: list[Group], panels: list[tuple[str, str, str]], cols: int,
+                     height_per_row: int) -> go.Figure:
+    """One panel per (stream, key, title): runs as colours, seeds as mean line and +-1 std band."""
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[t for _, _, t in panels], horizontal_spacing=0.07,
+                        vertical_spacing=min(0.16, 0.32 / rows))
     in_legend: set[int] = set()
     for i, (stream, key, _) in enumerate(panels):
-        row, col = i // 4 + 1, i % 4 + 1
+        row, col = i // cols + 1, i % cols + 1
         drawn = False
         for gi, g in enumerate(groups):
             series = [s for s in (_series(r.read(stream), key) for r in g.runs) if s]
@@ -135,8 +134,37 @@ def training_dynamics(groups: list[Group]) -> go.Figure | None:
             fig.add_annotation(text="not recorded", showarrow=False, font=dict(color="#999"),
                                xref=f"x{i + 1 if i else ''} domain", yref=f"y{i + 1 if i else ''} domain",
                                x=0.5, y=0.5)
-    fig.update_xaxes(title_text="step", row=2)
-    return _layout(fig, 560)
+    fig.update_xaxes(title_text="step", row=rows)
+    return _layout(fig, 140 + height_per_row * rows)
+
+
+def training_dynamics(groups: list[Group]) -> go.Figure | None:
+    """The study's eight signals as small multiples (2 x 4, its Figure 1)."""
+    if not any(r.has("metrics") or r.has("eval") for g in groups for r in g.runs):
+        return None
+    panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
+    return _small_multiples(groups, panels, cols=4, height_per_row=210)
+
+
+OTHER_TRAIN = [("frac_zero_std", "groups with zero reward std"), ("entropy", "train entropy"),
+               ("completion_length", "train completion length"), ("reward_std", "reward std"),
+               ("policy_clip_fraction", "policy clip fraction"), ("grad_norm", "grad norm"), ("loss", "loss"),
+               ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+
+
+def other_signals(groups: list[Group]) -> go.Figure | None:
+    """Every other recorded train signal: reward components first, then the canonical extras that exist."""
+    keys: dict[str, None] = {}
+    for g in groups:
+        for r in g.runs:
+            for rec in r.read("metrics")[:50]:
+                keys.update((k, None) for k in rec)
+    comps = [(k, f"reward: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward/")][:8]
+    panels = [("metrics", k, t) for k, t in comps + [kt for kt in OTHER_TRAIN if kt[0] in keys]]
+    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)][:16]
+    if not panels:
+        return None
+    return _small_multiples(groups, panels, cols=4, height_per_row=190)
 
 
 def _module_order(modules) -> list[str]:
@@ -160,15 +188,40 @@ def _disp_cells(group: Group) -> dict[float, dict[tuple[int, str], float]]:
     return {s: {k: sum(v) / len(v) for k, v in cells.items()} for s, cells in acc.items()}
 
 
+def _thin(steps: list, k: int) -> list:
+    """At most k of the sorted steps, evenly spread, always keeping the first and the last."""
+    if len(steps) <= k:
+        return steps
+    return [steps[i] for i in sorted({round(i * (len(steps) - 1) / (k - 1)) for i in range(k)})]
+
+
+def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
+    """step -> layer -> pooled displacement of the layer's tensors, sqrt(sum ||dW||^2) / sqrt(sum ||W||^2)."""
+    per_run = []
+    for run in group.runs:
+        num, den = defaultdict(float), defaultdict(float)
+        for rec in run.read("displacement"):
+            step, layer = _num(rec.get("step")), _num(rec.get("layer"))
+            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
+            if None in (step, layer, ref, delta):
+                continue
+            num[(step, int(layer))] += delta * delta
+            den[(step, int(layer))] += ref * ref
+        per_run.append({k: math.sqrt(num[k] / den[k]) for k in num if den[k] > 0})
+    acc: dict[float, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for values in per_run:
+        for (step, layer), v in values.items():
+            acc[step][layer].append(v)
+    return {s: {lay: sum(v) / len(v) for lay, v in d.items()} for s, d in acc.items()}
+
+
 def weight_heatmap(group: Group) -> go.Figure | None:
-    """Relative displacement ||dW||_F / ||W||_F, layers x modules, with a slider over the recorded steps."""
+    """Left: ||dW||_F / ||W||_F, layers x modules, with a slider over the recorded steps.
+    Right: each layer's pooled displacement over all recorded steps (how it grew)."""
     cells = _disp_cells(group)
     if not cells:
         return None
-    steps = sorted(cells)
-    if len(steps) > MAX_SLIDER_STEPS:  # keep the last step, thin the rest evenly
-        idx = sorted({round(i * (len(steps) - 1) / (MAX_SLIDER_STEPS - 1)) for i in range(MAX_SLIDER_STEPS)})
-        steps = [steps[i] for i in idx]
+    steps = _thin(sorted(cells), MAX_SLIDER_STEPS)
     layers = sorted({lay for s in steps for lay, _ in cells[s]})
     modules = _module_order({m for s in steps for _, m in cells[s]})
     zmax = max(v for s in steps for v in cells[s].values()) or 1.0
@@ -176,20 +229,34 @@ def weight_heatmap(group: Group) -> go.Figure | None:
     def z(step):
         return [[_r(cells[step].get((lay, m))) for m in modules] for lay in layers]
 
+    growth = _layer_by_step(group)
+    gsteps = _thin(sorted(growth), 2 * MAX_SLIDER_STEPS)
+    two = len(gsteps) > 1
+    fig = make_subplots(rows=1, cols=2 if two else 1, column_widths=[0.55, 0.45] if two else None,
+                        horizontal_spacing=0.14, subplot_titles=None)
     last = steps[-1]
-    fig = go.Figure(go.Heatmap(z=z(last), x=modules, y=layers, colorscale="Viridis", zmin=0, zmax=_r(zmax),
-                               colorbar=dict(title=dict(text="rel ||dW||", side="right"), thickness=12),
-                               hovertemplate="layer %{y} %{x}<br>||dW||/||W|| = %{z:.3g}<extra></extra>",
-                               xgap=1, ygap=1))
+    fig.add_trace(go.Heatmap(z=z(last), x=modules, y=layers, colorscale="Viridis", zmin=0, zmax=_r(zmax),
+                             colorbar=dict(title=dict(text="||dW||/||W||", side="right"), thickness=10,
+                                           x=0.5 if two else 1.0, len=0.9),
+                             hovertemplate="layer %{y} %{x}<br>||dW||/||W|| = %{z:.3g}<extra></extra>",
+                             xgap=1, ygap=1), row=1, col=1)
+    if two:
+        gz = [[_r(growth[s].get(lay)) for s in gsteps] for lay in layers]
+        fig.add_trace(go.Heatmap(z=gz, x=[_r(s) for s in gsteps], y=layers, colorscale="Viridis", zmin=0,
+                                 colorbar=dict(title=dict(text="layer WDisp", side="right"), thickness=10, len=0.9),
+                                 hovertemplate="layer %{y} step %{x}<br>WDisp = %{z:.3g}<extra></extra>",
+                                 ygap=1), row=1, col=2)
+        fig.update_xaxes(title_text="step", row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=2)
     label = _safe(group.label)
-    title = f"{label}: weight displacement at step {{}}"
+    title = f"{label}: weight displacement at step {{}}" + (" (left) and per layer over steps (right)" if two else "")
     if len(steps) > 1:
         fig.update_layout(sliders=[dict(
-            active=len(steps) - 1, currentvalue=dict(prefix="step "), pad=dict(t=40),
-            steps=[dict(label=f"{s:g}", method="update", args=[{"z": [z(s)]}, {"title.text": title.format(f"{s:g}")}])
-                   for s in steps])])
-    fig.update_yaxes(title_text="layer", dtick=1 if len(layers) <= 40 else None, autorange="reversed")
-    fig.update_xaxes(title_text="module", showgrid=False)
+            active=len(steps) - 1, currentvalue=dict(prefix="step "), pad=dict(t=40), len=0.5 if two else 1.0,
+            steps=[dict(label=f"{s:g}", method="update",
+                        args=[{"z": [z(s)]}, {"title.text": title.format(f"{s:g}")}, [0]]) for s in steps])])
+    fig.update_yaxes(title_text="layer", dtick=1 if len(layers) <= 40 else None, autorange="reversed", row=1, col=1)
+    fig.update_xaxes(title_text="module", showgrid=False, row=1, col=1)
     return _layout(fig, max(320, 60 + 18 * len(layers)) + (90 if len(steps) > 1 else 0),
                    title=dict(text=title.format(f"{last:g}"), x=0, font=dict(size=13)))
 

@@ -207,8 +207,12 @@ def section_dynamics(groups: list[Group], figs: _Figures) -> str:
         lack = _lacking(groups, stream)
         if lack:
             notes += _missing(f"No {what} recorded", lack)
-    return figs.embed(fig) + notes + ("<p class=note>Lines: mean over seeds; bands: ± 1 std over seeds. "
-                                      "Long runs are binned to at most " + str(F.MAX_POINTS) + " points.</p>")
+    out = figs.embed(fig) + notes + ("<p class=note>Lines: mean over seeds; bands: ± 1 std over seeds. "
+                                     f"Long runs are binned to at most {F.MAX_POINTS} points.</p>")
+    other = F.other_signals(groups)
+    if other is not None:
+        out += "<h3>Other recorded training signals</h3>" + figs.embed(other)
+    return out
 
 
 def section_displacement(groups: list[Group], figs: _Figures) -> str:
