@@ -45,7 +45,8 @@ def report(runs, out):
 # ---- demo --------------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=str), default="runs/demo",
-              show_default=True, help="Folder for the two demo runs (seed-42/, seed-3407/).")
+              show_default=True,
+              help="Folder for the two demo runs demo-seed42/ and demo-seed3407/ (a previous demo is replaced).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="HTML report to write (default: reports/demo.html).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=40, show_default=True,
