@@ -294,3 +294,33 @@ def test_cli_report_bad_input(cli, runs, tmp_path):
     bad = make_run(tmp_path / "corrupt", 1, steps=3, streams=("metrics",))
     (bad.path / "eval.jsonl").write_text("{not json\n")
     assert_bad_input(cli("report", str(bad.path)))
+
+
+# ---- demo (against a stand-in trainer; the real one is exercised after merge) ------------------------------
+def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
+    from mechdiag.demo import SEEDS, run_demo
+
+    calls = []
+
+    def train(cfg, out_dir):
+        calls.append((cfg.seed, cfg.max_steps, cfg.record.displacement_every, Path(out_dir).name))
+        return make_run(Path(out_dir), cfg.seed, steps=cfg.max_steps, eval_every=cfg.eval_every,
+                        disp_every=cfg.record.displacement_every)
+
+    pkg, mod = types.ModuleType("mechdiag.train"), types.ModuleType("mechdiag.train.trainer")
+    mod.train = train
+    monkeypatch.setitem(sys.modules, "mechdiag.train", pkg)
+    monkeypatch.setitem(sys.modules, "mechdiag.train.trainer", mod)
+    monkeypatch.setitem(sys.modules, "mechdiag.recommend", None)
+    lines = []
+    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)
+    assert SEEDS == (42, 3407)
+    assert calls == [(42, 20, 5, "demo-seed42"), (3407, 20, 5, "demo-seed3407")]
+    assert out == tmp_path / "demo.html"
+    html = out.read_text()
+    assert "mechdiag report: demo</title>" in html and "n=2 seeds" in html
+    assert lines[-1].startswith("demo done in")
+    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)  # re-run replaces
+    (tmp_path / "other" / "demo-seed42").mkdir(parents=True)
+    with pytest.raises(UserError, match="not a previous demo run"):
+        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append)
