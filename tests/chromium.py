@@ -49,21 +49,22 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
                               text=True, timeout=timeout)
 
 
-def load(path: Path, budget_ms: int = 20000, timeout: float = 120) -> Page:
-    """Open a local page, let it run for budget_ms of virtual time, return the DOM and the console log."""
-    proc = _run(["--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}", "--dump-dom",
-                 Path(path).resolve().as_uri()], timeout)
+def load(path: Path, screenshot: Path | None = None, size: tuple[int, int] = (1400, 3000), budget_ms: int = 20000,
+         timeout: float = 120) -> Page:
+    """Open a local page in a size[0] x size[1] window, let it run for budget_ms of virtual time, and return the
+    DOM and the console log; with `screenshot`, also write a PNG of the window there (same browser run)."""
+    args = ["--enable-logging=stderr", "--v=0", f"--virtual-time-budget={budget_ms}",
+            f"--window-size={size[0]},{size[1]}", "--dump-dom"]
+    if screenshot is not None:
+        args.append(f"--screenshot={screenshot}")
+    proc = _run([*args, Path(path).resolve().as_uri()], timeout)
     assert proc.returncode == 0, proc.stderr[-2000:]
     console = [m.group(1) for m in map(_CONSOLE.search, proc.stderr.splitlines()) if m]
     return Page(dom=proc.stdout, console=console)
 
 
-def screenshot(path: Path, png: Path, width: int = 1400, height: int = 3000, budget_ms: int = 20000,
-               timeout: float = 120) -> tuple[int, int]:
-    """Write a PNG screenshot of the page and return its (width, height) read from the PNG header."""
-    proc = _run([f"--virtual-time-budget={budget_ms}", f"--window-size={width},{height}", f"--screenshot={png}",
-                 Path(path).resolve().as_uri()], timeout)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def png_size(png: Path) -> tuple[int, int]:
+    """(width, height) from a PNG's header; fails if the file is not a PNG."""
     head = Path(png).read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
     return struct.unpack(">II", head[16:24])

@@ -41,8 +41,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def page(runs, tmp_path_factory) -> tuple[Path, chromium.Page]:
+    """The comparison page loaded once in chromium; its screenshot lands beside it as report.png."""
     out = write_report(list(runs.values()), tmp_path_factory.mktemp("page") / "cmp.html")
-    return out, chromium.load(out)
+    return out, chromium.load(out, screenshot=out.with_name("report.png"), size=(1400, 3000))
 
 
 def _figures(html: str) -> list[dict]:
@@ -80,10 +81,10 @@ def test_hostile_completion_is_text_and_never_runs(page):
     assert p.console == []  # and nothing tried to run (a blocked attempt would log a CSP violation)
 
 
-def test_screenshot_png(page, tmp_path):
+def test_screenshot_png(page):
     path, _ = page
-    png = tmp_path / "report.png"
-    assert chromium.screenshot(path, png, 1400, 3000) == (1400, 3000)
+    png = path.with_name("report.png")  # in the fixture's temp dir
+    assert chromium.png_size(png) == (1400, 3000)
     assert png.stat().st_size > 50_000  # a blank page compresses to a few kB
 
 
