@@ -11,6 +11,7 @@ from mechdiag.run import RunDir
 
 XSS_SCRIPT = "<script>document.title='pwned'</script>"
 XSS_IMG = "<img src=x onerror=\"document.title='pwned'\">"
+XSS_MARK = "<svg onload=\"document.documentElement.setAttribute('data-pwned','1')\"></svg>"
 MODULES = C.ALL_MODULES
 
 
@@ -82,7 +83,7 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
                                  "kind": "train"})
         for i in range(4):
             bad = f"{XSS_SCRIPT} {XSS_IMG}" if hostile and i == 0 else f"<answer>{i}</answer>"
-            prompt = f"Q{i}: 7 * {i} = ? & <b>bold</b>"
+            prompt = f"Q{i}: 7 * {i} = ? & <b>bold</b>" + (f" {XSS_MARK}" if hostile and i == 0 else "")
             rows.append({"step": 0, "group": i, "prompt": prompt, "completion": f"base says {i + 1}",
                          "reward": 0.1, "kind": "eval", "model": "base", "correct": False})
             rows.append({"step": steps, "group": i, "prompt": prompt, "completion": bad, "reward": 2.1,

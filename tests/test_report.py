@@ -17,7 +17,7 @@ from mechdiag.report import default_out, render, write_report
 from mechdiag.report.load import group_runs, load_run
 from tests import chromium
 from tests.helpers import assert_bad_input
-from tests.synth_runs import XSS_IMG, XSS_SCRIPT, make_run
+from tests.synth_runs import XSS_IMG, XSS_MARK, XSS_SCRIPT, make_run
 
 MB = 1024 * 1024
 
@@ -76,7 +76,10 @@ def test_hostile_completion_is_text_and_never_runs(page):
     assert p.title != "pwned" and "pwned" not in p.title
     texts = [html.unescape(t) for t in re.findall(r'<pre class="completion">([^<]*)</pre>', p.dom)]
     assert f"{XSS_SCRIPT} {XSS_IMG}" in texts  # shown verbatim, as the text of one element
-    assert not re.search(r"<img\b", p.dom)  # no element was created from the payload
+    assert any(XSS_MARK in t for t in texts)  # the hostile prompt too
+    assert not re.search(r"<img\b|<svg onload", p.dom)  # no element was created from the payloads
+    assert p.html_attr("data-report-status") == "ok"  # the page's own scripts did run
+    assert p.html_attr("data-pwned") is None
     assert not re.search(r"<script>document\.title", path.read_text())
     assert p.console == []  # and nothing tried to run (a blocked attempt would log a CSP violation)
 
