@@ -91,6 +91,18 @@ def test_screenshot_png(page):
     assert png.stat().st_size > 50_000  # a blank page compresses to a few kB
 
 
+def test_console_capture_sees_errors_and_csp_violations(tmp_path):
+    """The harness itself: a page that logs an error and trips its CSP must be caught (else `== []` is vacuous)."""
+    page = tmp_path / "bad.html"
+    page.write_text("<!DOCTYPE html><html><head><meta http-equiv='Content-Security-Policy' content=\"default-src "
+                    "'none'; script-src 'nonce-n'\"><script nonce='n'>console.error('boom-42')</script></head>"
+                    "<body><script>document.title='ran'</script></body></html>")
+    p = chromium.load(page, size=(400, 300), budget_ms=1000)
+    assert any("boom-42" in m for m in p.console)
+    assert any("Content Security Policy" in m for m in p.console)
+    assert p.title != "ran"
+
+
 def test_partial_run_renders_and_says_what_is_missing(tmp_path):
     run = make_run(tmp_path / "crashed", 42, steps=30, streams=("metrics",), summary=False)
     out = write_report([run.path], tmp_path / "partial.html")

@@ -157,12 +157,8 @@ def section_summary(groups: list[Group], findings, findings_note: str) -> str:
     rows = []
     for g in groups:
         pairs = [_base_final(r) for r in g.runs]
-        metrics = []
-        for b, f, _ in pairs:
-            for k in list(b) + list(f):
-                if k != "step" and k not in metrics and isinstance((f.get(k, b.get(k))), (int, float)) \
-                        and not isinstance(f.get(k, b.get(k)), bool):
-                    metrics.append(k)
+        metrics = dict.fromkeys(k for b, f, _ in pairs for k in [*b, *f]
+                                if k != "step" and _num(f.get(k, b.get(k))) is not None)
         for k in metrics:
             bm, bs = _mean_std([_num(b.get(k)) for b, _, _ in pairs])
             fm, fs = _mean_std([_num(f.get(k)) for _, f, _ in pairs])
