@@ -37,8 +37,8 @@ def _fresh(path: Path) -> Path:
 
 def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
              echo=print) -> Path:
-    from mechdiag import config
-    from mechdiag.report import findings_for, write_report
+    from mechdiag import atomic, config
+    from mechdiag.report import advise, write_report
     from mechdiag.report.load import group_runs, load_run
     from mechdiag.train.trainer import train
 
@@ -57,10 +57,15 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
             if not run.read(stream):
                 echo(f"note: {run.path.name} recorded no {stream}; the report says so")
     with contextlib.ExitStack() as stack:
-        findings, _ = findings_for(group_runs([load_run(r.path, stack) for r in runs]))
-    for f in findings[:3]:
-        echo(f"recommend: {getattr(f, 'change', '')}  ({getattr(f, 'symptom', '')})")
+        advice = advise(group_runs([load_run(r.path, stack) for r in runs]))
+    for f in advice.findings[:3]:
+        echo(f"recommend: {f.change}  ({f.symptom})")
+    if not advice.findings:
+        echo(advice.note)
+    if advice.refined_yaml:
+        atomic.write_text(out_dir / "refined.yaml", advice.refined_yaml)
+        echo(f"refined config -> {out_dir / 'refined.yaml'}")
     path = write_report([r.path for r in runs], report if report is not None else Path("reports") / "demo.html",
-                        findings=findings)
+                        findings=advice)
     echo(f"demo done in {time.perf_counter() - t0:.0f}s")
     return path

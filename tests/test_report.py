@@ -221,12 +221,55 @@ def test_recommendations_unavailable_before_merge(runs, monkeypatch):
 def test_recommend_called_with_all_run_dirs(runs, monkeypatch):
     seen = []
     fake = types.ModuleType("mechdiag.recommend")
-    fake.recommend = lambda rds: seen.append([r.path for r in rds]) or [
+    fake.recommend = lambda paths: seen.append(list(paths)) or [
         Finding("low_cv", "reward CV 0.02", "cv", "temperature: 1.0 -> 1.2", 0.5)]
     monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
     html = render([runs["a42"], runs["b42"]])
     assert seen == [[runs["a42"], runs["b42"]]]
     assert "temperature: 1.0 -&gt; 1.2" in html
+
+
+def test_recommendation_object_with_changes_and_refined_config(runs, monkeypatch):
+    """The shape mechdiag.recommend returns: Recommendation(cfg, findings with .changes and .reason)."""
+    from mechdiag import config
+
+    @dataclass
+    class Change:
+        key: str
+        old: object
+        new: object
+
+        def __str__(self):
+            return f"{self.key}: {self.old} -> {self.new}"
+
+    @dataclass
+    class Rec:
+        cfg: object
+        findings: list
+        header: str = "refined by mechdiag <test>"
+
+    f = types.SimpleNamespace(rule="high_kl", symptom="KL high", evidence="kl 0.3", reason="closer to base",
+                              changes=[Change("beta", 0.005, 0.01), Change("epsilon_high", None, 0.3)],
+                              confidence=0.7)
+    fake = types.ModuleType("mechdiag.recommend")
+    fake.recommend = lambda paths: Rec(config.load(None, ["beta=0.01"]), [f])
+    monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
+    html = render([runs["a42"]])
+    assert "<code>beta: 0.005 -&gt; 0.01; epsilon_high: None -&gt; 0.3</code>" in html
+    assert "closer to base" in html and "<td>70%</td>" in html
+    assert "# refined by mechdiag &lt;test&gt;" in html and "beta: 0.01" in html
+
+
+def test_recommender_refusing_the_runs_leaves_the_report(runs, monkeypatch):
+    def recommend(paths):
+        raise UserError("run has no config.yaml: not a run directory")
+
+    fake = types.ModuleType("mechdiag.recommend")
+    fake.recommend = recommend
+    monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
+    html = render([runs["a42"]])
+    assert "Recommendations unavailable for these runs: run has no config.yaml" in html
+    assert len(_figures(html)) == 5  # one config: one heatmap
 
 
 def test_run_labels_and_names_escaped(tmp_path):

@@ -152,7 +152,7 @@ def _base_final(run: Run) -> tuple[dict, dict, str]:
     return base, ev[-1], "eval.jsonl"
 
 
-def section_summary(groups: list[Group], findings, findings_note: str) -> str:
+def section_summary(groups: list[Group], advice) -> str:
     parts = [section_runs(groups)]
     rows = []
     for g in groups:
@@ -175,12 +175,11 @@ def section_summary(groups: list[Group], findings, findings_note: str) -> str:
     else:
         parts.append(_missing("No base or final evaluation recorded (no summary.json or eval.jsonl)"))
     parts.append("<h3>Top recommendations</h3>")
-    if findings:
-        parts.append("<ol class=top>" + "".join(
-            f"<li><b>{esc(getattr(f, 'change', ''))}</b> — {esc(getattr(f, 'symptom', ''))}</li>"
-            for f in findings[:3]) + "</ol>")
+    if advice.findings:
+        parts.append("<ol class=top>" + "".join(f"<li><b>{esc(f.change)}</b> — {esc(f.symptom)}</li>"
+                                                for f in advice.findings[:3]) + "</ol>")
     else:
-        parts.append(f"<p class=missing>{esc(findings_note)}</p>")
+        parts.append(f"<p class=missing>{esc(advice.note)}</p>")
     return "".join(parts)
 
 
@@ -297,21 +296,23 @@ def _metric_order(m: str):
     return (1, 0, m)
 
 
-def section_recommendations(findings, findings_note: str) -> str:
-    if not findings:
-        return f"<p class=missing>{esc(findings_note)}</p>"
-    rows = []
-    for f in findings:
-        conf = getattr(f, "confidence", None)
-        conf = f"{conf:.0%}" if isinstance(conf, (int, float)) and not isinstance(conf, bool) else esc(conf)
-        ev = getattr(f, "evidence", "")
-        if not isinstance(ev, str):
-            ev = json.dumps(ev, default=str, ensure_ascii=False)
-        rows.append(f"<tr><td>{esc(getattr(f, 'rule', ''))}</td><td>{esc(getattr(f, 'symptom', ''))}</td>"
-                    f"<td class=ev>{esc(ev)}</td><td><code>{esc(getattr(f, 'change', ''))}</code></td>"
-                    f"<td>{conf}</td></tr>")
-    return ("<table class=recs><tr><th>rule</th><th>symptom</th><th>evidence</th><th>change</th>"
-            "<th>confidence</th></tr>" + "".join(rows) + "</table>")
+def section_recommendations(advice) -> str:
+    if not advice.findings:
+        out = f"<p class=missing>{esc(advice.note)}</p>"
+    else:
+        rows = []
+        for f in advice.findings:
+            c = f.confidence
+            conf = f"{c:.0%}" if isinstance(c, (int, float)) and not isinstance(c, bool) else esc(c)
+            reason = f"<div class=note>{esc(f.reason)}</div>" if f.reason else ""
+            rows.append(f"<tr><td>{esc(f.rule)}</td><td>{esc(f.symptom)}</td><td class=ev>{esc(f.evidence)}</td>"
+                        f"<td><code>{esc(f.change)}</code>{reason}</td><td>{conf}</td></tr>")
+        out = ("<table class=recs><tr><th>rule</th><th>symptom</th><th>evidence</th><th>change</th>"
+               "<th>confidence</th></tr>" + "".join(rows) + "</table>")
+    if advice.refined_yaml:
+        out += ("<details><summary>refined config.yaml (train it with <code>mechdiag train refined.yaml</code>)"
+                f"</summary><pre class=completion>{esc(advice.refined_yaml)}</pre></details>")
+    return out
 
 
 def _completion(text) -> str:
@@ -439,7 +440,12 @@ d.setAttribute('data-report-status','ok');},function(e){window.__reportError('pl
 """
 
 
-def render_page(groups: list[Group], findings=None, findings_note: str = "", plotly_js: str | None = None) -> str:
+def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) -> str:
+    """The whole page. `advice`: mechdiag.report.Advice (findings, or the note shown in their place)."""
+    if advice is None:
+        from mechdiag.report import Advice
+
+        advice = Advice(note="Recommendations not requested.")
     if plotly_js is None:
         from plotly.offline import get_plotlyjs
 
@@ -448,12 +454,12 @@ def render_page(groups: list[Group], findings=None, findings_note: str = "", plo
         raise RuntimeError("plotly.js bundle contains </script>; cannot inline it")
     figs = _Figures()
     sections = [
-        ("summary", "Summary", section_summary(groups, findings, findings_note)),
+        ("summary", "Summary", section_summary(groups, advice)),
         ("dynamics", "Training dynamics: the eight signals", section_dynamics(groups, figs)),
         ("displacement", "Weight displacement", section_displacement(groups, figs)),
         ("shift", "Activation shift", section_shift(groups, figs)),
         ("benchmarks", "Evaluation: base vs tuned", section_benchmarks(groups)),
-        ("recommendations", "Recommendations", section_recommendations(findings, findings_note)),
+        ("recommendations", "Recommendations", section_recommendations(advice)),
         ("samples", "Sample completions: base vs tuned", section_samples(groups)),
     ]
     nonce = secrets.token_urlsafe(18)
