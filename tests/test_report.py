@@ -178,6 +178,20 @@ def test_heatmap_layers_by_modules_with_steps(runs):
     assert max(zip(bar["y"], bar["x"], strict=True))[1] in ("v_proj", "o_proj")
 
 
+def test_heatmap_cell_pools_weight_and_bias(tmp_path):
+    run = make_run(tmp_path / "wb", 1, steps=5, streams=())
+    run.append("displacement", [
+        {"step": 5, "name": "model.layers.0.self_attn.q_proj.weight", "layer": 0, "module": "q_proj",
+         "ref_fro": 3.0, "delta_fro": 0.3, "rel_fro": 0.1},
+        {"step": 5, "name": "model.layers.0.self_attn.q_proj.bias", "layer": 0, "module": "q_proj",
+         "ref_fro": 4.0, "delta_fro": 0.0, "rel_fro": 0.0},
+        {"step": 5, "name": "model.layers.0.self_attn.k_proj.weight", "layer": 0, "module": "k_proj",
+         "rel_fro": 0.25}])
+    heat = _figures(render([run.path]))[0]["data"][0]
+    assert heat["x"] == ["q_proj", "k_proj"]
+    assert heat["z"] == [[0.06, 0.25]]  # sqrt(0.09 / 25) pooled; rel_fro where the norms are missing
+
+
 def test_shift_intervals(runs):
     figs = _figures(render([runs["a42"]]))
     shift = figs[-1]

@@ -173,18 +173,30 @@ def _module_order(modules) -> list[str]:
 
 
 def _disp_cells(group: Group) -> dict[float, dict[tuple[int, str], float]]:
-    """step -> (layer, module) -> rel_fro, averaged over the group's seeds."""
+    """step -> (layer, module) -> relative displacement, averaged over the group's seeds. A cell holding several
+    tensors (weight and bias) pools them: sqrt(sum ||dW||^2) / sqrt(sum ||W||^2); rel_fro alone is a fallback."""
     acc: dict[float, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
     for run in group.runs:
+        num, den, rel = defaultdict(float), defaultdict(float), defaultdict(list)
         for rec in run.read("displacement"):
-            step, layer, module = _num(rec.get("step")), rec.get("layer"), rec.get("module")
-            rel = _num(rec.get("rel_fro"))
-            if rel is None:
-                ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
-                rel = delta / ref if ref and delta is not None else None
-            if step is None or rel is None or module is None or _num(layer) is None:
+            step, layer, module = _num(rec.get("step")), _num(rec.get("layer")), rec.get("module")
+            if step is None or layer is None or module is None:
                 continue
-            acc[step][(int(layer), str(module))].append(rel)
+            key = (step, int(layer), str(module))
+            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
+            if ref is not None and delta is not None:
+                num[key] += delta * delta
+                den[key] += ref * ref
+            elif _num(rec.get("rel_fro")) is not None:
+                rel[key].append(_num(rec.get("rel_fro")))
+        for key in set(num) | set(rel):
+            if den.get(key, 0.0) > 0:
+                v = math.sqrt(num[key] / den[key])
+            elif rel.get(key):
+                v = sum(rel[key]) / len(rel[key])
+            else:
+                continue
+            acc[key[0]][key[1:]].append(v)
     return {s: {k: sum(v) / len(v) for k, v in cells.items()} for s, cells in acc.items()}
 
 

@@ -309,7 +309,7 @@ def section_recommendations(advice) -> str:
                         f"<td><code>{esc(f.change)}</code>{reason}</td><td>{conf}</td></tr>")
         out = ("<table class=recs><tr><th>rule</th><th>symptom</th><th>evidence</th><th>change</th>"
                "<th>confidence</th></tr>" + "".join(rows) + "</table>")
-    if advice.refined_yaml:
+    if advice.refined_yaml and advice.findings:
         out += ("<details><summary>refined config.yaml (train it with <code>mechdiag train refined.yaml</code>)"
                 f"</summary><pre class=completion>{esc(advice.refined_yaml)}</pre></details>")
     return out
