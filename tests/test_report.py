@@ -309,6 +309,16 @@ def test_grouping_by_config_and_labels(tmp_path):
         assert g[0].color != g[1].color
 
 
+def test_odd_text_survives(tmp_path):
+    run = make_run(tmp_path / "odd", 1, steps=5, streams=())
+    # a lone surrogate is valid JSON (another writer's file) but cannot be encoded as UTF-8
+    (run.path / "samples.jsonl").write_text('{"step": 5, "group": 0, "prompt": "p\\u0000", "completion": '
+                                            '"a\\ud800b ' + "x" * 5000 + '", "kind": "train", "reward": null}\n')
+    html = write_report([run.path], tmp_path / "odd.html").read_text(encoding="utf-8")
+    assert "a\ufffdb" in html
+    assert "2004 more characters" in html  # long completions are cut with a note
+
+
 def test_missing_keys_tolerated(tmp_path):
     run = make_run(tmp_path / "nokl", 42, steps=20, streams=(), summary=False)
     run.append("metrics", [{"step": s, "reward": 0.1 * s, "loss": None} for s in range(1, 21)])

@@ -14,6 +14,7 @@ import datetime as _dt
 import html
 import json
 import math
+import re
 import secrets
 from collections import defaultdict
 
@@ -27,8 +28,14 @@ HIGHER_IS_BETTER = ("accuracy", "eval_reward", "reward", "pass@", "score", "exac
 NEUTRAL = ("entropy", "completion_length", "length", "kl", "step", "n")
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def esc(value) -> str:
-    return html.escape("" if value is None else str(value), quote=True)
+    """HTML-escape any value; lone surrogates (valid in JSON, not in UTF-8) become U+FFFD."""
+    text = "" if value is None else str(value)
+    text = _SURROGATE.sub("\ufffd", text)
+    return html.escape(text, quote=True)
 
 
 def _fmt(v, digits: int = 4) -> str:
