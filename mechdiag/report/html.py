@@ -18,6 +18,7 @@ import re
 import secrets
 from collections import defaultdict
 
+from mechdiag.atomic import clean_json
 from mechdiag.report import figures as F
 from mechdiag.report.load import Group, Run
 
@@ -102,8 +103,8 @@ class _Figures:
     def embed(self, fig) -> str:
         self.n += 1
         spec = fig.to_plotly_json()
-        text = json.dumps({"data": spec.get("data", []), "layout": spec.get("layout", {})},
-                          default=_json_default, allow_nan=False, separators=(",", ":"))
+        spec = clean_json({"data": spec.get("data", []), "layout": spec.get("layout", {})})  # NaN -> null
+        text = json.dumps(spec, default=_json_default, allow_nan=False, separators=(",", ":"))
         text = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         return (f'<div class=fig id="fig-{self.n}"></div>'
                 f'<script type="application/json" class=fig-data data-target="fig-{self.n}">{text}</script>')
@@ -111,7 +112,7 @@ class _Figures:
 
 def _json_default(o):
     if hasattr(o, "tolist"):
-        return o.tolist()
+        return clean_json(o.tolist())
     if hasattr(o, "item"):
         return o.item()
     raise TypeError(f"not JSON serialisable: {type(o).__name__}")
