@@ -218,6 +218,16 @@ def test_summary_base_vs_final(runs):
     assert "<td>completion_length</td>" in html and "class=''>-9</td>" in html  # length: no colour
 
 
+def test_summary_flat_keys_and_eval_fallback(tmp_path):
+    flat = make_run(tmp_path / "flat", 1, steps=20, streams=(), summary=False)
+    flat.write_summary({"base_accuracy": 0.2, "final_accuracy": 0.1})
+    html = render([flat.path])
+    assert re.search(r"<td>accuracy</td><td>0.2</td><td>0.1</td><td class='down'>-0.1</td>", html)
+    ev = make_run(tmp_path / "ev", 1, steps=40, streams=("eval",), summary=False)
+    html = render([ev.path])
+    assert "from eval.jsonl" in html and re.search(r"<td>accuracy</td><td>0.1</td>", html)
+
+
 def test_findings_rendered_escaped(runs):
     f = Finding(rule="high_kl", symptom="KL 0.3 > 0.1 <b>", evidence="<script>x()</script> kl max 0.3",
                 change="beta: 0.005 -> 0.01", confidence=0.8)

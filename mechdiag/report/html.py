@@ -149,10 +149,14 @@ def section_runs(groups: list[Group]) -> str:
 
 
 def _base_final(run: Run) -> tuple[dict, dict, str]:
-    """Base and final eval numbers: summary.json, else the first (step 0) and last records of eval.jsonl."""
+    """Base and final eval numbers: summary.json ({"base": {...}, "final": {...}} or flat base_X / final_X keys),
+    else the first (step 0) and last records of eval.jsonl."""
     s = run.summary or {}
     if isinstance(s.get("base"), dict) or isinstance(s.get("final"), dict):
         return s.get("base") or {}, s.get("final") or {}, "summary.json"
+    flat = [{k.removeprefix(p): v for k, v in s.items() if k.startswith(p)} for p in ("base_", "final_")]
+    if any(flat):
+        return flat[0], flat[1], "summary.json"
     ev = sorted((e for e in run.read("eval") if isinstance(e.get("step"), (int, float))), key=lambda e: e["step"])
     if not ev:
         return {}, {}, ""
