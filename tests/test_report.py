@@ -379,6 +379,11 @@ def test_cli_report_default_out(cli, runs, tmp_path):
     assert default_out([runs["a42"]]) == Path("reports/demo-seed42.html")
 
 
+def test_out_folder_gets_default_name(runs, tmp_path):
+    assert write_report([runs["a42"]], tmp_path / "dir") == tmp_path / "dir" / "demo-seed42.html"
+    assert (tmp_path / "dir" / "demo-seed42.html").is_file()
+
+
 def test_cli_report_bad_input(cli, runs, tmp_path):
     assert_bad_input(cli("report", str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
