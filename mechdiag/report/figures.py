@@ -1,0 +1,383 @@
+"""Plotly figures of a report, one function per figure; each returns None when its runs hold no data.
+
+Numbers are rounded to 4 significant digits and long series binned to at most MAX_POINTS points, so a long
+run's page stays small. No model-written text ever goes into a figure (plotly renders pseudo-HTML).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from mechdiag.config import ALL_MODULES
+from mechdiag.report.load import Group
+
+MAX_POINTS = 400
+MAX_SLIDER_STEPS = 40
+
+# The study's eight signals (Figure 1): four from training, four from evaluation.
+TRAIN_SIGNALS = [("reward", "train reward"), ("reward_cv", "reward CV (within groups)"),
+                 ("kl", "KL to reference"), ("completion_clipped_ratio", "completion clipped ratio")]
+EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), ("entropy", "eval entropy"),
+                ("completion_length", "eval completion length")]
+
+_FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12, color="#222")
+_AXIS = dict(gridcolor="#eee", zerolinecolor="#ccc", linecolor="#999", showline=True, ticks="outside")
+
+
+def _r(v):
+    """Round to 4 significant digits; non-finite -> None (a gap)."""
+    if v is None:
+        return None
+    v = float(v)
+    if not math.isfinite(v):
+        return None
+    return float(f"{v:.4g}")
+
+
+def _num(v) -> float | None:
+    if v is None or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)
+    except (TypeError, ValueError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def _safe(text: str) -> str:
+    """Labels shown by plotly: drop the characters of its pseudo-HTML."""
+    return str(text).replace("<", "").replace(">", "").replace("&", "+")
+
+
+def _layout(fig: go.Figure, height: int, **kw) -> go.Figure:
+    top = 95
+    fig.update_layout(template="none", height=height, font=_FONT, paper_bgcolor="white", plot_bgcolor="white",
+                      margin=dict(l=60, r=20, t=top, b=45), hovermode="closest",
+                      legend=dict(orientation="h", yanchor="bottom", y=1 + 40 / (height - top - 45), x=0), **kw)
+    fig.update_xaxes(**_AXIS)
+    fig.update_yaxes(**_AXIS)
+    return fig
+
+
+def _rgba(hex_color: str, alpha: float) -> str:
+    h = hex_color.lstrip("#")
+    r, g, b = (int(h[i:i + 2], 16) for i in (0, 2, 4))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def seed_band(series: list[dict[float, float]]) -> tuple[list, list, list, list]:
+    """Mean and mean +- std over seeds at each step (std 0 where one seed), binned to MAX_POINTS."""
+    by_step: dict[float, list[float]] = defaultdict(list)
+    for s in series:
+        for step, v in s.items():
+            by_step[step].append(v)
+    steps = sorted(by_step)
+    mean, std = [], []
+    for st in steps:
+        vals = by_step[st]
+        m = sum(vals) / len(vals)
+        mean.append(m)
+        std.append(math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0)
+    if len(steps) > MAX_POINTS:  # bin-average consecutive steps
+        n, k = len(steps), MAX_POINTS
+        bins = [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        steps = [sum(steps[a:b]) / (b - a) for a, b in bins]
+        mean = [sum(mean[a:b]) / (b - a) for a, b in bins]
+        std = [sum(std[a:b]) / (b - a) for a, b in bins]
+    lo = [m - s for m, s in zip(mean, std, strict=True)]
+    hi = [m + s for m, s in zip(mean, std, strict=True)]
+    return [_r(x) for x in steps], [_r(x) for x in mean], [_r(x) for x in lo], [_r(x) for x in hi]
+
+
+def _series(records: list[dict], key: str) -> dict[float, float]:
+    out = {}
+    for rec in records:
+        step, v = _num(rec.get("step")), _num(rec.get(key))
+        if step is not None and v is not None:
+            out[step] = v
+    return out
+
+
+def _small_multiples(groups: list[Group], panels: list[tuple[str, str, str]], cols: int,
+                     height_per_row: int) -> go.Figure:
+    """One panel per (stream, key, title): runs as colours, seeds as mean line and +-1 std band."""
+    rows = max(1, math.ceil(len(panels) / cols))
+    fig = make_subplots(rows=rows, cols=cols, subplot_titles=[t for _, _, t in panels], horizontal_spacing=0.07,
+                        vertical_spacing=min(0.16, 0.32 / rows))
+    in_legend: set[int] = set()
+    for i, (stream, key, _) in enumerate(panels):
+        row, col = i // cols + 1, i % cols + 1
+        drawn = False
+        for gi, g in enumerate(groups):
+            series = [s for s in (_series(r.read(stream), key) for r in g.runs) if s]
+            if not series:
+                continue
+            drawn = True
+            x, mean, lo, hi = seed_band(series)
+            name = _safe(g.label)
+            if len(series) > 1:
+                fig.add_trace(go.Scatter(x=x + x[::-1], y=hi + lo[::-1], fill="toself", mode="lines",
+                                         line=dict(width=0), fillcolor=_rgba(g.color, 0.2), hoverinfo="skip",
+                                         showlegend=False, legendgroup=f"g{gi}"), row=row, col=col)
+            fig.add_trace(go.Scatter(x=x, y=mean, mode="lines+markers" if len(x) < 30 else "lines",
+                                     line=dict(color=g.color, width=1.6), marker=dict(size=4),
+                                     name=f"{name} (n={len(series)} seed{'s' * (len(series) > 1)})",
+                                     legendgroup=f"g{gi}", showlegend=gi not in in_legend,
+                                     hovertemplate=f"{name}<br>step %{{x}}<br>%{{y:.4g}}<extra></extra>"),
+                          row=row, col=col)
+            in_legend.add(gi)
+        if not drawn:
+            fig.add_annotation(text="not recorded", showarrow=False, font=dict(color="#999"),
+                               xref=f"x{i + 1 if i else ''} domain", yref=f"y{i + 1 if i else ''} domain",
+                               x=0.5, y=0.5)
+    fig.update_xaxes(title_text="step", row=rows)
+    return _layout(fig, 140 + height_per_row * rows)
+
+
+def training_dynamics(groups: list[Group]) -> go.Figure | None:
+    """The study's eight signals as small multiples (2 x 4, its Figure 1)."""
+    if not any(r.has("metrics") or r.has("eval") for g in groups for r in g.runs):
+        return None
+    panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
+    return _small_multiples(groups, panels, cols=4, height_per_row=210)
+
+
+OTHER_TRAIN = [("frac_zero_std", "groups with zero reward std"), ("entropy", "train entropy"),
+               ("completion_length", "train completion length"), ("reward_std", "reward std"),
+               ("policy_clip_fraction", "policy clip fraction"), ("grad_norm", "grad norm"), ("loss", "loss"),
+               ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+
+
+def other_signals(groups: list[Group]) -> go.Figure | None:
+    """Every other recorded train signal: reward components first, then the canonical extras that exist."""
+    keys: dict[str, None] = {}
+    for g in groups:
+        for r in g.runs:
+            for rec in r.read("metrics")[:50]:
+                keys.update((k, None) for k in rec)
+    comps = [(k, f"reward: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward/")][:8]
+    panels = [("metrics", k, t) for k, t in comps + [kt for kt in OTHER_TRAIN if kt[0] in keys]]
+    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)][:16]
+    if not panels:
+        return None
+    return _small_multiples(groups, panels, cols=4, height_per_row=190)
+
+
+def _module_order(modules) -> list[str]:
+    known = [m for m in ALL_MODULES if m in modules]
+    return known + sorted(m for m in modules if m not in ALL_MODULES)
+
+
+def _disp_cells(group: Group) -> dict[float, dict[tuple[int, str], float]]:
+    """step -> (layer, module) -> relative displacement, averaged over the group's seeds. A cell holding several
+    tensors (weight and bias) pools them: sqrt(sum ||dW||^2) / sqrt(sum ||W||^2); rel_fro alone is a fallback."""
+    acc: dict[float, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for run in group.runs:
+        num, den, rel = defaultdict(float), defaultdict(float), defaultdict(list)
+        for rec in run.read("displacement"):
+            step, layer, module = _num(rec.get("step")), _num(rec.get("layer")), rec.get("module")
+            if step is None or layer is None or module is None:
+                continue
+            key = (step, int(layer), str(module))
+            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
+            if ref is not None and delta is not None:
+                num[key] += delta * delta
+                den[key] += ref * ref
+            elif _num(rec.get("rel_fro")) is not None:
+                rel[key].append(_num(rec.get("rel_fro")))
+        for key in set(num) | set(rel):
+            if den.get(key, 0.0) > 0:
+                v = math.sqrt(num[key] / den[key])
+            elif rel.get(key):
+                v = sum(rel[key]) / len(rel[key])
+            else:
+                continue
+            acc[key[0]][key[1:]].append(v)
+    return {s: {k: sum(v) / len(v) for k, v in cells.items()} for s, cells in acc.items()}
+
+
+def _thin(steps: list, k: int) -> list:
+    """At most k of the sorted steps, evenly spread, always keeping the first and the last."""
+    if len(steps) <= k:
+        return steps
+    return [steps[i] for i in sorted({round(i * (len(steps) - 1) / (k - 1)) for i in range(k)})]
+
+
+def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
+    """step -> layer -> pooled displacement of the layer's tensors, sqrt(sum ||dW||^2) / sqrt(sum ||W||^2)."""
+    per_run = []
+    for run in group.runs:
+        num, den = defaultdict(float), defaultdict(float)
+        for rec in run.read("displacement"):
+            step, layer = _num(rec.get("step")), _num(rec.get("layer"))
+            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
+            if None in (step, layer, ref, delta):
+                continue
+            num[(step, int(layer))] += delta * delta
+            den[(step, int(layer))] += ref * ref
+        per_run.append({k: math.sqrt(num[k] / den[k]) for k in num if den[k] > 0})
+    acc: dict[float, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for values in per_run:
+        for (step, layer), v in values.items():
+            acc[step][layer].append(v)
+    return {s: {lay: sum(v) / len(v) for lay, v in d.items()} for s, d in acc.items()}
+
+
+def weight_heatmap(group: Group) -> go.Figure | None:
+    """Left: ||dW||_F / ||W||_F, layers x modules, with a slider over the recorded steps.
+    Right: each layer's pooled displacement over all recorded steps (how it grew)."""
+    cells = _disp_cells(group)
+    if not cells:
+        return None
+    steps = _thin(sorted(cells), MAX_SLIDER_STEPS)
+    layers = sorted({lay for s in steps for lay, _ in cells[s]})
+    modules = _module_order({m for s in steps for _, m in cells[s]})
+    zmax = max(v for s in steps for v in cells[s].values()) or 1.0
+
+    def z(step):
+        return [[_r(cells[step].get((lay, m))) for m in modules] for lay in layers]
+
+    growth = _layer_by_step(group)
+    gsteps = _thin(sorted(growth), 2 * MAX_SLIDER_STEPS)
+    two = len(gsteps) > 1
+    fig = make_subplots(rows=1, cols=2 if two else 1, column_widths=[0.55, 0.45] if two else None,
+                        horizontal_spacing=0.14, subplot_titles=None)
+    last = steps[-1]
+    fig.add_trace(go.Heatmap(z=z(last), x=modules, y=layers, colorscale="Viridis", zmin=0, zmax=_r(zmax),
+                             colorbar=dict(title=dict(text="||dW||/||W||", side="right"), thickness=10,
+                                           x=0.5 if two else 1.0, len=0.9),
+                             hovertemplate="layer %{y} %{x}<br>||dW||/||W|| = %{z:.3g}<extra></extra>",
+                             xgap=1, ygap=1), row=1, col=1)
+    if two:
+        gz = [[_r(growth[s].get(lay)) for s in gsteps] for lay in layers]
+        fig.add_trace(go.Heatmap(z=gz, x=[_r(s) for s in gsteps], y=layers, colorscale="Viridis", zmin=0,
+                                 colorbar=dict(title=dict(text="layer WDisp", side="right"), thickness=10, len=0.9),
+                                 hovertemplate="layer %{y} step %{x}<br>WDisp = %{z:.3g}<extra></extra>",
+                                 ygap=1), row=1, col=2)
+        fig.update_xaxes(title_text="step", row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=2)
+    label = _safe(group.label)
+    title = f"{label}: weight displacement at step {{}}" + (" (left) and per layer over steps (right)" if two else "")
+    if len(steps) > 1:
+        fig.update_layout(sliders=[dict(
+            active=len(steps) - 1, currentvalue=dict(prefix="step "), pad=dict(t=40), len=0.5 if two else 1.0,
+            steps=[dict(label=f"{s:g}", method="update",
+                        args=[{"z": [z(s)]}, {"title.text": title.format(f"{s:g}")}, [0]]) for s in steps])])
+    fig.update_yaxes(title_text="layer", dtick=1 if len(layers) <= 40 else None, autorange="reversed", row=1, col=1)
+    fig.update_xaxes(title_text="module", showgrid=False, row=1, col=1)
+    return _layout(fig, max(320, 60 + 18 * len(layers)) + (90 if len(steps) > 1 else 0),
+                   title=dict(text=title.format(f"{last:g}"), x=0, font=dict(size=13)))
+
+
+def _wdisp_by_step(run) -> dict[float, float]:
+    """WDisp = sqrt(sum_g ||dW_g||^2) / sqrt(sum_g ||W_g||^2) over all recorded tensors, per step."""
+    num, den = defaultdict(float), defaultdict(float)
+    for rec in run.read("displacement"):
+        step, ref, delta = _num(rec.get("step")), _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
+        if step is None or ref is None or delta is None:
+            continue
+        num[step] += delta * delta
+        den[step] += ref * ref
+    return {s: math.sqrt(num[s]) / math.sqrt(den[s]) for s in num if den[s] > 0}
+
+
+def _module_mass(run) -> dict[str, float]:
+    """Share of the squared displacement sum_g ||dW_g||^2 carried by each module type, at the last step."""
+    rows = run.read("displacement")
+    steps = [_num(r.get("step")) for r in rows if _num(r.get("step")) is not None]
+    if not steps:
+        return {}
+    last = max(steps)
+    mass = defaultdict(float)
+    for r in rows:
+        delta = _num(r.get("delta_fro"))
+        if _num(r.get("step")) == last and delta is not None and r.get("module") is not None:
+            mass[str(r["module"])] += delta * delta
+    total = sum(mass.values())
+    return {m: v / total for m, v in mass.items()} if total > 0 else {}
+
+
+def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
+    """Left: total WDisp over steps (seeds as band). Right: module-wise update mass at the last step."""
+    have = [g for g in groups if any(r.has("displacement") for r in g.runs)]
+    if not have:
+        return None
+    fig = make_subplots(rows=1, cols=2, column_widths=[0.55, 0.45], horizontal_spacing=0.1,
+                        subplot_titles=["total weight displacement WDisp", "module-wise update mass (last step)"])
+    modules = _module_order({m for g in have for r in g.runs for m in _module_mass(r)})
+    for g in have:
+        name = _safe(g.label)
+        series = [s for s in (_wdisp_by_step(r) for r in g.runs) if s]
+        if series:
+            x, mean, lo, hi = seed_band(series)
+            if len(series) > 1:
+                fig.add_trace(go.Scatter(x=x + x[::-1], y=hi + lo[::-1], fill="toself", mode="lines",
+                                         line=dict(width=0), fillcolor=_rgba(g.color, 0.2), hoverinfo="skip",
+                                         showlegend=False), row=1, col=1)
+            fig.add_trace(go.Scatter(x=x, y=mean, mode="lines+markers", line=dict(color=g.color), name=name,
+                                     legendgroup=name, marker=dict(size=4),
+                                     hovertemplate=f"{name}<br>step %{{x}}<br>WDisp %{{y:.4g}}<extra></extra>"),
+                          row=1, col=1)
+        masses = [_module_mass(r) for r in g.runs]
+        masses = [m for m in masses if m]
+        if masses:
+            share = [_r(sum(m.get(mod, 0.0) for m in masses) / len(masses)) for mod in modules]
+            fig.add_trace(go.Bar(x=modules, y=share, marker_color=g.color, name=name, legendgroup=name,
+                                 showlegend=not series,
+                                 hovertemplate=f"{name}<br>%{{x}}: %{{y:.1%}}<extra></extra>"), row=1, col=2)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2)
+    return _layout(fig, 360, barmode="group")
+
+
+SHIFT_PANELS = [("shift", "activation shift (relative L2)"), ("increment", "block increment shift"),
+                ("logit_kl", "logit-lens KL"), ("cos_dist", "cosine distance")]
+
+
+def activation_shift(groups: list[Group]) -> go.Figure | None:
+    """Shift per layer at each run's last shift step, with its bootstrap interval; one line per seed."""
+    runs = [(g, r) for g in groups for r in g.runs if r.has("shift")]
+    if not runs:
+        return None
+    last_rows = {}
+    for _, r in runs:
+        rows = [x for x in r.read("shift") if _num(x.get("layer")) is not None]
+        steps = [_num(x.get("step")) for x in rows if _num(x.get("step")) is not None]
+        last = max(steps) if steps else None
+        last_rows[id(r)] = sorted((x for x in rows if _num(x.get("step")) == last),
+                                  key=lambda x: float(x["layer"])), last
+    keys = [(k, t) for k, t in SHIFT_PANELS
+            if any(_num(x.get(k)) is not None for rows, _ in last_rows.values() for x in rows)][:3]
+    if not keys:
+        return None
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[t for _, t in keys], horizontal_spacing=0.08)
+    dashes = ["solid", "dash", "dot", "dashdot"]
+    for col, (key, _) in enumerate(keys, start=1):
+        seen = set()
+        for g, r in runs:
+            rows, last = last_rows[id(r)]
+            pts = [(float(x["layer"]), _num(x.get(key)), x) for x in rows if _num(x.get(key)) is not None]
+            if not pts:
+                continue
+            k = g.runs.index(r)
+            name = _safe(f"{g.label} seed {r.seed}" if r.seed is not None else f"{g.label} {r.name}")
+            err = None
+            if key == "shift" and all(_num(x.get("ci_low")) is not None and _num(x.get("ci_high")) is not None
+                                      for _, _, x in pts):
+                err = dict(type="data", symmetric=False, thickness=1, width=3, color=g.color,
+                           array=[_r(max(0.0, _num(x["ci_high"]) - v)) for _, v, x in pts],
+                           arrayminus=[_r(max(0.0, v - _num(x["ci_low"]))) for _, v, x in pts])
+            fig.add_trace(go.Scatter(x=[p[0] for p in pts], y=[_r(p[1]) for p in pts], error_y=err,
+                                     mode="lines+markers", line=dict(color=g.color, dash=dashes[k % 4], width=1.5),
+                                     marker=dict(size=5), name=name, legendgroup=name,
+                                     showlegend=col == 1 and name not in seen,
+                                     hovertemplate=f"{name}<br>step {last:g}<br>layer %{{x}}: "
+                                                   "%{y:.4g}<extra></extra>"),
+                          row=1, col=col)
+            seen.add(name)
+        fig.update_xaxes(title_text="layer", row=1, col=col)
+    return _layout(fig, 380)
