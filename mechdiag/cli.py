@@ -90,7 +90,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
     from rich.console import Console
 
     from mechdiag import atomic
-    from mechdiag import displacement as disp
+    from mechdiag.displacement import compare, group_wdisp, rows_frame
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
@@ -109,12 +109,12 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
                     bar.start()
                 bar.update(task, completed=done / total)
     try:
-        rows = disp.compare(a, b, base=base, spectral=spectral, progress=progress_cb)
+        rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
     finally:
         if bar is not None and bar.live.is_started:
             bar.stop()
-    df = disp.rows_frame(rows, spectral)
-    result = df if by == "tensor" else disp.group_wdisp(df, by=by)
+    df = rows_frame(rows, spectral)
+    result = df if by == "tensor" else group_wdisp(df, by=by)
 
     if html:
         from mechdiag.report.heatmap import displacement_heatmap, write_html

@@ -12,6 +12,8 @@ Each side's tensor is dense + sum of LoRA terms s*B@A. Dense parts are streamed 
 from __future__ import annotations
 
 import math
+import sys
+import types
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -336,3 +338,14 @@ def lora_rows(model) -> list[dict]:
         rows.append({"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
                      "rel_fro": delta_fro / ref_fro if ref_fro > 0 else math.nan})
     return rows
+
+
+class _CallableModule(types.ModuleType):
+    """Importing this module sets the attribute mechdiag.displacement to it, over the API function of the same
+    name; calling the module keeps `mechdiag.displacement(a, b)` working either way."""
+
+    def __call__(self, *args, **kwargs):
+        return displacement(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
