@@ -84,8 +84,13 @@ def spectral_stats(s: torch.Tensor, sumsq: float) -> dict:
 # --- one tensor -------------------------------------------------------------------------------------------------
 
 
-def _sumsq(x: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(x)) ** 2
+def _sumsq(x: torch.Tensor, block: int = 256) -> float:
+    """sum(x^2) of a float32 tensor, exact to ~1e-9: float32 norms of 256-element blocks, summed in float64
+    (one float32 norm over millions of elements drifts by 1e-4)."""
+    flat = x.reshape(-1)
+    k = flat.numel() // block * block
+    total = torch.linalg.vector_norm(flat[:k].view(-1, block), dim=1).to(_F64).square().sum() if k else 0.0
+    return float(total) + float(torch.linalg.vector_norm(flat[k:].to(_F64))) ** 2
 
 
 def _bf16_ulp(w: torch.Tensor) -> torch.Tensor:
@@ -286,7 +291,7 @@ def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False) ->
 
 # --- in-memory PEFT models (the trainer's recorder) -------------------------------------------------------------
 
-_REF_SQ_CACHE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # frozen base weight -> (version, ||W||^2)
+_REF_SQ_CACHE: dict[int, tuple] = {}  # id(frozen base weight) -> (weakref, version, ||W||^2)
 
 
 class _Term:
@@ -297,11 +302,12 @@ class _Term:
 
 
 def _base_sumsq(w: torch.Tensor) -> float:
-    hit = _REF_SQ_CACHE.get(w)
-    if hit is not None and hit[0] == w._version:
-        return hit[1]
-    value = float(torch.linalg.vector_norm(w.detach(), dtype=_F64)) ** 2
-    _REF_SQ_CACHE[w] = (w._version, value)
+    hit = _REF_SQ_CACHE.get(id(w))
+    if hit is not None and hit[0]() is w and hit[1] == w._version:
+        return hit[2]
+    value = _sumsq(w.detach().to(torch.float32))  # the checkpoint path's arithmetic, so both give the same numbers
+    key = id(w)
+    _REF_SQ_CACHE[key] = (weakref.ref(w, lambda _, k=key: _REF_SQ_CACHE.pop(k, None)), w._version, value)
     return value
 
 
