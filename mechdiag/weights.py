@@ -1,0 +1,405 @@
+"""Checkpoint sources and tensor naming.
+
+A source is anything a user points at: a Hugging Face model folder (one file or shards + index), a single
+.safetensors file, or a PEFT LoRA adapter folder on top of a base. Each source is opened as a `Side`: for every
+tensor name it gives where the dense weight lives (file + key, read lazily, row chunk by row chunk, through
+safetensors' memory map) and the LoRA factors to add on top (kept as factors, never multiplied out).
+Pickle checkpoints are refused: nothing here unpickles.
+
+Every tensor name maps to (layer, module): layer is the transformer block index (None outside the blocks),
+module the projection / norm / embedding name as the model family spells it (q_proj, c_attn, query_key_value...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mechdiag.errors import UserError
+
+INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+CONVERT_HINT = ("convert it once, in an environment you trust, with "
+                "`AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(OUT)` (writes .safetensors)")
+
+# --- naming -----------------------------------------------------------------------------------------------------
+
+# Block containers across families: model.layers.N (Llama, Mistral, Qwen2/3, Gemma, Phi-3), transformer.h.N
+# (GPT-2), gpt_neox.layers.N (GPT-NeoX), and the generic blocks.N / layer.N.
+_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+# Module names that one family uses twice inside a block: qualify them with their parent (GPT-2 attn/mlp c_proj).
+_AMBIGUOUS = {"c_proj"}
+# Non-parameter buffers some checkpoints carry: not weights, never compared.
+_BUFFERS = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.masked_bias|\.attn\.bias)$")
+_LM_HEADS = ("lm_head.weight", "embed_out.weight")
+_EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.embed_in.weight",
+               "embed_tokens.weight", "wte.weight")
+
+
+def tensor_site(name: str) -> tuple[int | None, str]:
+    """(layer index or None, module name) of a tensor name, e.g. model.layers.3.mlp.up_proj.weight -> (3, up_proj)."""
+    m = _LAYER_RE.search(name)
+    layer = int(m.group(1)) if m else None
+    rest = name[m.end():] if m else name
+    parts = rest.split(".")
+    if len(parts) > 1 and parts[-1] in ("weight", "bias"):
+        parts = parts[:-1]
+    module = parts[-1] if parts else name
+    if module in _AMBIGUOUS and len(parts) > 1:
+        module = f"{parts[-2]}.{module}"
+    return layer, module
+
+
+def is_buffer(name: str, shape: tuple[int, ...]) -> bool:
+    return bool(_BUFFERS.search(name)) and (not name.endswith(".attn.bias") or len(shape) == 4)
+
+
+# --- dense tensors in safetensors files -----------------------------------------------------------------------------
+
+
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _File:
+    """One safetensors file: its validated header and a copy-on-write memory map of it (never written to)."""
+
+    def __init__(self, path: str):
+        self.header, self.data_start = _read_header(path)
+        try:
+            self.handle = safe_open(path, framework="pt")  # the reference parser agrees the file is well formed
+        except SafetensorError as e:
+            raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
+        with open(path, "rb") as f:
+            # ACCESS_COPY makes the buffer writable for torch.frombuffer; we never write, so pages stay the file's
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def keys(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+
+class SafeFiles:
+    """Open safetensors files once each. Tensors (or row ranges) are zero-copy views of the memory map: reading
+    costs page faults only, and the pages belong to the page cache, not to this process."""
+
+    def __init__(self):
+        self._files: dict[str, _File] = {}
+
+    def file(self, path: str) -> _File:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = _File(path)
+        return f
+
+    def keys(self, path: str) -> list[str]:
+        return self.file(path).keys()
+
+    def _info(self, ref: TensorRef) -> dict:
+        try:
+            return self.file(ref.path).header[ref.key]
+        except KeyError:
+            raise UserError(f"{ref.path}: no tensor {ref.key}") from None
+
+    def shape(self, ref: TensorRef) -> tuple[int, ...]:
+        return tuple(self._info(ref)["shape"])
+
+    def dtype(self, ref: TensorRef) -> str:
+        return self._info(ref)["dtype"]
+
+    def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
+        info, f = self._info(ref), self.file(ref.path)
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UserError(f"{ref.path}: tensor {ref.key} has unsupported dtype {info['dtype']}")
+        shape = list(info["shape"])
+        rows = shape[0] if shape else 1
+        start, stop = (0, rows) if start is None else (start, min(stop, rows))
+        row_elems = math.prod(shape[1:]) if shape else 1
+        count = (stop - start) * row_elems
+        out_shape = [stop - start, *shape[1:]] if shape else []
+        if count == 0:
+            return torch.empty(out_shape, dtype=dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        offset = f.data_start + info["data_offsets"][0] + start * row_elems * item
+        return torch.frombuffer(f.mm, dtype=dtype, count=count, offset=offset).view(out_shape)
+
+
+def _short(e: Exception) -> str:
+    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+
+
+def _read_header(path: str) -> tuple[dict, int]:
+    """The header and where the data starts, checked against the file size: safetensors trusts the offsets, so a
+    truncated file is caught here, before any tensor is touched."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        with open(p, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError("file shorter than its header")
+            n = int.from_bytes(head, "little")
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length beyond end of file")
+            header = json.loads(f.read(n))
+        data_len = size - 8 - n
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            if e > data_len:
+                raise ValueError(f"truncated: tensor {k} ends at byte {8 + n + e}, file has {size}")
+            dtype = _DTYPES.get(v["dtype"])
+            if not 0 <= b <= e or (dtype is not None and e - b != math.prod(v["shape"]) * dtype.itemsize):
+                raise ValueError(f"tensor {k}: {e - b} bytes do not hold shape {v['shape']} {v['dtype']}")
+        return header, 8 + n
+    except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
+        raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base)."""
+    path: str
+    key: str
+
+
+@dataclass
+class LoraFactor:
+    """One low-rank term s * B @ A in the stored tensor's orientation (B: out x r, A: r x in)."""
+    scale: float
+    B: torch.Tensor
+    A: torch.Tensor
+
+
+@dataclass
+class Entry:
+    dense: TensorRef
+    lora: list[LoraFactor] = field(default_factory=list)
+
+
+@dataclass
+class Side:
+    """One side of a comparison: effective tensor = dense + sum of LoRA terms, for every name."""
+    label: str
+    entries: dict[str, Entry]
+    config: dict
+    is_adapter: bool = False
+
+
+# --- opening sources --------------------------------------------------------------------------------------------
+
+
+def _safetensors_files(folder: Path, files: SafeFiles) -> dict[str, str]:
+    """key -> file for a model folder: the shard index when present, else the single file or all *.safetensors."""
+    index = folder / INDEX_NAME
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise UserError(f"{index}: not a valid shard index ({_short(e)})") from None
+        missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
+        if missing:
+            raise UserError(f"{folder}: shard {missing[0]} listed in {INDEX_NAME} is missing")
+        return {k: str(folder / f) for k, f in weight_map.items()}
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
+        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise UserError(f"{folder}: {pickles[0]} is a pickle checkpoint, refused (unpickling runs code); "
+                            + CONVERT_HINT)
+        raise UserError(f"{folder}: not a checkpoint (no *.safetensors, no {INDEX_NAME}, no {ADAPTER_CONFIG})")
+    out: dict[str, str] = {}
+    for f in found:
+        for k in files.keys(str(f)):
+            out[k] = str(f)
+    return out
+
+
+def _read_config(folder: Path) -> dict:
+    cfg = folder / "config.json"
+    if not cfg.exists():
+        return {}
+    try:
+        return json.loads(cfg.read_text())
+    except ValueError:
+        raise UserError(f"{cfg}: not valid JSON") from None
+
+
+def open_dense(path: str | os.PathLike, files: SafeFiles) -> Side:
+    """A model folder (single file or shards) or one .safetensors file."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such file or folder")
+    if p.is_file():
+        if p.suffix in PICKLE_SUFFIXES:
+            raise UserError(f"{p}: pickle checkpoint refused (unpickling runs code); " + CONVERT_HINT)
+        if p.suffix != ".safetensors":
+            raise UserError(f"{p}: not a checkpoint (expected a .safetensors file or a model folder)")
+        keys = {k: str(p) for k in files.keys(str(p))}
+        config = _read_config(p.parent)
+    else:
+        keys = _safetensors_files(p, files)
+        config = _read_config(p)
+    entries = {}
+    for k, f in keys.items():
+        ref = TensorRef(os.path.realpath(f), k)
+        if is_buffer(k, files.shape(ref)):
+            continue
+        entries[k] = Entry(ref)
+    return Side(str(p), entries, config)
+
+
+def is_adapter(path: str | os.PathLike) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / ADAPTER_CONFIG).exists()
+
+
+def adapter_base(path: str | os.PathLike) -> str | None:
+    """The adapter's base_model_name_or_path when it is a local folder, else None."""
+    cfg = _adapter_config(Path(path))
+    base = cfg.get("base_model_name_or_path")
+    if base and Path(base).is_dir():
+        return base
+    if base and (Path(path) / base).is_dir():
+        return str(Path(path) / base)
+    return None
+
+
+def _adapter_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / ADAPTER_CONFIG).read_text())
+    except ValueError:
+        raise UserError(f"{folder / ADAPTER_CONFIG}: not valid JSON") from None
+
+
+def _pattern_value(patterns: dict, module_path: str, default):
+    """PEFT's rule (peft.utils.other.get_pattern_key): the first pattern key matching the end of the module path."""
+    for key, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?({key})$", module_path):
+            return value
+    return default
+
+
+_ADAPTER_KEY = re.compile(r"^(?P<path>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B|"
+                          r"base_layer\.weight|lora_B\.bias|lora_magnitude_vector(?:\.weight)?)$")
+
+
+def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
+    """PEFT LoRA adapter on `base`: each adapted weight is base + s * B @ A (kept as factors)."""
+    folder = Path(path)
+    cfg = _adapter_config(folder)
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise UserError(f"{folder}: peft_type {cfg.get('peft_type')} is not supported (LoRA adapters only)")
+    if cfg.get("use_dora"):
+        raise UserError(f"{folder}: DoRA adapters are not supported (the update is not low-rank)")
+    wfile = folder / ADAPTER_WEIGHTS
+    if not wfile.exists():
+        if any((folder / n).exists() for n in ("adapter_model.bin", "adapter_model.pt")):
+            raise UserError(f"{folder}: adapter_model.bin is a pickle checkpoint, refused; load it with peft in an "
+                            "environment you trust and save_pretrained() it again (writes adapter_model.safetensors)")
+        raise UserError(f"{folder}: adapter folder without {ADAPTER_WEIGHTS}")
+    wpath = os.path.realpath(wfile)
+    r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
+    rslora, fan_in_fan_out = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
+
+    entries = {k: Entry(e.dense, list(e.lora)) for k, e in base.entries.items()}
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    for key in files.keys(wpath):
+        name = key.removeprefix("base_model.model.")
+        m = _ADAPTER_KEY.match(name)
+        if m is None:  # modules_to_save / trainable copies: a full replacement tensor
+            if name not in entries:
+                raise UserError(f"{folder}: adapter tensor {key} has no counterpart in the base {base.label}")
+            entries[name].dense = TensorRef(wpath, key)
+            entries[name].lora = []
+            continue
+        mod, kind = m.group("path"), m.group("kind")
+        if kind.startswith("lora_magnitude"):
+            raise UserError(f"{folder}: DoRA adapters are not supported (the update is not low-rank)")
+        if kind == "lora_B.bias":
+            raise UserError(f"{folder}: lora_bias adapters are not supported")
+        if kind == "base_layer.weight":  # saved embedding base copy
+            entries.setdefault(mod + ".weight", Entry(TensorRef(wpath, key))).dense = TensorRef(wpath, key)
+            continue
+        factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
+
+    for mod, f in factors.items():
+        target = mod + ".weight"
+        if target not in entries:
+            raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
+        if "lora_A.weight" in f and "lora_B.weight" in f:
+            A, B, embedding = f["lora_A.weight"], f["lora_B.weight"], False
+        elif "lora_embedding_A" in f and "lora_embedding_B" in f:
+            A, B, embedding = f["lora_embedding_A"], f["lora_embedding_B"], True
+        else:
+            raise UserError(f"{folder}: adapter module {mod} has only one of its two LoRA factors")
+        r = A.shape[0]
+        if B.shape[1] != r:
+            raise UserError(f"{folder}: adapter module {mod}: lora_B {tuple(B.shape)} does not match lora_A "
+                            f"{tuple(A.shape)}")
+        r_cfg = _pattern_value(cfg.get("rank_pattern"), mod, r_default)
+        if r_cfg != r:
+            raise UserError(f"{folder}: adapter module {mod} has rank {r} but its config says {r_cfg}")
+        alpha = _pattern_value(cfg.get("alpha_pattern"), mod, alpha_default)
+        scale = alpha / math.sqrt(r) if rslora else alpha / r
+        # Stored orientation: Linear weight is out x in = B @ A; Conv1D (fan_in_fan_out) and Embedding store the
+        # transpose, (B @ A)^T = A^T @ B^T, so the factors swap roles.
+        if embedding or fan_in_fan_out:
+            B, A = A.T.contiguous(), B.T.contiguous()
+        shape = files.shape(entries[target].dense)
+        if (B.shape[0], A.shape[1]) != tuple(shape):
+            raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
+                            f"{'x'.join(map(str, shape))}")
+        entries[target].lora.append(LoraFactor(scale, B, A))
+    return Side(str(folder), entries, dict(base.config), is_adapter=True)
+
+
+def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,
+              other: str | os.PathLike | None = None) -> Side:
+    """Open a checkpoint; an adapter goes on --base, else its local base_model_name_or_path, else the other side
+    when that is a dense checkpoint."""
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"{p}: no such file or folder")
+    if not is_adapter(p):
+        return open_dense(p, files)
+    base_path = base or adapter_base(p) or (other if other is not None and not is_adapter(other) else None)
+    if base_path is None:
+        cfg = _adapter_config(p)
+        raise UserError(f"{p}: adapter base {cfg.get('base_model_name_or_path')!r} is not a local folder; "
+                        "pass --base BASE_DIR")
+    if is_adapter(base_path):
+        raise UserError(f"{base_path}: the base of an adapter must be a full checkpoint, not another adapter")
+    return open_adapter(p, open_dense(base_path, files), files)
+
+
+def architecture(side: Side) -> str | None:
+    cfg = side.config
+    arch = cfg.get("architectures") or []
+    return cfg.get("model_type") or (arch[0] if arch else None)
+
+
+def is_tied(side: Side) -> bool:
+    return bool(side.config.get("tie_word_embeddings", False))
+
+
+def lm_head_names() -> tuple[str, ...]:
+    return _LM_HEADS
+
+
+def embedding_names() -> tuple[str, ...]:
+    return _EMBEDDINGS
