@@ -34,7 +34,7 @@ def main():
 @main.command("shift")
 @click.argument("base")
 @click.argument("tuned")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), help="jsonl with a \"prompt\" field, "
+@click.option("--prompts", "prompts_file", help="jsonl with a \"prompt\" field, "
               "or plain text, one prompt per line")
 @click.option("--task", help="probe with a registered task's prompts, formatted as in training")
 @click.option("--split", default="test", show_default=True, help="task split")
