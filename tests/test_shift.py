@@ -144,6 +144,15 @@ def test_lora_adapter_on_stories260k_toggles_one_model(stories260k, adapter):
     np.testing.assert_allclose(merged[METRICS + ["output_kl"]], df[METRICS + ["output_kl"]], rtol=1e-4, atol=1e-5)
 
 
+def test_adapter_as_base_switches_adapters_on_one_model(stories260k, adapter):
+    same = shift(adapter["adapter"], adapter["adapter"], PROMPTS[:3])  # both sides adapters on one base
+    assert same.attrs["shared"] and (same[METRICS + ["output_kl"]].abs() <= 1e-12).all().all(), same
+    rev = shift(adapter["adapter"], stories260k, PROMPTS[:3])  # reference = adapter on, tuned = plain base
+    assert rev.attrs["shared"]
+    assert (rev.loc[rev["layer"] < 3, METRICS].abs() <= 1e-6).all().all()
+    assert (rev.loc[rev["layer"] >= 3, "shift"] > 1e-3).all()
+
+
 def test_batched_equals_one_by_one(stories260k, adapter):
     prompts = PROMPTS + ["A", "The bird sang a song to the moon and the stars."]
     one = shift(stories260k, adapter["adapter"], prompts, batch_size=1)

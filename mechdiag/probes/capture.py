@@ -72,10 +72,11 @@ def _find_layers(model: nn.Module) -> str:
 def _find_final_norm(model: nn.Module) -> nn.Module:
     """The norm applied after the last block (logit lens = lm_head(norm(h)))."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
-        m = getattr(decoder, name, None) or getattr(getattr(model, "transformer", None), name, None)
-        if isinstance(m, nn.Module):
-            return m
+    for owner in (decoder, getattr(model, "transformer", None), model):
+        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
+            m = getattr(owner, name, None)
+            if isinstance(m, nn.Module):
+                return m
     raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
 
 
