@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag.atomic import write_json  # noqa: E402
-from mechdiag.models import bundled_path, build_char_tokenizer, generate  # noqa: E402
+from mechdiag.models import build_char_tokenizer, bundled_path, generate  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
 from mechdiag.tasks.rewards import format_ok  # noqa: E402
 
@@ -55,7 +55,7 @@ def corrupt(example, rng: random.Random) -> str:
     steps = [s.split("=") for s in example.meta["reasoning"].split(";")]
     k = rng.randrange(len(steps))
     out, value = [], None
-    for i, (lhs, res) in enumerate(steps):
+    for i, (lhs, _res) in enumerate(steps):
         op = next(c for c in "+-*" if c in lhs[1:])
         a, b = lhs.rsplit(op, 1)
         a = int(a) if value is None else value
