@@ -32,8 +32,8 @@ def bundled_path() -> Path:
     return ASSETS / "arith-base"
 
 
-def resolve(name_or_path: str | Path) -> str:
-    """'bundled' -> the asset folder; an existing path -> itself; anything else is taken as a hub name."""
+def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
+    """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
     if str(name_or_path) == BUNDLED:
         path = bundled_path()
         if not (path / "config.json").exists():
@@ -43,8 +43,8 @@ def resolve(name_or_path: str | Path) -> str:
     if path.exists():
         if not path.is_dir():
             raise UserError(f"model {path} is a file; give the folder holding config.json and model.safetensors")
-        if not (path / "config.json").exists():
-            raise UserError(f"model folder {path} has no config.json")
+        if not (path / need).exists():
+            raise UserError(f"model folder {path} has no {need}")
         return str(path)
     if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise UserError(f"model folder {name_or_path} does not exist")
@@ -113,7 +113,7 @@ def ensure_pad(tokenizer):
 def load_tokenizer(name_or_path: str | Path = BUNDLED):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    src = resolve(name_or_path)
+    src = resolve(name_or_path, need="tokenizer_config.json")
     try:
         if Path(src).is_dir() and (Path(src) / "tokenizer.json").exists():
             cls = _tokenizer_class(Path(src))
