@@ -76,6 +76,9 @@ class Change:
     new: object
 
     def __str__(self) -> str:
+        if isinstance(self.old, dict) and isinstance(self.new, dict):  # name only the entries that change
+            keys = [k for k in {**self.old, **self.new} if self.old.get(k) != self.new.get(k)]
+            return ", ".join(f"{self.key}.{k}: {_show(self.old.get(k))} -> {_show(self.new.get(k))}" for k in keys)
         return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
 
 
