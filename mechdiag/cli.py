@@ -98,19 +98,19 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
     """Train, recommend, train again with the refined config, for up to --rounds rounds."""
     from mechdiag import atomic
     from mechdiag import config as configlib
-    from mechdiag.tune import load_train_fn
+    from mechdiag.tune import describe, load_train_fn
     from mechdiag.tune import tune as run_tune
 
     cfg = configlib.load(config_path, list(overrides) + ([f"seed={seed}"] if seed is not None else []))
     train_fn = load_train_fn(trainer)
     records = run_tune(cfg, rounds, out, train_fn, log=lambda m: click.echo(m, err=True))
     if fmt == "json":
-        flat = [{k: ("; ".join(f"{c['key']}={c['new']}" for c in v) if k in ("changes", "next_changes") else
-                     ",".join(v) if k == "rules" else v) for k, v in r.items()} for r in records]
+        flat = [{k: (describe(v) if k in ("changes", "next_changes") else ",".join(v) if k == "rules" else v)
+                 for k, v in r.items()} for r in records]
         click.echo(atomic.dumps(flat))
         return
     _table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
-           [[str(r["round"]), "; ".join(f"{c['key']}={c['new']}" for c in r["changes"]) or "-",
+           [[str(r["round"]), describe(r["changes"]) or "-",
              "-" if r.get("eval.accuracy") is None else f"{r['eval.accuracy']:.4g}", ", ".join(r["rules"]) or "-"]
             for r in records])
     click.echo(f"stopped: {records[-1].get('stop', '')}; configs in {out}/best.yaml and {out}/final.yaml")

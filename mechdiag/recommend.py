@@ -74,12 +74,17 @@ class Change:
     key: str  # dotted config path
     old: object
     new: object
+    rule: str = ""
 
     def __str__(self) -> str:
         if isinstance(self.old, dict) and isinstance(self.new, dict):  # name only the entries that change
             keys = [k for k in {**self.old, **self.new} if self.old.get(k) != self.new.get(k)]
-            return ", ".join(f"{self.key}.{k}: {_show(self.old.get(k))} -> {_show(self.new.get(k))}" for k in keys)
+            return f"{self.key}: " + ", ".join(f"{k} {_show(self.old.get(k))} -> {_show(self.new.get(k))}"
+                                               for k in keys)
         return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
+
+    def record(self) -> dict:
+        return {"key": self.key, "old": self.old, "new": self.new, "rule": self.rule}
 
 
 @dataclass
@@ -507,6 +512,7 @@ def diagnose(signals: Signals) -> list[Finding]:
                 f.reason += f" ({c.key} already changed by {taken[c.key]})"
             else:
                 taken[c.key] = name
+                c.rule = name
                 kept.append(c)
         f.changes = kept
         findings.append(f)

@@ -19,7 +19,7 @@ from mechdiag import config as configlib
 from mechdiag.compare import final_eval, load_run
 from mechdiag.config import Config
 from mechdiag.errors import UserError
-from mechdiag.recommend import recommend
+from mechdiag.recommend import Change, recommend
 from mechdiag.run import RunDir
 
 DEFAULT_TRAINER = "mechdiag.train.trainer:train"
@@ -36,6 +36,11 @@ def load_train_fn(target: str = DEFAULT_TRAINER) -> TrainFn:
     except (ImportError, AttributeError) as e:
         raise UserError(f"cannot import trainer {target}: {e}") from None
     return fn
+
+
+def describe(changes: list[dict]) -> str:
+    """rounds.jsonl change records as one line: "temperature: 0.4 -> 0.6; beta: 0 -> 0.005"."""
+    return "; ".join(str(Change(c["key"], c["old"], c["new"])) for c in changes)
 
 
 def _held_out(run_dir: Path) -> dict:
@@ -57,15 +62,15 @@ def tune(cfg: Config, rounds: int, out_dir, train_fn: TrainFn | None = None, log
     records, changes, best = [], [], None
     for k in range(rounds):
         run_dir = out / f"round-{k}"
-        log(f"round {k}: training {run_dir}" + (f" with {'; '.join(str(c) for c in changes)}" if changes else ""))
+        log(f"round {k}: training {run_dir}" + (f" with {'; '.join(map(str, changes))}" if changes else ""))
         result = train_fn(cfg, run_dir)
         run_dir = Path(getattr(result, "path", result) or run_dir)
         rec_next = recommend([run_dir])
         held = _held_out(run_dir)
         record = {"round": k, "step": k, "run_dir": str(run_dir),
-                  "changes": [{"key": c.key, "old": c.old, "new": c.new} for c in changes],
+                  "changes": [c.record() for c in changes],
                   "rules": [f.rule for f in rec_next.findings],
-                  "next_changes": [{"key": c.key, "old": c.old, "new": c.new} for c in rec_next.changes], **held}
+                  "next_changes": [c.record() for c in rec_next.changes], **held}
         acc = held.get("eval.accuracy")
         if acc is not None and (best is None or acc > best[0]):
             best = (acc, k, cfg)
@@ -76,7 +81,8 @@ def tune(cfg: Config, rounds: int, out_dir, train_fn: TrainFn | None = None, log
             record["stop"] = "rounds done"
         atomic.append_jsonl(out / "rounds.jsonl", [record], fsync=True)
         records.append(record)
-        log(f"round {k}: accuracy {acc}; " + ("; ".join(str(c) for c in rec_next.changes) or "no change"))
+        log(f"round {k}: held-out accuracy {'-' if acc is None else f'{acc:.4g}'}; next: "
+            + ("; ".join(str(c) for c in rec_next.changes) or "no change"))
         if k < rounds - 1 and not stop:
             configlib.save(rec_next.cfg, out / f"round-{k + 1}.yaml", rec_next.header)
         configlib.save(rec_next.cfg, out / "final.yaml", rec_next.header)

@@ -112,7 +112,7 @@ def test_reward_rising_accuracy_flat_reshapes_rewards(tmp_path):
     assert w["correctness"] == 4.0 and w["format"] == 0.25 and w["xml_count"] == 0.25
     assert w["reasoning_nonempty"] == 0.05
     assert "reward/correctness 0.4 -> 0.4" in r.findings[0].evidence
-    assert "rewards.weights.correctness: 2 -> 4" in str(r.changes[0])
+    assert str(r.changes[0]).startswith("rewards.weights: correctness 2 -> 4, xml_count 0.5 -> 0.25")
 
 
 def test_high_clipped_ratio_raises_budget(tmp_path):
