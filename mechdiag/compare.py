@@ -62,16 +62,24 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def _from_summary(summary: dict, which: str) -> dict:
+    """summary.json's {"base": {...}} / {"final": {...}}, or its flat base_accuracy / final_accuracy keys."""
+    rec = summary.get(which)
+    if isinstance(rec, dict) and rec:
+        return rec
+    return {k.removeprefix(f"{which}_"): v for k, v in summary.items() if k.startswith(f"{which}_")}
+
+
 def final_eval(run: Run) -> dict[str, float]:
-    """The last eval record's numbers (summary.json's "final" where the eval stream is empty)."""
+    """The last eval record's numbers (summary.json's final ones where the eval stream is empty)."""
     rows = sorted((r for r in run.eval if _is_number(r.get("step"))), key=lambda r: r["step"])
-    rec = rows[-1] if rows else run.summary.get("final") or {}
+    rec = rows[-1] if rows else _from_summary(run.summary, "final")
     return {k: float(v) for k, v in rec.items() if k != "step" and _is_number(v)}
 
 
 def base_eval(run: Run) -> dict[str, float]:
-    """Metrics of the untrained model: summary.json's "base", else the eval record at the first step."""
-    rec = run.summary.get("base")
+    """Metrics of the untrained model: summary.json's base ones, else the eval record at the first step."""
+    rec = _from_summary(run.summary, "base")
     if not rec:
         rows = sorted((r for r in run.eval if _is_number(r.get("step"))), key=lambda r: r["step"])
         rec = rows[0] if len(rows) > 1 else {}

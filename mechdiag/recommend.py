@@ -24,6 +24,7 @@ CONFIDENT_POINTS = 20  # train records for full confidence from the data-size fa
 REWARD_CV_LOW = 0.10  # tail mean within-group reward CV below this: groups barely differ
 FRAC_ZERO_STD_HIGH = 0.50  # tail mean share of groups with identical rewards above this: no gradient signal
 REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts as "high" (7B-on-MCQ case)
+REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
 TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
 TEMPERATURE_MAX = 1.2  # ...up to this
 EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
@@ -270,6 +271,18 @@ def _raise_beta(cfg: Config) -> Change | None:
     return Change("beta", cfg.beta, round(new, 6))
 
 
+def _difficulty(cfg: Config) -> int | None:
+    level = cfg.task.options.get("difficulty", 2 if cfg.task.name == "arith" else None)
+    return level if isinstance(level, int) and not isinstance(level, bool) else None
+
+
+def _easier_data(cfg: Config) -> Change | None:
+    level = _difficulty(cfg)
+    if level is None or level <= 1:
+        return None
+    return Change("task.options", dict(cfg.task.options), {**cfg.task.options, "difficulty": level - 1})
+
+
 def _saturated(s: Signals) -> tuple[float, str] | None:
     tail = s.window("reward", "tail")
     if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
@@ -289,10 +302,10 @@ def early_saturation(s: Signals):
     ev = (f"reward {reward[first]:.3g} >= {SATURATION_FRAC} x max {s.max_reward:.3g} already at step {steps[first]} "
           f"({first + 1} of {len(reward)} records; early = first {SATURATION_EARLY:.0%})")
     opts = dict(s.cfg.task.options)
-    level_now = opts.get("difficulty", 2 if s.cfg.task.name == "arith" else None)
+    level_now = _difficulty(s.cfg)
     changes = []
-    if isinstance(level_now, int) and not isinstance(level_now, bool) and level_now < DIFFICULTY_MAX:
-        changes = [Change("task.options", dict(s.cfg.task.options), {**opts, "difficulty": level_now + 1})]
+    if level_now is not None and level_now < DIFFICULTY_MAX:
+        changes = [Change("task.options", opts, {**opts, "difficulty": level_now + 1})]
     reason = "harder data: saturated groups all score the same and carry no advantage" if changes else \
         "harder data: add harder problems to task.mixture (no difficulty knob to turn here)"
     return _finding(early_saturation, ev, changes, reason,
@@ -313,13 +326,19 @@ def low_diversity(s: Signals):
         return None
     reward = s.window("reward", "tail")
     frac = reward[0] / s.max_reward if reward else 0.0
-    high = frac >= REWARD_HIGH_FRAC
-    order = [_raise_epsilon_high, _raise_temperature] if high else [_raise_temperature, _raise_epsilon_high]
+    if frac >= REWARD_HIGH_FRAC:
+        order = [_raise_epsilon_high, _raise_temperature]
+    elif frac < REWARD_LOW_FRAC:
+        order = [_raise_temperature, _easier_data, _raise_epsilon_high]
+    else:
+        order = [_raise_temperature, _raise_epsilon_high]
     change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
     ev = "; ".join(h[0] for h in hits) + f"; reward {frac:.0%} of max"
-    reason = ("more sample diversity: a higher upper clip lets rare good completions gain probability (study: "
-              "7B on MCQ, eps_high 0.2 -> 0.3)" if change and change.key == "epsilon_high" else
-              "more sample diversity: a higher temperature spreads the group's rewards (study's conclusion)")
+    reason = {"epsilon_high": "more sample diversity: a higher upper clip lets rare good completions gain "
+                              "probability (study: 7B on MCQ, eps_high 0.2 -> 0.3)",
+              "task.options": "easier data: almost every completion fails, so groups score the same",
+              }.get(change.key if change else "", "more sample diversity: a higher temperature spreads the "
+                                                  "group's rewards (study's conclusion)")
     return _finding(low_diversity, ev, [change] if change else [], reason,
                     confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
                     reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)

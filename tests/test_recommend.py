@@ -303,3 +303,20 @@ def test_every_threshold_and_rule_is_documented():
     missing = [k for k in constants if f"`{k}`" not in doc]
     assert missing == []
     assert [name for name, _, _ in R.RULES if f"`{name}`" not in doc] == []
+
+
+def test_flat_summary_keys_give_base_and_final(tmp_path):
+    from mechdiag.compare import base_eval, final_eval
+
+    write_run(tmp_path / "run", n_evals=2)
+    (tmp_path / "run" / "eval.jsonl").write_text("")
+    (tmp_path / "run" / "summary.json").write_text('{"base_accuracy": 0.25, "final_accuracy": 0.5, "steps": 40}')
+    run = load_runs([tmp_path / "run"])[0]
+    assert base_eval(run) == {"accuracy": 0.25} and final_eval(run) == {"accuracy": 0.5}
+
+
+def test_nothing_solved_at_max_temperature_asks_for_easier_data(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=1.2"), reward=0.05, frac_zero_std=0.95, reward_cv=0.0, kl=0.01)
+    assert fired(r) == {"low_diversity"}
+    assert changed(r) == {"task.options": {"difficulty": 1}}
+    assert "easier data" in r.findings[0].reason
