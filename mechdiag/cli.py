@@ -43,6 +43,13 @@ def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     Console(width=200).print(table)
 
 
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    gain = "" if r["vs_base"] is None else f" ({r['vs_base']:+.3g})"
+    return f"{r['mean']:.4g} ± {r['std']:.2g}{gain}"
+
+
 @main.command()
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", type=click.Path(), default=None, help="Write the refined config here (YAML).")
@@ -67,9 +74,9 @@ def recommend(runs, out, fmt):
         rows = []
         for g in groups:
             n = next(r["runs"] for r in rec.comparison if r["group"] == g)
-            rows.append([g, str(n)] + [f"{cell[g, m]['mean']:.4g} ± {cell[g, m]['std']:.2g}" if (g, m) in cell
-                                       else "-" for m in metrics])
-        _table("held-out eval, mean ± std over seeds", ["group", "runs", *metrics], rows)
+            rows.append([g, str(n)] + [_cell(cell.get((g, m))) for m in metrics])
+        _table("held-out eval, mean ± std over seeds (gain over the untrained model)", ["group", "runs", *metrics],
+               rows)
         for line in helped_lines(rec.comparison):
             click.echo(line)
     if not rec.findings:

@@ -156,24 +156,30 @@ def verdict(delta: float, std_a: float, std_b: float, n_a: int, n_b: int) -> str
 
 
 def side_by_side(runs: list[Run]) -> list[dict]:
-    """One flat record per (group, metric): mean and std over seeds of the final held-out metrics, the
-    difference to the baseline group (the first run's) and its verdict."""
+    """One flat record per (group, metric): mean and std over seeds of the final held-out metrics, their mean
+    gain over the untrained model (vs_base), the difference to the baseline group (the first run's) and its
+    verdict."""
     groups = group_runs(runs)
-    stats = []
+    stats, gains = [], []
     for g in groups:
         finals = [final_eval(r) for r in g.runs]
+        bases = [base_eval(r) for r in g.runs]
         metrics = sorted({k for f in finals for k in f})
-        per = {}
+        per, gain = {}, {}
         for m in metrics:
             vals = [f[m] for f in finals if m in f]
             per[m] = (*_mean_std(vals), len(vals))
+            diffs = [f[m] - b[m] for f, b in zip(finals, bases, strict=True) if m in f and m in b]
+            gain[m] = sum(diffs) / len(diffs) if diffs else None
         stats.append(per)
+        gains.append(gain)
     base = stats[0]
     out = []
-    for g, per in zip(groups, stats, strict=True):
+    for g, per, gain in zip(groups, stats, gains, strict=True):
         for m, (mean, std, n) in per.items():
             rec = {"kind": "comparison", "group": g.label, "runs": len(g.runs), "seeds": n, "metric": m,
-                   "mean": mean, "std": std, "baseline": groups[0].label, "delta": None, "verdict": ""}
+                   "mean": mean, "std": std, "vs_base": gain[m], "baseline": groups[0].label, "delta": None,
+                   "verdict": ""}
             if g is groups[0]:
                 rec["verdict"] = "baseline"
             elif m in base:

@@ -251,12 +251,13 @@ def test_seeds_pool_and_treatments_compare(tmp_path, cli):
     assert acc["temperature=0.9"]["std"] == pytest.approx(0.0141, abs=0.005)
     assert acc["temperature=0.9"]["verdict"] == "helped" and acc["temperature=0.6"]["verdict"] == "baseline"
     assert acc["temperature=0.9"]["delta"] == pytest.approx(0.15, abs=0.01)
+    assert acc["temperature=0.9"]["vs_base"] == pytest.approx(0.36, abs=0.01)  # base accuracy 0.2
     # the rules read the best group (the treated one, which truncates)
     r = R.recommend(paths)
     assert fired(r) == {"truncation"} and r.base_cfg.temperature == 0.9
     proc = cli("recommend", *map(str, paths))
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"0\.56\d* ± 0\.01", proc.stdout)
+    assert re.search(r"0\.56\d* ± 0\.01\d* \(\+0\.36", proc.stdout)
     assert "temperature=0.9 vs temperature=0.6: accuracy +0.15" in proc.stdout and "(helped)" in proc.stdout
 
 
