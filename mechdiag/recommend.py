@@ -188,15 +188,13 @@ class Signals:
         disp = [_last_step_rows(r.displacement) for r in runs]
         shift_rows = [_last_step_rows(r.shift) for r in runs]
         layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
-        shift: dict[int, dict[str, float]] = {}
-        for layer, d in _pool([[{**r, "step": r["layer"]} for r in rows] for rows in shift_rows]).items():
-            shift[layer] = d
+        by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
         return cls(
             cfg=runs[0].cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
             layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
             module_mass=_mean_dicts([_shares(rows, "module") for rows in disp]),
-            shift=shift, base=_mean_dicts([base_eval(r) for r in runs]),
+            shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
             n_layers=max(layers) + 1 if layers else None)
 
