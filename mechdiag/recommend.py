@@ -41,6 +41,7 @@ LR_FACTOR = 0.5
 
 REWARD_RISE_FRAC = 0.10  # tail minus head reward above this share of the maximum reward is "rising"
 ACC_FLAT = 0.01  # final minus base accuracy at or below this is "flat or falling"
+CORRECT_SHARE_MAX = 0.5  # where reward/correctness is recorded: fire only if it paid for less of the rise
 CORRECTNESS_FACTOR = 2.0  # the study's code reshaping 1.0 -> 2.0
 CORRECTNESS_MAX = 8.0
 FORMAT_FACTOR = 0.5
@@ -385,22 +386,26 @@ def reward_misalignment(s: Signals):
     if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
         return None
     w = dict(s.cfg.rewards.weights)
+    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
+          f"eval accuracy {base:.3g} -> {final:.3g}")
+    c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
+    share = None
+    if c_tail and c_head:  # the raw correctness rate is recorded: how much of the rise did it pay for?
+        share = w.get("correctness", 0.0) * (c_tail[0] - c_head[0]) / rise
+        if share >= CORRECT_SHARE_MAX:
+            return None  # the reward rose for correct answers: a train/eval gap, not a reward design problem
+        ev += f"; reward/correctness {c_head[0]:.3g} -> {c_tail[0]:.3g}, {max(share, 0):.0%} of the rise"
     new = dict(w)
     if "correctness" in w and w["correctness"] < CORRECTNESS_MAX:
         new["correctness"] = min(CORRECTNESS_MAX, w["correctness"] * CORRECTNESS_FACTOR)
     for k in FORMAT_COMPONENTS:
         if k in w and w[k] > FORMAT_MIN:
             new[k] = max(FORMAT_MIN, round(w[k] * FORMAT_FACTOR, 6))
-    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
-          f"eval accuracy {base:.3g} -> {final:.3g}")
-    comp = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
-    if comp[0] and comp[1]:
-        ev += f"; reward/correctness {comp[1][0]:.3g} -> {comp[0][0]:.3g}"
     changes = [Change("rewards.weights", w, new)] if new != w else []
     return _finding(reward_misalignment, ev, changes,
                     "reward reshaping: pay for correct answers, less for tags (study: code correctness 1.0 -> 2.0)",
                     confidence(rise / (REWARD_RISE_FRAC * s.max_reward) - 1, s.n_train), reward_rise=rise,
-                    accuracy_base=base, accuracy_final=final)
+                    accuracy_base=base, accuracy_final=final, correctness_share=share)
 
 
 @rule("truncation", "many completions hit the completion budget: their reward is cut with them")

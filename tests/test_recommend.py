@@ -111,8 +111,15 @@ def test_reward_rising_accuracy_flat_reshapes_rewards(tmp_path):
     w = changed(r)["rewards.weights"]
     assert w["correctness"] == 4.0 and w["format"] == 0.25 and w["xml_count"] == 0.25
     assert w["reasoning_nonempty"] == 0.05
-    assert "reward/correctness 0.4 -> 0.4" in r.findings[0].evidence
+    assert "reward/correctness 0.4 -> 0.4, 0% of the rise" in r.findings[0].evidence
     assert str(r.changes[0]).startswith("rewards.weights: correctness 2 -> 4, xml_count 0.5 -> 0.25")
+
+
+def test_reward_rise_paid_by_correctness_is_not_misalignment(tmp_path):
+    # correctness 0.1 -> 0.8 at weight 2 pays 1.4 of the 1.8 rise: the reward is not the problem
+    r = rec(tmp_path, reward=(1.0, 2.8), accuracy=(0.4, 0.4), kl=0.01,
+            components={"correctness": (0.1, 0.8), "format": (0.5, 0.9)})
+    assert r.findings == []
 
 
 def test_high_clipped_ratio_raises_budget(tmp_path):
