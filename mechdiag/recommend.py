@@ -186,12 +186,16 @@ class Signals:
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
-        disp = [_last_step_rows(r.displacement) for r in runs]
+        cfg = runs[0].cfg
+        # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
+        adapted = set(cfg.lora.target_modules)
+        disp = [[row for row in _last_step_rows(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
+                 in adapted] for r in runs]
         shift_rows = [_last_step_rows(r.shift) for r in runs]
         layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
         by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
         return cls(
-            cfg=runs[0].cfg, runs=[str(r.path) for r in runs],
+            cfg=cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
             layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
             module_mass=_mean_dicts([_shares(rows, "module") for rows in disp]),
@@ -478,16 +482,14 @@ def reduced_modules(s: Signals):
     concentration = cover / (k / m)
     if k > m // 2 or concentration < MODULE_CONCENTRATION:
         return None
-    keep = [mod for mod, _ in ranked[:k]]
-    new = [mod for mod in current if mod in keep] + [mod for mod in keep if mod not in current]
-    if set(new) == set(current):
-        return None
+    keep = {mod for mod, _ in ranked[:k]}
+    new = [mod for mod in current if mod in keep]
     ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} of the update mass ({k} of {m} modules, "
           f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})")
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
                     "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
-                    modules=",".join(keep))
+                    modules=",".join(new))
 
 
 @rule("entropy_collapse", "policy entropy collapses: the model stops exploring")

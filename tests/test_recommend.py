@@ -166,6 +166,19 @@ def test_concentrated_module_mass_reduces_modules(tmp_path):
     assert "v_proj 38%" in r.findings[0].evidence or "o_proj 38%" in r.findings[0].evidence
 
 
+def test_module_mass_ignores_tensors_lora_does_not_adapt(tmp_path):
+    mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0}
+    write_run(tmp_path / "run", module_mass=mass, **FLAT)
+    rows = [{"step": 40, "name": "model.embed_tokens.weight", "layer": None, "module": "embed_tokens",
+             "ref_fro": 1.0, "delta_fro": 10.0, "rel_fro": 10.0},
+            {"step": 40, "name": "model.layers.0.input_layernorm.weight", "layer": 0,
+             "module": "input_layernorm", "ref_fro": 1.0, "delta_fro": 0.5, "rel_fro": 0.5}]
+    with open(tmp_path / "run" / "displacement.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    r = R.recommend([tmp_path / "run"])
+    assert changed(r) == {"lora.target_modules": ["v_proj", "o_proj"]}
+
+
 def test_mildly_uneven_module_mass_does_not_fire(tmp_path):
     mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 1.5}
     assert rec(tmp_path, module_mass=mass, **FLAT).findings == []
