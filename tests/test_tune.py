@@ -86,3 +86,16 @@ def test_tune_cli(tmp_path, cli):
     assert "round 1: training" in proc.stderr
     assert_bad_input(cli("tune", str(cfg), "--out", str(out), "--trainer", "tests.synth:sim_train"))
     assert_bad_input(cli("tune", str(tmp_path / "nope.yaml"), "--out", str(tmp_path / "t2")))
+
+
+def test_a_failing_round_keeps_the_finished_ones(tmp_path):
+    def train(cfg, out_dir):
+        if cfg.temperature > 0.5:
+            raise UserError("out of memory in round 1")
+        return sim_train(cfg, out_dir).path  # a trainer may return the path instead of a RunDir
+
+    with pytest.raises(UserError, match="round 1"):
+        tune(configlib.load(overrides=POOR), rounds=3, out_dir=tmp_path, train_fn=train)
+    recs = atomic.read_jsonl(tmp_path / "rounds.jsonl")
+    assert [r["round"] for r in recs] == [0] and recs[0]["next_changes"]
+    assert configlib.load(tmp_path / "round-1.yaml").temperature == 0.6
