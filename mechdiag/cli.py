@@ -55,7 +55,12 @@ def _cell(r: dict | None) -> str:
 @click.option("--out", "out", type=click.Path(), default=None, help="Write the refined config here (YAML).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def recommend(runs, out, fmt):
-    """Diagnose RUN directories and propose a refined config, with the evidence for each change."""
+    """Diagnose RUN directories and propose a refined config, with the evidence for each change.
+
+    Seeds of one config are pooled. Runs of several configs also get a side-by-side of held-out eval metrics
+    (mean ± std over seeds, which treatment helped), and the rules read the best group. Rules and thresholds:
+    docs/recommendations.md.
+    """
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
@@ -102,7 +107,11 @@ def recommend(runs, out, fmt):
               help="train(cfg, out_dir) -> RunDir to call, as package.module:function.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
-    """Train, recommend, train again with the refined config, for up to --rounds rounds."""
+    """Train, recommend, train again with the refined config, for up to --rounds rounds.
+
+    Stops early when no rule changes the config. OUT keeps each round's run directory, rounds.jsonl (changes and
+    held-out metrics per round), best.yaml and final.yaml.
+    """
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.tune import describe, load_train_fn
