@@ -554,10 +554,15 @@ def apply(cfg: Config, findings: list[Finding]) -> Config:
 def header(findings: list[Finding], runs: list[str]) -> str:
     lines = [f"Refined by mechdiag recommend from {', '.join(runs)}"]
     changes = [(c, f) for f in findings for c in f.changes]
-    if not changes:
+    if not findings:
         lines.append("No rule fired: the config is unchanged.")
+    elif not changes:
+        lines.append("No change to the config; advice only.")
     for c, f in changes:
         lines.append(f"- {c}  [{f.rule}, confidence {f.confidence}] {f.evidence}")
+    for f in findings:
+        if not f.changes:
+            lines.append(f"- advice [{f.rule}, confidence {f.confidence}] {f.reason}: {f.evidence}")
     return "\n".join(lines)
 
 

@@ -71,6 +71,7 @@ def test_low_diversity_with_nothing_left_to_raise_is_advice_only(tmp_path, cli):
     r = rec(tmp_path, cfg, reward_cv=0.03, **FLAT)
     assert fired(r) == {"low_diversity"} and r.changes == []
     assert r.cfg == cfg
+    assert "advice only" in r.header and "- advice [low_diversity" in r.header
     proc = cli("recommend", str(tmp_path / "run"))
     assert proc.returncode == 0 and "advice only" in proc.stdout
 
