@@ -162,6 +162,10 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
         Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
             _table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
         text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)
 
 
 # ---- shift -------------------------------------------------------------------------------------------------
