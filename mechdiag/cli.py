@@ -255,7 +255,7 @@ def _shift_table(df) -> str:
 
 
 # ---- recommend ---------------------------------------------------------------------------------------------
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+def _print_table(title: str, columns: list[str], rows: list[list[str]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -304,14 +304,14 @@ def recommend(runs, out, fmt):
         for g in groups:
             n = next(r["runs"] for r in rec.comparison if r["group"] == g)
             rows.append([g, str(n)] + [_cell(cell.get((g, m))) for m in metrics])
-        _table("held-out eval, mean ± std over seeds (gain over the untrained model)", ["group", "runs", *metrics],
+        _print_table("held-out eval, mean ± std over seeds (gain over the untrained model)", ["group", "runs", *metrics],
                rows)
         for line in helped_lines(rec.comparison):
             click.echo(line)
     if not rec.findings:
         click.echo("healthy: no rule fired, no change to the config" + (f" (copied to {out})" if out else ""))
         return
-    _table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
+    _print_table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
            [[f.rule, f.symptom, f.evidence, "; ".join(str(c) for c in f.changes) or f"none: {f.reason}",
              f"{f.confidence:.2f}"] for f in rec.findings])
     if not rec.changes:
@@ -349,7 +349,7 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
                  for k, v in r.items()} for r in records]
         click.echo(atomic.dumps(flat))
         return
-    _table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
+    _print_table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
            [[str(r["round"]), describe(r["changes"]) or "-",
              "-" if r.get("eval.accuracy") is None else f"{r['eval.accuracy']:.4g}", ", ".join(r["rules"]) or "-"]
             for r in records])
