@@ -148,6 +148,14 @@ def _main():
                 parts.append(part)
         return "/" + "/".join(parts)
 
+    _stat, _S_ISDIR = os.stat, __import__("stat").S_ISDIR
+
+    def isdir(p):
+        try:
+            return _S_ISDIR(_stat(p).st_mode)
+        except (OSError, ValueError):
+            return False
+
     def inside(p):
         return p is not None and (p == root or p.startswith(root + "/"))
 
@@ -164,9 +172,8 @@ def _main():
             p = norm(path)
             writing = (any(c in mode for c in "wax+") if type(mode) is _str else
                        (type(flags) is _int and flags & O_WRITE != 0))
-            if mode is None and not (path.startswith("/") if type(path) is _str else
-                                     type(path) is _bytes and path.startswith(b"/")):
-                deny("os.open of a relative path")  # os.open may carry a dir_fd that the event does not show
+            if mode is None and not inside(p) and isdir(p):
+                deny("os.open of a folder outside the working folder")  # its fd could serve as a dir_fd
             if writing:
                 if not inside(p):
                     deny("writing outside the working folder")
@@ -174,7 +181,7 @@ def _main():
                 deny("reading " + _str(path))
         elif event in PATH_EVENTS:
             paths, dirfds = PATH_EVENTS[event]
-            if any(i < len(args) and args[i] is not None for i in dirfds):
+            if any(i < len(args) and args[i] is not None and args[i] != -1 for i in dirfds):  # -1: no dir_fd
                 deny(event + " with dir_fd")
             for i in paths:
                 if i < len(args) and not (event == "os.truncate" and type(args[i]) is _int):
@@ -213,6 +220,13 @@ def _main():
     except SyntaxError as e:
         _write(2, ("[harness] tests do not parse: " + _str(e)).encode())
         _exit(2)
+    def flush():  # the solution's prints are buffered; os._exit would drop them
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+
     sys.addaudithook(hook)
     g = {"__name__": "__solution__", "__builtins__": __builtins__}
     try:
@@ -226,9 +240,11 @@ def _main():
         except BaseException:
             msg = "unprintable exception"
         try:
+            flush()
             _write(2, ("\n[harness] " + msg[:500] + "\n").encode("utf-8", "replace"))
         finally:
             _exit(1)
+    flush()
     _write(res_fd, nonce + b"\n")
     _exit(0)
 _main()
