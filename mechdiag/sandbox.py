@@ -269,8 +269,11 @@ def _make_preexec(limits, isolate_net: bool):
         for which, soft, hard in limits:
             try:
                 setrlimit(which, (soft, hard))
-            except (ValueError, OSError):
-                setrlimit(which, (soft, resource.getrlimit(which)[1]))
+            except (ValueError, OSError):  # hard limit already lower here, or a limit this OS lacks
+                try:
+                    setrlimit(which, (min(soft, resource.getrlimit(which)[1]), resource.getrlimit(which)[1]))
+                except (ValueError, OSError):
+                    pass
 
     return preexec
 
@@ -314,7 +317,7 @@ def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 51
                 pass_fds=(res_w,), start_new_session=True,
                 preexec_fn=_make_preexec(_limits(timeout_s, memory_mb, max_procs, max_file_mb),
                                          network_isolation() == "netns"))
-        except OSError as e:
+        except (OSError, subprocess.SubprocessError) as e:
             return SandboxResult(False, "error", time.monotonic() - t0, f"could not start the sandbox: {e}")
         finally:
             os.close(res_w)
