@@ -309,3 +309,29 @@ def test_sampling_is_deterministic(tasks):
     assert [e.id for e in task.examples("test", 5)] == [f"test-{i}" for i in range(5)]
     a, b = task.examples("train", 20, seed=7), task.examples("train", 20, seed=7)
     assert [e.id for e in a] == [e.id for e in b] != [e.id for e in task.examples("train", 20, seed=8)]
+
+
+def test_dataset_names_go_through_datasets(monkeypatch):
+    """hf:NAME[:CONFIG] (or a bare owner/name) is read with datasets.load_dataset; faked here (no network)."""
+    import sys
+    import types
+
+    calls = []
+
+    def load_dataset(name, config=None, split=None):
+        calls.append((name, config, split))
+        if name == "cais/mmlu":
+            return [{"question": "2+2?", "subject": "college_mathematics", "choices": ["3", "4"], "answer": 1},
+                    {"question": "Capital?", "subject": "world_religions", "choices": ["a", "b"], "answer": 0}]
+        return [{"question": "Tom has 2 apples and gets 3. How many?", "answer": "2+3=5\n#### 5"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    exs = get_task("gsm8k", path="hf:openai/gsm8k:main").examples("train")
+    assert calls[-1] == ("openai/gsm8k", "main", "train") and exs[0].answer == "5"
+    get_task("gsm8k", path="openai/gsm8k:main").examples("test")
+    assert calls[-1] == ("openai/gsm8k", "main", "test")
+    mm = get_task("mmlu_stem", path="hf:cais/mmlu:all").examples("test")
+    assert [e.answer for e in mm] == ["B"]  # the non-STEM subject is left out
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(UserError, match="needs the `datasets` package"):
+        get_task("gsm8k", path="hf:openai/gsm8k").examples("test")

@@ -149,13 +149,15 @@ def complexity(code: str | None, tests: str = "") -> float:
 def code_components(completion: str, result: SandboxResult | None, tests: str,
                     code: str | None = None) -> dict[str, float]:
     """Table 6, code. `result` is the sandbox run of the program (None when there was none to run); `code` is
-    the program judged for syntax and complexity (default: the code extracted from the completion)."""
-    code = extract_code(completion) if code is None else code
+    the program run (default: the code extracted from the completion). Syntax is judged on the program,
+    complexity on the written code (on the program when the written code is a bare body)."""
+    written = extract_code(completion)
+    program = written if code is None else code
     return {
         "correctness": 1.0 if result is not None and result.passed else 0.0,
-        "complexity": complexity(code, tests),
+        "complexity": complexity(written if parses(written) else program, tests),
         "xml_count": xml_count(completion),
-        "syntax": 1.0 if parses(code) else 0.0,
+        "syntax": 1.0 if parses(program) else 0.0,
         "reasoning_nonempty": nonempty(extract_reasoning(completion)),
     }
 
@@ -255,7 +257,8 @@ class MBPP(CodeTask):
 
 
 class HumanEval(CodeTask):
-    """OpenAI HumanEval. The model writes the whole function; a bare body is appended to the prompt instead."""
+    """OpenAI HumanEval. The model writes the whole function (run after the prompt, so the prompt's imports and
+    helper functions exist); a bare body is appended to the prompt instead."""
 
     name = "humaneval"
     files = {"test": ("humaneval", "HumanEval.jsonl.gz")}
@@ -272,8 +275,8 @@ class HumanEval(CodeTask):
     def program(self, code, example):
         entry = example.meta["entry_point"]
         if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.M):
-            imports = [ln for ln in example.question.splitlines() if re.match(r"(import|from)\s+\w", ln)]
-            return "\n".join(imports) + "\n" + code if imports else code
+            # the prompt (imports, helpers, the docstring-only stub) first; the model's definition replaces the stub
+            return example.question + "\n" + code
         return example.question + code  # a completion of the body
 
     def prompt(self, example, tokenizer=None):

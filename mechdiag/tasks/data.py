@@ -2,7 +2,8 @@
 
 A FileTask knows its default file per split (under the shared data folder), the schemas it accepts, and how one
 record becomes an Example. `--path` overrides the default: a file (used for whichever split is asked), a folder
-(holding the default file names), or `hf:NAME[:CONFIG]` for users online.
+(holding the default file names), or `hf:NAME[:CONFIG]` (or a bare `owner/name` that is not a local path) for
+users online.
 """
 
 from __future__ import annotations
@@ -10,12 +11,15 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
 from mechdiag.errors import UserError
 from mechdiag.paths import shared_path
 from mechdiag.tasks.base import Example, Task
+
+HUB_NAME = re.compile(r"[\w.-]+/[\w-]+(?::[\w.-]+)?")  # owner/name[:config], no file extension
 
 
 def read_records(path: str | Path) -> list[dict]:
@@ -129,6 +133,8 @@ class FileTask(Task):
         if self.path.startswith("hf:"):
             return self.path
         p = Path(self.path).expanduser()
+        if not p.exists() and HUB_NAME.fullmatch(self.path):
+            return "hf:" + self.path  # "owner/name[:config]" that is not a local path: a dataset name
         if p.is_dir():
             p = p / self.files[split][-1]
         if not p.is_file():

@@ -119,8 +119,16 @@ class OpenBookQA(MCQTask):
     hub = "allenai/openbookqa:main"
 
 
+STEM_SUBJECTS = frozenset(
+    "abstract_algebra astronomy college_biology college_chemistry college_computer_science college_mathematics "
+    "college_physics computer_security conceptual_physics electrical_engineering elementary_mathematics "
+    "high_school_biology high_school_chemistry high_school_computer_science high_school_mathematics "
+    "high_school_physics high_school_statistics machine_learning".split())
+
+
 class MMLUStem(MCQTask):
-    """MMLU, the 18 STEM subjects (option `subject` keeps one)."""
+    """MMLU, the 18 STEM subjects (other subjects, e.g. from the hub's "all", are left out; option `subject`
+    keeps one)."""
 
     name = "mmlu_stem"
     files = {"test": ("mmlu_stem", "test.jsonl")}
@@ -131,7 +139,7 @@ class MMLUStem(MCQTask):
 
     def make_example(self, rec, index, split):
         subject = rec.get("type", rec.get("subject"))
-        if self.options.get("subject") not in (None, subject):
+        if self.options.get("subject") not in (None, subject) or (subject and subject not in STEM_SUBJECTS):
             return None
         ex = super().make_example(rec, index, split)
         ex.meta["subject"] = subject
