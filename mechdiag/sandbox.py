@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -321,11 +322,9 @@ def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 51
             return SandboxResult(False, "error", time.monotonic() - t0, f"could not start the sandbox: {e}")
         finally:
             os.close(res_w)
-        try:
-            proc.stdin.write(payload)
-            proc.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
+        # write from a thread: a child that never reads its stdin must not block us past the deadline
+        writer = threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True)
+        writer.start()
         out, result, over, timed_out = _collect(proc, res_r, t0 + timeout_s, max_output)
         _kill_group(proc)
         rc = proc.wait()
@@ -355,6 +354,14 @@ def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 51
     else:
         status = "failed"
     return SandboxResult(False, status, duration, detail or f"exit status {rc}")
+
+
+def _feed(stream, payload: bytes) -> None:
+    try:
+        stream.write(payload)
+        stream.close()
+    except (BrokenPipeError, OSError, ValueError):
+        pass
 
 
 def _collect(proc, res_r: int, deadline: float, max_output: int):
