@@ -13,6 +13,7 @@ bare comma lists: as multisets), or when a restricted, sanitised sympy translati
 from __future__ import annotations
 
 import re
+import warnings
 from fractions import Fraction
 
 UNITS = ("degrees", "degree", "cents", "cent", "dollars", "dollar", "inches", "inch", "feet", "foot", "ft",
@@ -178,18 +179,24 @@ def _sympy_equal(a: str, b: str) -> bool:
     if ta is None or tb is None or len(ta) > 80 or len(tb) > 80:
         return False
     try:
-        from sympy import N
-        from sympy.parsing import sympy_parser as sp
-
-        tr = sp.standard_transformations + (sp.implicit_multiplication_application,)
-        ea, eb = sp.parse_expr(ta, transformations=tr), sp.parse_expr(tb, transformations=tr)
-        names = sorted(ea.free_symbols | eb.free_symbols, key=str)
-        if not names:
-            return _close(N(ea), N(eb))
-        points = [{v: 0.31 + 0.17 * i + 0.53 * k for i, v in enumerate(names)} for k in range(3)]
-        return all(_close(N(ea.subs(p)), N(eb.subs(p))) for p in points)
+        with warnings.catch_warnings():  # sympy deprecation chatter on odd inputs
+            warnings.simplefilter("ignore")
+            return _sympy_values_equal(ta, tb)
     except Exception:  # anything sympy cannot read is simply not shown equal
         return False
+
+
+def _sympy_values_equal(ta: str, tb: str) -> bool:
+    from sympy import N
+    from sympy.parsing import sympy_parser as sp
+
+    tr = sp.standard_transformations + (sp.implicit_multiplication_application,)
+    ea, eb = sp.parse_expr(ta, transformations=tr), sp.parse_expr(tb, transformations=tr)
+    names = sorted(ea.free_symbols | eb.free_symbols, key=str)
+    if not names:
+        return _close(N(ea), N(eb))
+    points = [{v: 0.31 + 0.17 * i + 0.53 * k for i, v in enumerate(names)} for k in range(3)]
+    return all(_close(N(ea.subs(p)), N(eb.subs(p))) for p in points)
 
 
 def equivalent(a: str, b: str) -> bool:
