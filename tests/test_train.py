@@ -157,3 +157,23 @@ def test_cli_bad_module_and_layers(stories260k, cli):
     assert_bad_input(p)
     assert "did you mean v_proj" in p.stderr
     assert_bad_input(cli(*base, "--set", "lora.layers=0-9"))
+
+
+def test_merged_sampler_equals_the_adapted_model(stories260k, tmp_path):
+    from mechdiag.generate import generate
+
+    cfg = C.load(None, small(stories260k, "max_steps=2", "save_every=0", "learning_rate=0.05"))
+    tr = Trainer(cfg, tmp_path / "run")
+    tr.fit()
+    prompts = [tr.task.prompt(ex) for ex in tr.eval_examples[:4]]
+    sampler = tr.sampler()
+    assert sampler is not tr.model
+    with torch.no_grad():
+        ids = tr.tokenizer(prompts[0], return_tensors="pt")["input_ids"]
+        a, b = sampler(ids).logits, tr.model(input_ids=ids).logits
+        with tr.model.disable_adapter():
+            base = tr.model(input_ids=ids).logits
+    assert torch.allclose(a, b, atol=1e-5) and not torch.allclose(a, base, atol=1e-5)  # trained, and merged
+    g1 = generate(sampler, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
+    g2 = generate(tr.model, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
+    assert [g[0].token_ids for g in g1] == [g[0].token_ids for g in g2]

@@ -72,8 +72,10 @@ def reference_context(model, ref_model):
     return model, model.disable_adapter()
 
 
-def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None) -> Rollout:
-    """Sample cfg.group_size completions per example and score them (paper-notes §2)."""
+def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
+    """Sample cfg.group_size completions per example and score them (paper-notes §2).
+
+    `sampler`, if given, decodes in place of `model` (a copy holding the same effective weights)."""
     g = cfg.group_size
     prompts = [task.prompt(ex, tokenizer) for ex in examples]
     rows = [p for p in prompts for _ in range(g)]
@@ -83,7 +85,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
     was_training = model.training
     model.eval()
     try:
-        c_ids, c_mask, trunc = sample_tokens(model, p_ids, p_mask, max_new_tokens=cfg.max_completion_tokens,
+        c_ids, c_mask, trunc = sample_tokens(sampler or model, p_ids, p_mask, max_new_tokens=cfg.max_completion_tokens,
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
                                              temperature=cfg.temperature, top_p=cfg.top_p, gen=gen)
         c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd

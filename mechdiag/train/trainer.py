@@ -57,17 +57,28 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     return model, tok
 
 
+def frozen_copy(model):
+    out = copy.deepcopy(model).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
 def prepare_model(cfg: Config):
-    """(model, tokenizer, ref_model): LoRA wraps the model (ref = adapter disabled); full FT keeps a frozen copy."""
+    """(model, tokenizer, ref_model, sampler).
+
+    LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
+    frozen copy as the reference. `sampler` (LoRA with cfg.merged_sampler only) is an adapter-free copy of the
+    base into which the effective weights are written before each rollout and eval, because plain layers decode
+    faster; it is None otherwise and the model samples itself.
+    """
     from mechdiag.train.lora import apply_lora
 
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
     if cfg.lora.enabled:
-        return apply_lora(model, cfg.lora), tok, None
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return model, tok, ref
+        sampler = frozen_copy(model) if cfg.merged_sampler else None
+        return apply_lora(model, cfg.lora), tok, None, sampler
+    return model, tok, frozen_copy(model), None
 
 
 def make_scheduler(opt, cfg: Config, total_updates: int):
@@ -76,6 +87,16 @@ def make_scheduler(opt, cfg: Config, total_updates: int):
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
                          num_training_steps=total_updates)
+
+
+def auto_threads() -> int:
+    """All cores, less those other processes keep busy: oversubscribed OpenMP threads spin and run 10x slower."""
+    n = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, min(n, n - busy))
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -105,12 +126,11 @@ def get_task(name: str, path: str | None, options: dict):
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.run = RunDir(out_dir, create=True)
-        self.model, self.tokenizer, self.ref_model = prepare_model(cfg)
+        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
         self.device = next(self.model.parameters()).device
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
         self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
@@ -141,8 +161,18 @@ class Trainer:
         self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
         if cfg.record.shift_at_eval:
             self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
-        self.hooks += [H.Checkpointer(cfg.save_every), H.ProgressBar()]
+        self.hooks.append(H.ProgressBar())
         self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
+        self.checkpointer = H.Checkpointer(cfg.save_every)
+
+    def sampler(self):
+        """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
+        if self._sampler is None:
+            return self.model
+        from mechdiag.train.lora import merge_into
+
+        merge_into(self.model, self._sampler)
+        return self._sampler
 
     # ---- data -----------------------------------------------------------------------------------------
     def batch(self, step: int) -> list:
@@ -167,7 +197,7 @@ class Trainer:
     @torch.inference_mode()
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
         """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, tok, model = self.cfg, self.tokenizer, self.model
+        cfg, tok, model = self.cfg, self.tokenizer, self.sampler()
         was = model.training
         model.eval()
         eos, pad = eos_ids(model, tok), pad_id(tok)
@@ -207,7 +237,7 @@ class Trainer:
         from mechdiag.generate import generate
 
         k_list = [k for k in cfg.pass_k if k <= n]
-        groups = generate(self.model, self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
+        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
                           top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
                           seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
         cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
@@ -226,7 +256,8 @@ class Trainer:
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step))
-        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model)
+        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model,
+                       sampler=self.sampler())
         t_roll = time.perf_counter() - t0
         model.train()
         micro = cfg.prompts_per_step * cfg.group_size
@@ -346,6 +377,7 @@ class Trainer:
                 H.call(self.hooks, "on_step_end", self, step, metrics, roll)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
+                self.checkpointer.on_step_end(self, step, metrics, roll)
             last_eval = self._eval(self.total_steps)  # the final model, not the best checkpoint
             self._save_weights(self.run.final)
             self.tokenizer.save_pretrained(self.run.final)
