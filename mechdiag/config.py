@@ -135,7 +135,8 @@ class Config(_Strict):
     pass_k: list[int] = Field(default_factory=lambda: [1])
     save_every: int = Field(20, ge=0)
     max_bad_steps: int = Field(5, ge=1)  # non-finite updates in a row before the run stops
-    threads: int | None = Field(None, ge=1)
+    merged_sampler: bool = True  # LoRA: decode with a merged adapter-free copy (faster; one more copy of weights)
+    threads: int | None = Field(None, ge=1)  # torch threads; None = the cores not already busy (2 when idle)
     hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
 
     @model_validator(mode="after")
