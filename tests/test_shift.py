@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import mechdiag
 from mechdiag.cli import main
@@ -320,6 +320,8 @@ def test_bad_input(tmp_path, tiny, stories260k, adapter):
     nofield.write_text('{"text": "hi"}\n')
     vocab = save(tiny_llama(vocab=600), tmp_path / "vocab600")
     deeper = save(tiny_llama(n_layers=4), tmp_path / "deeper")
+    gpt2 = save(GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=3, n_head=4, n_positions=128)),
+                tmp_path / "gpt2")
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copy(tiny["base"] / "config.json", pickled / "config.json")
@@ -327,6 +329,7 @@ def test_bad_input(tmp_path, tiny, stories260k, adapter):
     cases = [
         ((tiny["base"], vocab, "--prompts", good), "vocabulary"),
         ((tiny["base"], deeper, "--prompts", good), "number of layers"),
+        ((tiny["base"], gpt2, "--prompts", good), "architecture"),
         ((tiny["base"], stories260k, "--prompts", good), "differ"),
         ((tiny["base"], pickled, "--prompts", good), "pickle"),
         ((tiny["base"], tiny["tuned"], "--prompts", tmp_path / "missing.txt"), "not found"),
