@@ -208,8 +208,14 @@ def test_bootstrap_interval():
     assert lo[0] == pytest.approx(0.3) and hi[0] == pytest.approx(0.3)
 
 
-def test_lazy_api():
+def test_lazy_api_and_probe_file(tmp_path, tiny):
     assert mechdiag.shift is shift
+    probe = tmp_path / "p.jsonl"
+    probe.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    from_file = mechdiag.shift(tiny["base"], tiny["tuned"], probe)
+    np.testing.assert_allclose(from_file["shift"], shift(tiny["base"], tiny["tuned"], PROMPTS[:3])["shift"])
+    with pytest.raises(mechdiag.errors.UserError, match="list of strings"):
+        mechdiag.shift(tiny["base"], tiny["tuned"], str(probe))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
