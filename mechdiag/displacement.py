@@ -105,7 +105,8 @@ def _pow2_floor(w: torch.Tensor) -> torch.Tensor:
 
 def _count(x: torch.Tensor) -> int:
     """Sum of a 0/1 float32 tensor; float32 sums of ones are exact below 2^24 elements."""
-    return int(x.sum() if x.numel() < (1 << 24) else x.sum(dtype=_F64))
+    total = float(x.sum() if x.numel() < (1 << 24) else x.sum(dtype=_F64))
+    return int(total) if math.isfinite(total) else 0  # NaN weights: the row is flagged nonfinite anyway
 
 
 def _change_counts(d: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
