@@ -11,9 +11,11 @@ Each side's tensor is dense + sum of LoRA terms s*B@A. Dense parts are streamed 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable
@@ -103,19 +105,40 @@ def _pow2_floor(w: torch.Tensor) -> torch.Tensor:
 
 def _count(x: torch.Tensor) -> int:
     """Sum of a 0/1 float32 tensor; float32 sums of ones are exact below 2^24 elements."""
-    return int(x.sum() if x.numel() < (1 << 24) else x.sum(dtype=_F64))
+    total = float(x.sum() if x.numel() < (1 << 24) else x.sum(dtype=_F64))
+    return int(total) if math.isfinite(total) else 0  # NaN weights: the row is flagged nonfinite anyway
 
 
 def _change_counts(d: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
     """(entries changed, entries with |d| < one bf16 ULP of w, zeros included); overwrites d. Counted as sums of
-    sign() in float32: several times faster on CPU than count_nonzero or bool sums."""
+    sign() in float32 into a reused buffer: several times faster on CPU than count_nonzero or bool sums."""
     x = d.abs_()
-    changed = _count(torch.sign(x))
-    below = _count(torch.addcmul(_pow2_floor(w), x, _MINUS_128).sign_().clamp_(min=0))  # sign(2^e - 128|d|) > 0
+    t = _scratch(2, x.numel()).view(x.shape)
+    changed = _count(torch.sign(x, out=t))
+    torch.bitwise_and(w.view(torch.int32), 0x7F800000, out=t.view(torch.int32))  # 2^floor(log2|w|), see _pow2_floor
+    below = _count(t.clamp_min_(1.1754944e-38).add_(x, alpha=-128.0).sign_().clamp_(min=0))  # 2^e - 128|d| > 0
     return changed, below
 
 
-_MINUS_128 = torch.tensor(-128.0)
+_TLS = threading.local()
+
+
+def _scratch(slot: int, n: int) -> torch.Tensor:
+    """A float32 buffer of n elements, one per (thread, slot), reused chunk after chunk: fresh allocations of
+    megabytes cost page faults on every chunk."""
+    bufs = getattr(_TLS, "bufs", None)
+    if bufs is None:
+        bufs = _TLS.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = bufs[slot] = torch.empty(max(n, CHUNK_ELEMS), dtype=torch.float32)
+    return buf[:n]
+
+
+def _as_f32(x: torch.Tensor, slot: int) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return x
+    return _scratch(slot, x.numel()).view(x.shape).copy_(x)
 
 
 def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool = False,
@@ -142,14 +165,14 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     need_dense_spectral = spectral and not same_dense and len(shape) == 2
     for start in range(0, max(rows, 1), step):
         stop = min(start + step, rows)
-        a = files.read(ea.dense, start, stop).to(torch.float32)  # a view of the file when it is float32: read only
+        a = _as_f32(files.read(ea.dense, start, stop), 0)  # a view of the file when it is float32: read only
         ref_sq += _sumsq(a)
         if ref_cross is not None:
             ref_cross += ref_lr[0][start:stop].T @ a.to(_F64)
         if same_dense:
             continue
         b = files.read(eb.dense, start, stop)
-        d = torch.sub(b if b.dtype in (torch.bfloat16, torch.float32) else b.float(), a)  # float32: cast, subtract
+        d = _scratch(1, a.numel()).view(a.shape).copy_(b).sub_(a)  # float32: cast before subtracting
         dense_sq += _sumsq(d)
         if delta_cross is not None:
             delta_cross += delta_lr[0][start:stop].T @ d.to(_F64)
@@ -248,20 +271,31 @@ def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, in
     sizes = [max(1, math.prod(files.shape(side_a.entries[n].dense))) for n in names]
     total, done = sum(sizes), 0
     workers = workers or max(1, min(2, os.cpu_count() or 1))
+    with single_thread():
+        pool = ThreadPoolExecutor(workers)
+        try:
+            futures = [pool.submit(tensor_row, files, n, side_a.entries[n], side_b.entries[n], spectral)
+                       for n in names]
+            out = []
+            for fut, size in zip(futures, sizes, strict=True):
+                out.append(fut.result())
+                done += size
+                if progress is not None:
+                    progress(done, total)
+            return out
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch ops on the calling thread only. The low-rank algebra is r x r work, and on a busy machine
+    intra-op threads stall at their barriers: a 16 x 4864 Gram takes 60 ms with 2 threads, 0.2 ms with 1."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    pool = ThreadPoolExecutor(workers)
     try:
-        futures = [pool.submit(tensor_row, files, n, side_a.entries[n], side_b.entries[n], spectral) for n in names]
-        out = []
-        for fut, size in zip(futures, sizes, strict=True):
-            out.append(fut.result())
-            done += size
-            if progress is not None:
-                progress(done, total)
-        return out
+        yield
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads)
 
 
@@ -350,6 +384,11 @@ def _base_sumsq(w: torch.Tensor) -> float:
 def lora_rows(model) -> list[dict]:
     """One row per LoRA-wrapped weight of an in-memory PEFT model: reference = base weight, tuned = base + the
     active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged."""
+    with torch.no_grad(), single_thread():
+        return _lora_rows(model)
+
+
+def _lora_rows(model) -> list[dict]:
     rows = []
     for path, mod in model.named_modules():
         if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):

@@ -434,3 +434,33 @@ def test_api_errors_are_user_errors(pair):
     with pytest.raises(UserError, match="by must be"):
         disp(*pair, by="row")
     assert isinstance(mechdiag.displacement(*pair), pd.DataFrame)
+
+
+def test_progress_and_workers_do_not_change_rows(pair):
+    from mechdiag.displacement import compare
+
+    seen = []
+    one = compare(*pair, workers=1, progress=lambda done, total: seen.append((done, total)))
+    two = compare(*pair, workers=2)
+    assert one == two
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == seen[-1][1]
+    assert len(seen) == len(one)
+
+
+@pytest.mark.parametrize("family,cfg,n_rows", [
+    ("gpt2", dict(r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"], fan_in_fan_out=True), 4),
+    ("llama", dict(r=2, lora_alpha=2, target_modules=["embed_tokens", "v_proj"], use_rslora=True), 3),
+])
+def test_lora_rows_transposed_layers_match_checkpoint(tmp_path, family, cfg, n_rows):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(2)
+    model = get_peft_model(build(family), LoraConfig(init_lora_weights=False, **cfg))
+    rows = lora_rows(model)
+    base = save(build(family), tmp_path / "base")  # same seed: the same base weights
+    model.save_pretrained(tmp_path / "ad")
+    ck = disp(base, tmp_path / "ad").set_index("name")
+    assert len(rows) == n_rows
+    for r in rows:
+        assert _rel(r["delta_fro"], ck.loc[r["name"], "delta_fro"]) < 1e-9 and r["delta_fro"] > 0
+        assert _rel(r["ref_fro"], ck.loc[r["name"], "ref_fro"]) < 1e-8
