@@ -4,8 +4,11 @@ Deterministic (fixed seed, fixed thread count, one data order). It checks held-o
 500 arith test problems as it trains and stops once it lands inside the target band, so GRPO has room to improve
 it. The result (weights, tokenizer, base_card.json) goes to mechdiag/assets/arith-base by default.
 
-    python scripts/make_base.py                 # the shipped base
-    python scripts/make_base.py --out /tmp/b    # try settings elsewhere
+    python scripts/make_base.py --out /tmp/b    # try settings elsewhere (default out: the bundled asset)
+
+The shipped base is made in two stages (the exact commands are in base_card.json): clean SFT stopped at ~30%,
+then SFT from it on a mixture where most 3-step chains stop after step 2, a habit that lowers greedy accuracy
+while the right completion keeps a good share of the samples, so GRPO has a clear, quick thing to fix.
 """
 
 from __future__ import annotations
@@ -45,6 +48,12 @@ def parse_args(argv=None):
     p.add_argument("--band", type=float, nargs=2, default=[0.30, 0.45], help="stop once greedy accuracy is in here")
     p.add_argument("--noise", type=float, default=0.0,
                    help="fraction of training chains with one arithmetic slip (the answer follows the slip)")
+    p.add_argument("--skip-last", type=float, default=0.0,
+                   help="fraction of training chains that stop one step early and answer that intermediate value")
+    p.add_argument("--skip-min-steps", type=int, default=2,
+                   help="--skip-last only applies to problems with at least this many steps")
+    p.add_argument("--init", default=None, help="start from this saved model (a previous make_base output)")
+    p.add_argument("--min-steps", type=int, default=0, help="do not stop before this many steps")
     p.add_argument("--threads", type=int, default=1, help="1 is fastest on a shared CPU")
     p.add_argument("--n-train", type=int, default=100_000)
     return p.parse_args(argv)
@@ -64,6 +73,23 @@ def corrupt(example, rng: random.Random) -> str:
             value += rng.choice([-2, -1, 1, 2])
         out.append(f"{a}{op}{b}={value}")
     return f"<reasoning>{';'.join(out)}</reasoning><answer>{value}</answer>"
+
+
+def skip_last(example, min_steps: int = 2) -> str:
+    """A chain that stops one step early (a 'gives up before the last step' habit GRPO can unlearn)."""
+    steps = example.meta["reasoning"].split(";")
+    if len(steps) < max(2, min_steps):
+        return example.meta["gold_completion"]
+    return f"<reasoning>{';'.join(steps[:-1])}</reasoning><answer>{steps[-2].split('=')[1]}</answer>"
+
+
+def training_completion(example, rng: random.Random, args) -> str:
+    u = rng.random()
+    if u < args.skip_last:
+        return skip_last(example, args.skip_min_steps)
+    if u < args.skip_last + args.noise:
+        return corrupt(example, rng)
+    return example.meta["gold_completion"]
 
 
 def encode(tok, task, examples, completions):
@@ -104,6 +130,13 @@ def evaluate(model, tok, task, examples, samples: int = 1, temperature: float = 
             "sample_format_rate": sum(format_ok(c) for c in comps) / len(comps)}
 
 
+def _card_of(folder):
+    if not folder or not (Path(folder) / "base_card.json").exists():
+        return None
+    card = json.loads((Path(folder) / "base_card.json").read_text())
+    return {k: card[k] for k in ("command", "seed", "steps", "heldout_greedy_accuracy") if k in card}
+
+
 def main(argv=None):
     args = parse_args(argv)
     t0 = time.time()
@@ -118,14 +151,18 @@ def main(argv=None):
     test = task.examples("test", 500)
     train = task.examples("train", args.n_train, seed=args.seed)
     rng = random.Random(args.seed)
-    comps = [corrupt(ex, rng) if rng.random() < args.noise else ex.meta["gold_completion"] for ex in train]
+    comps = [training_completion(ex, rng, args) for ex in train]
     rows = encode(tok, task, train, comps)
 
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.ffn,
                       num_hidden_layers=args.layers, num_attention_heads=args.heads,
                       num_key_value_heads=args.heads, max_position_embeddings=512, tie_word_embeddings=True,
                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg)
+    model = LlamaForCausalLM.from_pretrained(args.init) if args.init else LlamaForCausalLM(cfg)
+    if args.init:  # the architecture is the init's; record it, not the unused flags
+        c = model.config
+        args.hidden, args.layers, args.heads, args.ffn = (c.hidden_size, c.num_hidden_layers,
+                                                          c.num_attention_heads, c.intermediate_size)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"params {n_params:,}  train rows {len(rows):,}  prep {time.time() - t0:.0f}s", flush=True)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.98))
@@ -155,7 +192,7 @@ def main(argv=None):
             history.append({"step": step, "loss": round(loss.item(), 4), **m})
             print(f"step {step} loss {loss.item():.3f} acc {m['accuracy']:.3f} fmt {m['format_rate']:.2f} "
                   f"len {m['mean_completion_tokens']:.1f}  {time.time() - t0:.0f}s", flush=True)
-            if args.band[0] <= m["accuracy"] <= args.band[1]:
+            if step >= args.min_steps and args.band[0] <= m["accuracy"] <= args.band[1]:
                 result = m
                 break
     if result is None:
@@ -177,6 +214,7 @@ def main(argv=None):
     card = {
         "command": "python scripts/make_base.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "args": {k: v for k, v in vars(args).items() if k != "out"},
+        "init_card": _card_of(args.init),
         "seed": args.seed, "steps": step, "params": n_params, "task": "arith", "difficulty": 2,
         "eval": "greedy on arith test[:500], max_new_tokens 64",
         "heldout_greedy_accuracy": result["accuracy"], "format_rate": result["format_rate"],
