@@ -395,6 +395,7 @@ class Trainer:
         try:
             if self.base_eval is None:
                 self.base_eval = {"step": 0, **self._eval(0)}
+            t_train = time.perf_counter()
             for step in range(self.step + 1, self.total_steps + 1):
                 metrics, roll = self.train_step(step)
                 self.step = step
@@ -402,10 +403,15 @@ class Trainer:
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
                 self.checkpointer.on_step_end(self, step, metrics, roll)
-            last_eval = self._eval(self.total_steps)  # the final model, not the best checkpoint
+                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
+                        and step < self.total_steps:
+                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
+                                  f"{self.total_steps}", stacklevel=2)
+                    break
+            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
             self._save_weights(self.run.final)
             self.tokenizer.save_pretrained(self.run.final)
-            summary = {"steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
                        "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
