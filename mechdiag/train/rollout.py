@@ -84,16 +84,17 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
     prompts = [task.prompt(ex, tokenizer) for ex in examples]
     rows = [p for p in prompts for _ in range(g)]
     device = next(model.parameters()).device
-    p_ids, p_mask = encode_prompts(tokenizer, rows, cfg.max_prompt_tokens)
-    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+    u_ids, u_mask = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
+    u_ids, u_mask = u_ids.to(device), u_mask.to(device)
+    p_ids, p_mask = u_ids.repeat_interleave(g, 0), u_mask.repeat_interleave(g, 0)
     was_training = model.training
     model.eval()
     try:
         ent, lps = [], []
-        c_ids, c_mask, trunc = sample_tokens(sampler or model, p_ids, p_mask, max_new_tokens=cfg.max_completion_tokens,
+        c_ids, c_mask, trunc = sample_tokens(sampler or model, u_ids, u_mask, max_new_tokens=cfg.max_completion_tokens,
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
                                              temperature=cfg.temperature, top_p=cfg.top_p, gen=gen, entropy=ent,
-                                             logprobs=lps)
+                                             logprobs=lps, repeat=g)
         c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd
         lengths = c_mask.sum(-1).tolist()
         texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)

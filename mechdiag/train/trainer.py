@@ -411,8 +411,8 @@ class Trainer:
             last_eval = self._eval(self.step)  # the final model, not the best checkpoint
             self._save_weights(self.run.final)
             self.tokenizer.save_pretrained(self.run.final)
-            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
-                       "task": cfg.task.name, "eval_n": len(self.eval_examples),
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
+                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
                        "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
