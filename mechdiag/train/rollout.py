@@ -64,9 +64,29 @@ def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mas
 
 
 @torch.inference_mode()
-def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
-    logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-    return obj.token_logprobs(logits, r.completion_ids, temperature)
+def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
+    """Token log-probs of the completions under `model` (no grad). Rows come in groups of `group_size` sharing
+    one prompt, so each prompt is run once and its KV cache serves the group's completions."""
+    from transformers import DynamicCache
+
+    from mechdiag.generate import cache_kw
+
+    g, t = group_size, r.completion_ids.size(1)
+    if g == 1 or t == 1:
+        logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+        return obj.token_logprobs(logits, r.completion_ids, temperature)
+    u_ids, u_mask = r.prompt_ids[::g], r.prompt_mask[::g]
+    pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    kv = {cache_kw(model): cache}
+    first = model(input_ids=u_ids, attention_mask=u_mask, position_ids=pos, use_cache=True, logits_to_keep=1,
+                  **kv).logits[:, -1:, :].repeat_interleave(g, 0)
+    cache.batch_repeat_interleave(g)
+    attn = torch.cat([r.prompt_mask, r.completion_mask[:, :-1]], dim=1)
+    c_pos = pos[:, -1:].repeat_interleave(g, 0) + 1 + torch.arange(t - 1, device=pos.device)[None, :]
+    rest = model(input_ids=r.completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
+                 **kv).logits
+    return obj.token_logprobs(torch.cat([first, rest], dim=1), r.completion_ids, temperature)
 
 
 def reference_context(model, ref_model):
@@ -114,10 +134,10 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
                     [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
                     sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
         if cfg.num_iterations > 1:
-            r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
+            r.old_logp = sequence_logprobs(model, r, cfg.temperature, g).clone()
         ref, ctx = reference_context(model, ref_model)
         with ctx:
-            r.ref_logp = sequence_logprobs(ref, r, cfg.temperature).clone()
+            r.ref_logp = sequence_logprobs(ref, r, cfg.temperature, g).clone()
     finally:
         model.train(was_training)
     return r
