@@ -214,3 +214,12 @@ def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):
     assert torch.allclose(shared[m], full[m], atol=1e-5)
     assert torch.allclose(roll.ref_logp[m], full[m], atol=1e-5)  # adapter still zero: reference = policy
     assert torch.allclose(roll.sample_logp[m], full[m], atol=1e-4)  # decode-time log-probs agree too
+
+
+def test_time_budget_stops_early_and_evaluates_the_last_model(stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=5", "save_every=0", "max_time_s=0.001"))
+    with pytest.warns(UserWarning, match="max_time_s"):
+        run = train(cfg, tmp_path / "run")
+    s = run.summary()
+    assert s["steps"] == 1 and s["planned_steps"] == 5
+    assert [e["step"] for e in run.read("eval")] == [0, 1]
