@@ -101,17 +101,17 @@ class Config(_Strict):
 
     # GRPO (paper-notes §2)
     group_size: int = Field(8, ge=2)
-    prompts_per_step: int = Field(16, ge=1)
+    prompts_per_step: int = Field(32, ge=1)
     grad_accum: int = Field(1, ge=1)
     epsilon: float = Field(0.2, ge=0, le=1)
     epsilon_high: float | None = Field(None, ge=0, le=10)  # None = epsilon (symmetric clip)
-    beta: float = Field(0.005, ge=0)
+    beta: float = Field(0.0, ge=0)
     num_iterations: int = Field(1, ge=1)
     loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
 
     # optimisation
-    learning_rate: float = Field(2e-3, gt=0, le=1)
+    learning_rate: float = Field(1e-3, gt=0, le=1)
     lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
@@ -122,13 +122,14 @@ class Config(_Strict):
     # sampling
     temperature: float = Field(1.0, gt=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_prompt_tokens: int = Field(64, ge=1)
+    max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
     # schedule
     seed: int = 42
-    max_steps: int | None = Field(60, ge=1)
+    max_steps: int | None = Field(100, ge=1)
     epochs: float | None = Field(None, gt=0)
+    max_time_s: float | None = Field(240, gt=0)  # stop training after this many seconds (null = no limit)
     eval_every: int = Field(0, ge=0)  # 0 = only at start and end
     eval_n: int = Field(500, ge=1)
     eval_samples: int = Field(1, ge=1)  # completions per eval problem for pass@k
@@ -155,7 +156,8 @@ class Config(_Strict):
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
 _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
            "lr_schedule": "cosine", "max_grad_norm": 0.1, "temperature": 0.8, "epsilon": 0.2,
-           "max_prompt_tokens": 256, "max_completion_tokens": 512, "eval_every": 100, "max_steps": None}
+           "max_prompt_tokens": 256, "max_completion_tokens": 512, "eval_every": 100, "max_steps": None,
+           "max_time_s": None}
 PRESETS: dict[str, dict[str, Any]] = {
     "math": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
              "beta": 0.005, "task": {"name": "gsm8k"},

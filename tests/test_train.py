@@ -177,3 +177,49 @@ def test_merged_sampler_equals_the_adapted_model(stories260k, tmp_path):
     g1 = generate(sampler, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
     g2 = generate(tr.model, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
     assert [g[0].token_ids for g in g1] == [g[0].token_ids for g in g2]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_zero_advantage_rows_skipped_exactly_when_beta_is_zero(stories260k, tmp_path, loss_type):
+    from mechdiag.train.rollout import collect, policy_logits
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "beta=0", f"loss_type={loss_type}", "group_size=2",
+                             "prompts_per_step=4", "task.name=tests.toy:Half"))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    assert 0 < int((roll.advantages == 0).sum()) < len(roll)  # some groups carry no signal
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
+    fast = torch.autograd.grad(loss, params)
+    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
+    full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask, loss_type=loss_type)
+    slow = torch.autograd.grad(full, params)
+    assert loss.item() == pytest.approx(full.item(), abs=1e-7)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):
+    from mechdiag.train.rollout import collect, policy_logits, sequence_logprobs
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "group_size=3", "prompts_per_step=3"))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    shared = sequence_logprobs(tr.model, roll, cfg.temperature, group_size=3)
+    with torch.no_grad():
+        logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    full = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
+    m = roll.completion_mask.bool()
+    assert torch.allclose(shared[m], full[m], atol=1e-5)
+    assert torch.allclose(roll.ref_logp[m], full[m], atol=1e-5)  # adapter still zero: reference = policy
+    assert torch.allclose(roll.sample_logp[m], full[m], atol=1e-4)  # decode-time log-probs agree too
+
+
+def test_time_budget_stops_early_and_evaluates_the_last_model(stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=5", "save_every=0", "max_time_s=0.001"))
+    with pytest.warns(UserWarning, match="max_time_s"):
+        run = train(cfg, tmp_path / "run")
+    s = run.summary()
+    assert s["steps"] == 1 and s["planned_steps"] == 5
+    assert [e["step"] for e in run.read("eval")] == [0, 1]
