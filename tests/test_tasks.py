@@ -170,9 +170,11 @@ def test_mcq_answer_forms():
     labels, options = ["A", "B", "C", "D"], ["red", "blue", "green", "a cat"]
     for written in ["B", "b", "(B)", "B.", "B) blue", "Answer: B", "The answer is B", "blue", " B "]:
         assert pick_option(written, labels, options) == "B", written
-    for written in ["Z", "", "a cat sat", "maybe", None]:
+    for written in ["Z", "", "a cat sat", "maybe", None, "A B C D", "B or C", "(B), (C)"]:
         assert pick_option(written, labels, options) is None, written
     assert pick_option("a cat", labels, options) == "D"
+    assert pick_option("D) a cat", labels, options) == "D"
+    assert pick_option("B because it is blue", labels, options) == "B"
 
 
 def test_mcq_hub_schema(tmp_path):

@@ -21,7 +21,8 @@ _LEAD = re.compile(r"^\W*(?:(?:the\s+)?(?:correct\s+|final\s+)?(?:answer|option|
 
 
 def pick_option(block: str | None, labels: list[str], options: list[str]) -> str | None:
-    """The label an answer block names: 'B', '(B)', 'B.', 'B) text', 'Answer: B', or an option's exact text."""
+    """The label an answer block names: 'B', '(B)', 'B.', 'B) text', 'Answer: B', or an option's exact text.
+    A block naming further labels after the first ('A B C D', 'B or C') names none."""
     if block is None:
         return None
     s = block.strip()
@@ -33,6 +34,11 @@ def pick_option(block: str | None, labels: list[str], options: list[str]) -> str
         lab = m.group(1)
         for cand in (lab, lab.upper()):
             if cand in labels and (len(rest) <= 3 or cand == lab):
+                after = rest[m.end():].strip(" .:)-\n").lower()
+                if after and not options[labels.index(cand)].lower().startswith(after[:40]):
+                    others = set(re.findall(r"\b([A-Z0-9])\b", rest[m.end():])) & (set(labels) - {cand})
+                    if others:  # "A B C D", "B, or maybe C": hedging over options names no single one
+                        return None
                 return cand
     flat = s.lower().rstrip(".").strip()
     for lab, opt in zip(labels, options, strict=True):
