@@ -7,6 +7,7 @@ import itertools
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -272,24 +273,45 @@ def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
     assert not list(out.glob(".*partial"))
 
 
-def test_cli_table_json_and_bad_input(stories260k, adapters, tmp_path, cli):
-    out = tmp_path / "cli"
-    args = ["eval", str(stories260k), "--adapter", f"a@1={adapters[0]}", "--adapter", f"a@2={adapters[1]}",
-            "--task", "arith", "--split", "ood_steps", "--n", "2", "--k", "1,2", "--samples", "2",
-            "--max-new-tokens", "8", "--threads", "1", "--out", str(out)]
-    proc = cli(*args, "--format", "json")
-    assert proc.returncode == 0, proc.stderr
-    rows = json.loads(proc.stdout)
-    assert {r["model"] for r in rows} == {"base", "a"} and {r["benchmark"] for r in rows} == {"arith/ood_steps"}
-    assert {"accuracy", "pass@1", "pass@2", "maj@2", "format_rate", "truncation_rate"} <= {r["metric"] for r in rows}
-    assert rows == read_jsonl(out / "eval_benchmarks.jsonl")
-    assert "Traceback" not in proc.stderr
-    # bad input: one line, exit 2, nothing written (one as a user runs it, the rest in-process for speed)
-    assert_bad_input(cli("eval", str(stories260k), "--task", "gsm9k", "--out", str(tmp_path / "bad")))
+def test_streams_chunk_by_chunk_and_full_models(stories260k, tmp_path):
+    """Completions leave in chunks of batch_size // samples problems; a full model folder is a tuned column too."""
+    from mechdiag.train.trainer import load_model
+
+    model, tok = load_model(str(stories260k))
+    bench = E.load_benchmarks([("arith", "ood_numbers")], 6)[0]
+    calls = []
+    s = E.Settings(ks=[1, 3], samples=3, max_new_tokens=6, batch_size=6).check()
+    m = E.evaluate_model(model, tok, bench, s, write=calls.append)
+    assert [len(c) for c in calls] == [2 * (1 + 3)] * 3  # 2 problems per chunk, greedy + 3 samples each
+    assert m["truncation_rate"] == 1.0 and m["completion_length"] == 6.0  # stories260K never writes an EOS here
+    res = _run(stories260k, [E.Tuned("copy", "copy", stories260k, "full")], tmp_path / "full",
+               tasks=("arith/ood_numbers",))
+    recs = read_jsonl(res.samples_path)
+    assert [r["completion"] for r in recs if r["model"] == "copy"] == [r["completion"] for r in recs
+                                                                       if r["model"] == "base"]
+    assert all(r["status"] in ("same", None) for r in res.rows if r["model"] == "copy")
+
+
+def test_cli_json_and_bad_input(stories260k, adapters, tmp_path, cli):
     from click.testing import CliRunner
 
     from mechdiag.cli import main
 
+    out = tmp_path / "cli"
+    args = ["eval", str(stories260k), "--adapter", f"a@1={adapters[0]}", "--adapter", f"a@2={adapters[1]}",
+            "--task", "arith", "--split", "ood_steps", "--n", "2", "--k", "1,2", "--samples", "2",
+            "--max-new-tokens", "8", "--out", str(out), "--format", "json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, (res.stderr, res.exception)
+    rows = json.loads(res.stdout)
+    assert {r["model"] for r in rows} == {"base", "a"} and {r["benchmark"] for r in rows} == {"arith/ood_steps"}
+    assert {"accuracy", "pass@1", "pass@2", "maj@2", "format_rate", "truncation_rate"} <= {r["metric"] for r in rows}
+    assert rows == read_jsonl(out / "eval_benchmarks.jsonl")
+    res = CliRunner().invoke(main, [*args[:-1], "csv"])
+    assert res.exit_code == 0 and res.stdout.splitlines()[0].startswith("step,benchmark,metric,model,value,std,n")
+    assert len(res.stdout.splitlines()) == len(rows) + 1
+    # bad input: one line, exit 2, nothing written (one as a user runs it, the rest in-process for speed)
+    assert_bad_input(cli("eval", str(stories260k), "--task", "gsm9k", "--out", str(tmp_path / "bad")))
     wrong = tmp_path / "wrong.jsonl"
     wrong.write_text(json.dumps({"prompt": "2+2?", "solution": "4"}) + "\n")
     for extra, words in [(["--task", "gsm9k"], "unknown task 'gsm9k'"),
@@ -302,3 +324,33 @@ def test_cli_table_json_and_bad_input(stories260k, adapters, tmp_path, cli):
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], (extra, res.stderr, res.exception)
     assert not (tmp_path / "bad").exists()
+
+
+def test_end_to_end_bundled_base_vs_trained_adapter(tmp_path, cli):
+    """Train a LoRA adapter on the bundled base for a few steps, then `mechdiag eval` it on the arith OOD splits."""
+    from safetensors.torch import load_file
+
+    from mechdiag import config as C
+    from mechdiag.train.trainer import train
+
+    cfg = C.load(None, ["max_steps=3", "group_size=4", "prompts_per_step=4", "eval_n=4", "threads=1",
+                        "lr_schedule=constant", "warmup_ratio=0", "record.displacement_every=0",
+                        "record.shift_at_eval=false", "save_every=0"])
+    run = train(cfg, tmp_path / "run")
+    lora_b = [v for k, v in load_file(run.final / "adapter_model.safetensors").items() if "lora_B" in k]
+    assert any(float(v.abs().max()) > 0 for v in lora_b)  # the adapter moved
+    proc = cli("eval", "bundled", "--adapter", str(run.path), "--task", "arith/test,arith/ood_steps,arith/ood_numbers",
+               "--n", "6", "--k", "1,3", "--samples", "3", "--max-new-tokens", "48", "--threads", "1",
+               "--out", str(run.path))
+    assert proc.returncode == 0, proc.stderr
+    head = proc.stdout.splitlines()[0].split()
+    assert head == ["benchmark", "metric", "base", "run"], proc.stdout
+    # 3 benchmarks x (accuracy, pass@1, pass@3, maj@3) configurations are counted
+    assert re.search(r"^run: \d+ of 12 benchmark-metric configurations improve", proc.stdout, re.M), proc.stdout
+    rows = run.read("eval_benchmarks")  # in the training run's directory, where the report reads it
+    assert {r["benchmark"] for r in rows} == {"arith/test", "arith/ood_steps", "arith/ood_numbers"}
+    assert {r["model"] for r in rows} == {"base", "run"}
+    base = {(r["benchmark"], r["metric"]): r["value"] for r in rows if r["model"] == "base"}
+    assert all(0.0 <= base[(b, m)] <= 1.0 for b, m in base if m not in ("completion_length", "entropy"))
+    assert base[("arith/test", "format_rate")] > 0.5  # the bundled base writes the tags
+    assert base[("arith/test", "pass@3")] >= base[("arith/test", "pass@1")]
