@@ -618,23 +618,30 @@ def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
 
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,
-             dtype: str = "float32", progress=None) -> Result:
-    """Evaluate the base and every tuned model on every benchmark; write the run directory; return the rows."""
+             dtype: str = "float32", progress=None, report_samples: int = 8) -> Result:
+    """Evaluate the base and every tuned model on every benchmark; write the run directory; return the rows.
+
+    Besides the eval_* files, the first `report_samples` greedy completions per benchmark and model go to the run's
+    samples.jsonl (kind "eval", source "mechdiag eval"), where the report pairs base and tuned answers.
+    """
     from mechdiag.run import RunDir
 
     settings.check()
+    models = Models(model_name, tuned, dtype)  # load (and fail on a bad model or adapter) before writing anything
     run = RunDir(out_dir, create=True)
-    models = Models(model_name, tuned, dtype)
     group_of = {t.label: t.group for t in tuned}
     names = {b.name for b in benches}
+    redone = lambda r: r.get("benchmark") in names  # noqa: E731  rows of this call replace earlier ones
     samples_path = run.path / "eval_samples.jsonl"
     tmp = run.path / ".eval_samples.jsonl.partial"
     per_model: list[dict] = []
+    shown: list[dict] = []  # a few greedy completions per benchmark x model for the report
+    n_shown: Counter = Counter()
     try:
         with open(tmp, "w", encoding="utf-8") as f:
             if samples_path.exists():  # keep the completions of benchmarks this call does not redo
                 for r in atomic.read_jsonl(samples_path):
-                    if r.get("benchmark") not in names:
+                    if not redone(r):
                         f.write(atomic.dumps(r) + "\n")
             for bench in benches:
                 for label in models.labels():
@@ -645,6 +652,12 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
                     def write(records, head=head):
                         f.write("".join(atomic.dumps({**head, **r}) + "\n" for r in records))
                         f.flush()
+                        key = (head["benchmark"], head["model"])
+                        room = max(report_samples - n_shown[key], 0)
+                        greedy = [r for r in records if r["sample"] == -1][:room]
+                        n_shown[key] += len(greedy)
+                        shown.extend({**head, "source": "mechdiag eval", **{k: r[k] for k in SHOWN if k in r}}
+                                     for r in greedy)
 
                     with models.use(label) as model:
                         metrics = evaluate_model(model, models.tokenizer, bench, settings, write)
@@ -663,9 +676,14 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     rows = compare(per_model, tuned)
     for r in rows:
         r.update(samples=settings.samples, temperature=settings.temperature, seed=settings.seed)
-    _merge_jsonl(run.stream("eval_benchmarks"), lambda r: r.get("benchmark") not in names, rows)
-    _merge_jsonl(run.path / "eval_models.jsonl", lambda r: r.get("benchmark") not in names, per_model)
+    _merge_jsonl(run.stream("eval_benchmarks"), lambda r: not redone(r), rows)
+    _merge_jsonl(run.path / "eval_models.jsonl", lambda r: not redone(r), per_model)
+    if shown:
+        _merge_jsonl(run.stream("samples"), lambda r: not (r.get("source") == "mechdiag eval" and redone(r)), shown)
     return Result(rows, per_model, run.path, samples_path)
+
+
+SHOWN = ("example_id", "prompt", "completion", "correct", "reward", "answer", "length", "truncated")
 
 
 def set_threads(n: int | None) -> None:

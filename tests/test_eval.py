@@ -259,6 +259,8 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
             and x["group"] == "r"]
     assert r["value"] == pytest.approx(sum(vals) / 2) and r["seeds"] == 2 and r["n"] == 3
     assert set(r) >= {"benchmark", "metric", "model", "value", "std", "n", "step"}
+    shown = read_jsonl(both.out_dir / "samples.jsonl")  # the report's base-vs-tuned pairs
+    assert len(shown) == 2 * 3 * 3 and all(s["kind"] == "eval" and s["prompt"] for s in shown)
 
 
 def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
@@ -270,6 +272,7 @@ def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
     assert sorted({r["benchmark"] for r in rows}) == ["arith/ood_numbers", "arith/test"]
     assert len([r for r in rows if r["metric"] == "accuracy"]) == 2
     assert len(read_jsonl(out / "eval_samples.jsonl")) == 2 * 3 * 4
+    assert len(read_jsonl(out / "samples.jsonl")) == 2 * 3
     assert not list(out.glob(".*partial"))
 
 
@@ -319,8 +322,12 @@ def test_cli_json_and_bad_input(stories260k, adapters, tmp_path, cli):
                          (["--task", "gsm8k", "--path", str(wrong)], "not the gsm8k schema"),
                          (["--task", "arith", "--adapter", str(tmp_path)], "not a PEFT adapter"),
                          (["--task", "arith", "--k", "1,x"], "comma-separated integers"),
-                         (["--task", "arith/nope"], "arith has splits")]:
-        res = CliRunner().invoke(main, ["eval", str(stories260k), *extra, "--out", str(tmp_path / "bad")])
+                         (["--task", "arith/nope"], "arith has splits"),
+                         (["--task", "arith", "--adapter", str(adapters[0]), "--model", "bundled"],
+                          "cannot load it onto bundled")]:
+        model = extra[extra.index("--model") + 1] if "--model" in extra else str(stories260k)
+        extra = extra[:extra.index("--model")] if "--model" in extra else extra
+        res = CliRunner().invoke(main, ["eval", model, *extra, "--out", str(tmp_path / "bad")])
         lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
         assert res.exit_code == 2 and len(lines) == 1 and words in lines[0], (extra, res.stderr, res.exception)
     assert not (tmp_path / "bad").exists()
