@@ -456,6 +456,7 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     task, s = bench.task, settings
     weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
     tally = Tally(s.ks, s.samples, votable=task.domain != "code" or callable(getattr(task, "answer_key", None)))
+    model.eval()  # no LoRA dropout
     device = next(model.parameters()).device
     eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
