@@ -583,7 +583,7 @@ def render_table(rows: list[dict], color: bool = False) -> str:
                 if r["status"] == "same":
                     text += " ="
                 else:
-                    text += f" {mark}{r['delta']:+.3f}" if m != "completion_length" else f" {r['delta']:+.1f}"
+                    text += f" {mark}{r['delta']:+.3f}" if m != "completion_length" else f" {mark}{r['delta']:+.1f}"
             line.append((text, {"improve": "green", "regress": "red"}.get(r["status"])))
         body.append(line)
     widths = [max(len(h), *(len(row[i][0]) for row in body)) if body else len(h) for i, h in enumerate(head)]
