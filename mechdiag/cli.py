@@ -123,9 +123,11 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     from pathlib import Path
 
     import yaml
+    from transformers.utils import logging as hf_logging
 
     from mechdiag import evaluate as E
 
+    hf_logging.set_verbosity_error()  # "sequence longer than the maximum": prompts are cut to fit before the model
     options = {}
     for item in task_options:
         key, sep, value = item.partition("=")
