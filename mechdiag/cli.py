@@ -114,10 +114,11 @@ def _ints(text: str, flag: str) -> list[int]:
 @click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed (the same for every model).")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--threads", type=int, help="torch threads.")
+@click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory to write (default runs/eval-<time>).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, ks, samples, temperature, top_p,
-             max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, out, fmt):
+             max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, fmt):
     """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table."""
     import time
     from pathlib import Path
@@ -141,7 +142,7 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     tuned = E.parse_adapters(adapters, group)
     benches = E.load_benchmarks(E.parse_tasks(task_specs, splits), settings.n, path, options)
     out_dir = out or str(Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S"))
-    res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype,
+    res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
                      progress=lambda line: click.echo(line, err=True))
     if fmt == "table":
         click.echo(E.render_table(res.rows, color=sys.stdout.isatty()))

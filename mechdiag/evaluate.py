@@ -346,15 +346,30 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
     return out
 
 
+def resolve_device(device: str | None) -> str:
+    """None/"auto": the GPU when there is one, else the CPU; otherwise checked as given ("cpu", "cuda:1", "mps")."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device {device}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
+                        ) from None
+    return device
+
+
 class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
 
-    def __init__(self, model_name: str, tuned: list[Tuned], dtype: str = "float32"):
+    def __init__(self, model_name: str, tuned: list[Tuned], dtype: str = "float32", device: str | None = None):
         from mechdiag.train.trainer import load_model
 
         self.model_name = model_name
+        self.device = resolve_device(device)
         self.base, self.tokenizer = load_model(model_name, dtype)
-        self.base.eval()
+        self.base.to(self.device).eval()  # before the adapters: peft puts their factors beside the base weights
         self.tuned = tuned
         self.dtype = dtype
         self.peft = None
@@ -404,7 +419,7 @@ class Models:
 
         full, _ = load_model(str(t.path), self.dtype)  # a full fine-tune shares nothing; hold it only while used
         try:
-            yield full.eval()
+            yield full.to(self.device).eval()
         finally:
             del full
 
@@ -619,7 +634,7 @@ def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
 
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,
-             dtype: str = "float32", progress=None, report_samples: int = 8) -> Result:
+             dtype: str = "float32", progress=None, report_samples: int = 8, device: str | None = None) -> Result:
     """Evaluate the base and every tuned model on every benchmark; write the run directory; return the rows.
 
     Besides the eval_* files, the first `report_samples` greedy completions per benchmark and model go to the run's
@@ -628,7 +643,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     from mechdiag.run import RunDir
 
     settings.check()
-    models = Models(model_name, tuned, dtype)  # load (and fail on a bad model or adapter) before writing anything
+    models = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
     run = RunDir(out_dir, create=True)
     group_of = {t.label: t.group for t in tuned}
     names = {b.name for b in benches}
