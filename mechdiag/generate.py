@@ -77,34 +77,44 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 @torch.inference_mode()
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
                   eos: list[int], pad: int, temperature: float = 1.0, top_p: float = 1.0,
-                  gen: torch.Generator | None = None, entropy: list | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  gen: torch.Generator | None = None, entropy: list | None = None, logprobs: list | None = None,
+                  repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for each left-padded row.
 
     Returns (completion_ids (B, T) right-padded with `pad`, completion_mask (B, T) with the EOS counted,
     truncated (B,) bool). T is the longest completion in the batch. If `entropy` is a list, the (B, T)
-    per-token entropy of the sampling distribution (temperature 1 when greedy) is appended to it.
+    per-token entropy of the sampling distribution (temperature 1 when greedy) is appended to it; if
+    `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p).
+    With `repeat` = n, each prompt row is prefilled once and decoded n times (rows i*n .. i*n+n-1).
     """
     from transformers import DynamicCache
 
-    b = prompt_ids.size(0)
+    b = prompt_ids.size(0) * repeat
     device = prompt_ids.device
     eos_t = torch.tensor(eos or [-1], device=device)
     attn = prompt_mask.clone()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    kv = {cache_kw(model): DynamicCache()}
+    cache = DynamicCache()
+    kv = {cache_kw(model): cache}
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **kv)
+    logits = out.logits[:, -1, :]
+    if repeat > 1:  # one prefill per prompt, then n decodes from its cache
+        cache.batch_repeat_interleave(repeat)
+        attn, pos = attn.repeat_interleave(repeat, 0), pos.repeat_interleave(repeat, 0)
+        logits = logits.repeat_interleave(repeat, 0)
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=device)
     tokens, alive = [], []
-    ents = []
+    ents, lps = [], []
+    want = entropy is not None or logprobs is not None
     for step in range(max_new_tokens):
-        logits = out.logits[:, -1, :]
-        if entropy is not None:
+        if want:
             logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
             ents.append(-(logp.exp() * logp).sum(-1))
         tok = _pick(logits, temperature, top_p, gen)
+        if want:
+            lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         tokens.append(tok)
         alive.append(~done)
@@ -114,11 +124,14 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True,
                     logits_to_keep=1, **kv)
+        logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     ids = torch.stack(tokens, dim=1)
     mask = torch.stack(alive, dim=1).long()
     if entropy is not None:
-        entropy.append(torch.stack(ents, dim=1))
+        entropy.append(torch.stack(ents, dim=1) * mask)
+    if logprobs is not None:
+        logprobs.append(torch.stack(lps, dim=1) * mask)
     return ids, mask, ~done
 
 
@@ -131,16 +144,16 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: floa
     device = next(model.parameters()).device
     gen = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
     eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
-    rows = [p for p in prompts for _ in range(n)]
-    batch_size = batch_size or len(rows)
+    batch_size = max(1, (batch_size or len(prompts) * n) // n)  # prompts per batch, each decoded n times
     was_training = model.training
     model.eval()
     flat: list[Sample] = []
     try:
-        for start in range(0, len(rows), batch_size):
-            ids, mask = encode_prompts(tokenizer, rows[start:start + batch_size], max_prompt_tokens)
+        for start in range(0, len(prompts), batch_size):
+            ids, mask = encode_prompts(tokenizer, prompts[start:start + batch_size], max_prompt_tokens)
             comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
-                                               eos=eos, pad=pad, temperature=temperature, top_p=top_p, gen=gen)
+                                               eos=eos, pad=pad, temperature=temperature, top_p=top_p, gen=gen,
+                                               repeat=n)
             flat += samples_from(tokenizer, comp, cmask, trunc)
     finally:
         model.train(was_training)

@@ -61,3 +61,15 @@ def test_tiny_top_p_is_greedy_and_batching_does_not_change_greedy(lm):
     small_batches = generate(model, tok, PROMPTS, temperature=0, max_new_tokens=8, batch_size=2)
     ids = lambda out: [g[0].token_ids for g in out]  # noqa: E731
     assert ids(greedy) == ids(nucleus) == ids(small_batches)
+
+
+def test_shared_prefill_equals_repeated_prompts(lm):
+    model, tok = lm
+    ids, mask = encode_prompts(tok, PROMPTS)
+    kw = dict(max_new_tokens=8, eos=[tok.eos_token_id], pad=0, temperature=1.0)
+    a = sample_tokens(model, ids, mask, repeat=3, gen=torch.Generator().manual_seed(1), **kw)
+    b = sample_tokens(model, ids.repeat_interleave(3, 0), mask.repeat_interleave(3, 0),
+                      gen=torch.Generator().manual_seed(1), **kw)
+    assert a[0].shape[0] == 9
+    for x, y in zip(a, b, strict=True):
+        assert torch.equal(x, y)
