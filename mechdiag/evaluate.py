@@ -16,6 +16,7 @@ Run directory written (`--out`, default runs/eval-<time>):
     eval_benchmarks.jsonl  one row per benchmark x metric x model group: benchmark, metric, model, value, std, n
     eval_models.jsonl      the same per adapter (before grouping)
     eval_samples.jsonl     every completion: benchmark, model, example_id, sample (-1 greedy), completion, ...
+    samples.jsonl          (appended) the first greedy completions per benchmark x model, for the report's pairs
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def direction(metric: str) -> int:
 
 
 def is_score(metric: str) -> bool:
-    return metric == "accuracy" or metric.startswith(("pass@", "maj@"))
+    return any(metric == s or (s.endswith("@") and metric.startswith(s)) for s in SCORES)
 
 
 # ---- estimators ---------------------------------------------------------------------------------------------
