@@ -57,3 +57,57 @@ def demo(out, report_path, max_steps):
 
     path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True))
     click.echo(str(path))
+
+
+# ---- train ---------------------------------------------------------------------------------------------------
+@main.command("train")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
+@click.option("--out", type=click.Path(file_okay=False), help="Run directory (default runs/<timestamp>).")
+@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in DIR from its last checkpoint.")
+@click.option("--seed", type=int, help="Shorthand for --set seed=N.")
+@click.option("--max-steps", type=int, help="Shorthand for --set max_steps=N.")
+@click.option("--dry-run", is_flag=True, help="Validate, print the resolved config and the modules LoRA will train.")
+def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run):
+    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
+    from pathlib import Path
+
+    from mechdiag import config as C
+
+    overrides = list(overrides)
+    if seed is not None:
+        overrides.append(f"seed={seed}")
+    if max_steps is not None:
+        overrides.append(f"max_steps={max_steps}")
+    if resume:
+        if config or out:
+            raise UserError("--resume DIR takes the config and output directory of that run; drop CONFIG/--out")
+        cfg_path = Path(resume) / "config.yaml"
+        if not cfg_path.is_file():
+            raise UserError(f"--resume {resume}: no config.yaml there (not a mechdiag run directory)")
+        cfg = C.load(cfg_path, overrides)
+    else:
+        cfg = C.load(config, overrides)
+    if dry_run:
+        from mechdiag.train.lora import lora_modules, trainable_parameters
+        from mechdiag.train.trainer import prepare_model
+
+        click.echo(C.to_yaml(cfg), nl=False)
+        model, _, _ = prepare_model(cfg)
+        if cfg.lora.enabled:
+            rows = lora_modules(model)
+            click.echo(f"# LoRA trains {len(rows)} modules, {trainable_parameters(model)} parameters:")
+            for r in rows:
+                click.echo(f"#   {r['name']}  ({r['in']} -> {r['out']}, {r['params']} params)")
+        else:
+            click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
+        return
+    import time
+
+    from mechdiag.train.trainer import train
+
+    run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    run = train(cfg, run_dir, resume=bool(resume))
+    s = run.summary()
+    click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
+               f"({100 * s['accuracy_gain']:+.1f} points) in {s['wall_time_s']:.0f} s; run: {run.path}")

@@ -1,0 +1,179 @@
+"""Hooks: a small protocol the trainer calls at fixed points, and the built-in recorders.
+
+    on_train_start(trainer)                       after setup (and after a resume has restored state)
+    on_step_end(trainer, step, metrics, rollout)  after each optimizer step, with that step's metrics and rollout
+    on_eval(trainer, step, metrics)               after each evaluation (step 0 = the base model)
+    on_save(trainer, step, path)                  after a checkpoint is complete
+    on_train_end(trainer, summary)                once, with the summary
+
+User hooks are named in the config by import path, "package.module:factory"; the factory is called with the
+trainer and returns an object with any subset of these methods.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import time
+import warnings
+
+from mechdiag.errors import UserError
+
+
+class Hook:
+    def on_train_start(self, trainer) -> None: ...
+    def on_step_end(self, trainer, step: int, metrics: dict, rollout) -> None: ...
+    def on_eval(self, trainer, step: int, metrics: dict) -> None: ...
+    def on_save(self, trainer, step: int, path) -> None: ...
+    def on_train_end(self, trainer, summary: dict) -> None: ...
+
+
+def call(hooks: list, event: str, *args) -> None:
+    for h in hooks:
+        fn = getattr(h, event, None)
+        if fn is not None:
+            fn(*args)
+
+
+def load_user_hook(spec: str, trainer):
+    if ":" not in spec:
+        raise UserError(f"hook {spec!r}: use the form package.module:factory")
+    mod_name, attr = spec.split(":", 1)
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise UserError(f"hook {spec!r}: cannot import {mod_name} ({e})") from None
+    factory = getattr(mod, attr, None)
+    if factory is None:
+        raise UserError(f"hook {spec!r}: {mod_name} has no attribute {attr}")
+    return factory(trainer)
+
+
+# ---- built-in hooks -------------------------------------------------------------------------------------
+class MetricsWriter(Hook):
+    """metrics.jsonl every step, eval.jsonl every eval, samples.jsonl every `samples_every` steps (group ids)."""
+
+    def __init__(self, samples_every: int):
+        self.samples_every = samples_every
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        trainer.run.append("metrics", {"step": step, **metrics})
+        if self.samples_every and step % self.samples_every == 0:
+            trainer.run.append("samples", sample_records(step, rollout))
+
+    def on_eval(self, trainer, step, metrics):
+        trainer.run.append("eval", {"step": step, **metrics})
+
+
+def sample_records(step: int, r) -> list[dict]:
+    comps = {k: v.tolist() for k, v in r.components.items()}
+    rewards, adv, trunc = r.rewards.tolist(), r.advantages.tolist(), r.truncated.tolist()
+    lengths = r.completion_mask.sum(-1).tolist()
+    return [{"step": step, "split": "train", "group": r.group_ids[i], "example_id": r.example_ids[i],
+             "prompt": r.prompts[i], "completion": r.texts[i], "reward": rewards[i], "advantage": adv[i],
+             "truncated": trunc[i], "length": lengths[i], **{f"reward/{k}": v[i] for k, v in comps.items()}}
+            for i in range(len(r.texts))]
+
+
+class _Lazy(Hook):
+    """Calls a function of another part of mechdiag, warning once (and then staying quiet) if it is absent."""
+
+    target = ""
+    _warned = False
+
+    def _fn(self):
+        mod, attr = self.target.split(":")
+        try:
+            return getattr(importlib.import_module(mod), attr)
+        except ImportError as e:
+            if not self._warned:
+                warnings.warn(f"{type(self).__name__}: {self.target} is unavailable ({e}); not recording",
+                              stacklevel=2)
+                self._warned = True
+            return None
+
+
+class DisplacementRecorder(_Lazy):
+    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base."""
+
+    target = "mechdiag.displacement:lora_rows"
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def _record(self, trainer, step):
+        fn = self._fn()
+        if fn is None or not trainer.cfg.lora.enabled:
+            return
+        rows = fn(trainer.model)
+        trainer.run.append("displacement", [{"step": step, **r} for r in rows])
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        if self.every and step % self.every == 0:
+            self._record(trainer, step)
+
+
+class ShiftRecorder(_Lazy):
+    """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
+
+    target = "mechdiag.probes.shift:shift_inmemory"
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def on_eval(self, trainer, step, metrics):
+        if step == 0:
+            return
+        fn = self._fn()
+        if fn is None:
+            return
+        prompts = trainer.eval_prompts[:self.n]
+        rows = fn(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
+        trainer.run.append("shift", [{**r, "step": step} for r in rows])
+
+
+class Checkpointer(Hook):
+    """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states."""
+
+    def __init__(self, every: int):
+        self.every = every
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        if self.every and step % self.every == 0 and step < trainer.total_steps:
+            trainer.save_checkpoint(step)
+
+
+class ProgressBar(Hook):
+    """A rich progress bar with live reward and accuracy (a plain line per eval when not on a terminal)."""
+
+    def __init__(self):
+        self.progress = None
+        self.acc = float("nan")
+
+    def on_train_start(self, trainer):
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.console = Console(stderr=True)
+        if not self.console.is_terminal:
+            return
+        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}"), console=self.console, transient=False)
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=trainer.total_steps, completed=trainer.step,
+                                           info="")
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        if self.progress is not None:
+            info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
+            self.progress.update(self.task, completed=step, info=info)
+
+    def on_eval(self, trainer, step, metrics):
+        self.acc = metrics["accuracy"]
+        if self.progress is None:
+            print(f"eval step {step}: accuracy {metrics['accuracy']:.3f} eval_reward {metrics['eval_reward']:.3f}"
+                  f" ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
+
+    def on_train_end(self, trainer, summary):
+        if self.progress is not None:
+            self.progress.stop()

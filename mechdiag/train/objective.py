@@ -1,0 +1,136 @@
+"""The GRPO objective (paper-notes §2) as pure functions of tensors.
+
+Shapes: B completions (prompts x G, grouped contiguously), T completion positions, V vocabulary.
+`mask` is 1 on real completion tokens and 0 on padding. Every function is differentiable where it should be
+and has no side effects, so the loss reads like the study's equation:
+
+    J = (1/G) sum_i (1/T_i) sum_t [ min(rho A_i, clip(rho, 1-eps, 1+eps_high) A_i) - beta K_{i,t} ]
+
+and the trainer minimises -J.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STD_EPS = 1e-4  # as TRL: A = (r - mean) / (std + 1e-4)
+
+
+# ---- advantages ------------------------------------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group") -> torch.Tensor:
+    """A_i = (r_i - mean(r_group)) / std(r_group); `scale` picks the std: "group", "batch" or "none".
+
+    rewards: (B,) with groups of `group_size` contiguous. std is the unbiased one (Bessel), as in TRL.
+    A group whose rewards are all equal gets zero advantage.
+    """
+    r = rewards.view(-1, group_size).to(torch.float32)
+    centred = r - r.mean(dim=1, keepdim=True)
+    if scale == "none":
+        return centred.reshape(-1)
+    if scale == "group":
+        std = r.std(dim=1, keepdim=True)
+    elif scale == "batch":
+        std = r.reshape(-1).std() if r.numel() > 1 else torch.zeros(())
+    else:
+        raise ValueError(f"unknown scale_rewards {scale!r}")
+    return (centred / (std + STD_EPS)).reshape(-1)
+
+
+def group_stats(rewards: torch.Tensor, group_size: int) -> dict[str, float]:
+    """reward_cv = mean over groups of std/|mean| (groups with mean 0 are left out), frac_zero_std beside it."""
+    r = rewards.view(-1, group_size).to(torch.float64)
+    std, mean = r.std(dim=1), r.mean(dim=1)
+    zero = torch.isclose(std, torch.zeros_like(std))
+    ok = mean.abs() > 1e-12
+    cv = (std[ok] / mean[ok].abs()).mean().item() if ok.any() else float("nan")
+    return {"reward_cv": cv, "frac_zero_std": zero.double().mean().item(), "reward_std": r.std().item()}
+
+
+# ---- per-token quantities ---------------------------------------------------------------------------------
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(y_t | x, y_<t) for each target token: logits (B, T, V) already aligned with tokens (B, T)."""
+    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
+    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """H_t = -sum_v p log p per position (nats)."""
+    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """K = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 (Schulman's k3: unbiased, non-negative)."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor,
+                      epsilon: float, epsilon_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """min(rho A, clip(rho, 1-eps, 1+eps_high) A) per token; returns (surrogate, rho). A: (B,) or (B, T)."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    rho = torch.exp(logp - old_logp)
+    unclipped = rho * adv
+    clipped = torch.clamp(rho, 1 - epsilon, 1 + epsilon_high) * adv
+    return torch.min(unclipped, clipped), rho
+
+
+# ---- aggregation ------------------------------------------------------------------------------------------
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "grpo",
+              max_completion_tokens: int | None = None) -> torch.Tensor:
+    """Reduce per-token terms to a scalar.
+
+    grpo:    (1/B) sum_i (1/T_i) sum_t x_it        the study's per-sequence mean
+    bnpo / dapo: sum x / sum mask                  token mean over the batch
+    dr_grpo: sum x / (B * max_completion_tokens)   no length normalisation
+    """
+    m = mask.to(per_token.dtype)
+    if loss_type == "grpo":
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    if loss_type in ("dapo", "bnpo"):
+        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+    if loss_type == "dr_grpo":
+        if max_completion_tokens is None:
+            raise ValueError("dr_grpo needs max_completion_tokens")
+        return (per_token * m).sum() / (per_token.size(0) * max_completion_tokens)
+    raise ValueError(f"unknown loss_type {loss_type!r}")
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    m = mask.to(x.dtype)
+    return (x * m).sum() / m.sum().clamp(min=1.0)
+
+
+def clip_fractions(rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float,
+                   epsilon_high: float) -> dict[str, float]:
+    """Token fractions where the clip is active: low (rho < 1-eps, A < 0), high (rho > 1+eps_high, A > 0)."""
+    adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
+    low = (rho < 1 - epsilon) & (adv < 0)
+    high = (rho > 1 + epsilon_high) & (adv > 0)
+    return {"clip_low": masked_mean(low.float(), mask).item(), "clip_high": masked_mean(high.float(), mask).item(),
+            "policy_clip_fraction": masked_mean((low | high).float(), mask).item()}
+
+
+# ---- the loss ---------------------------------------------------------------------------------------------
+def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
+              advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float = 0.2,
+              epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
+              max_completion_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """-J of paper-notes §2 and its diagnostics. old_logp None means on-policy (rho = 1, value-wise)."""
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    old_logp = logp.detach() if old_logp is None else old_logp
+    surrogate, rho = clipped_surrogate(logp, old_logp, advantages, epsilon, epsilon_high)
+    per_token = -surrogate
+    stats: dict[str, float] = {}
+    if ref_logp is not None:  # KL is logged whenever a reference is given, and penalised when beta > 0
+        kl = kl_k3(logp, ref_logp)
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+        stats["kl"] = masked_mean(kl.detach(), mask).item()
+    elif beta != 0.0:
+        raise ValueError("beta > 0 needs ref_logp")
+    loss = aggregate(per_token, mask, loss_type, max_completion_tokens)
+    stats.update(clip_fractions(rho.detach(), advantages, mask, epsilon, epsilon_high))
+    return loss, stats

@@ -1,0 +1,113 @@
+"""One GRPO rollout: G samples per prompt, rewards, group advantages, and the old/reference log-probs.
+
+The reference policy is the same model with the adapter disabled under LoRA (no second copy), or a frozen copy
+under full fine-tuning. Each of the old and reference log-probs is one batched forward in inference mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens
+from mechdiag.train import objective as obj
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # (B, P) left-padded
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor  # (B, T) right-padded
+    completion_mask: torch.Tensor
+    truncated: torch.Tensor  # (B,) bool
+    rewards: torch.Tensor  # (B,) weighted sum of components
+    components: dict[str, torch.Tensor]  # name -> (B,) unweighted, in [0, 1]
+    advantages: torch.Tensor  # (B,)
+    texts: list[str]
+    example_ids: list[str]
+    group_ids: list[int]
+    prompts: list[str]
+    old_logp: torch.Tensor | None = None  # (B, T), only when num_iterations > 1
+    ref_logp: torch.Tensor | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return self.completion_ids.size(0)
+
+    def select(self, idx: slice) -> Rollout:
+        """A micro-batch (rows idx) with tensors sliced; completion width trimmed to its longest row."""
+        cm = self.completion_mask[idx]
+        width = max(int(cm.sum(-1).max()), 1)
+        t = lambda x: None if x is None else x[idx][:, :width]  # noqa: E731
+        return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx][:, :width],
+                       cm[:, :width], self.truncated[idx], self.rewards[idx],
+                       {k: v[idx] for k, v in self.components.items()}, self.advantages[idx], self.texts[idx],
+                       self.example_ids[idx], self.group_ids[idx], self.prompts[idx], t(self.old_logp),
+                       t(self.ref_logp))
+
+
+def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attn = torch.cat([prompt_mask, completion_mask], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    t = completion_ids.size(1)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=t + 1).logits
+    return logits[:, :-1, :]
+
+
+@torch.inference_mode()
+def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
+    logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    return obj.token_logprobs(logits, r.completion_ids, temperature)
+
+
+def reference_context(model, ref_model):
+    """The reference policy: the frozen copy if there is one, else the model with its adapter disabled."""
+    if ref_model is not None:
+        return ref_model, contextlib.nullcontext()
+    return model, model.disable_adapter()
+
+
+def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None) -> Rollout:
+    """Sample cfg.group_size completions per example and score them (paper-notes §2)."""
+    g = cfg.group_size
+    prompts = [task.prompt(ex, tokenizer) for ex in examples]
+    rows = [p for p in prompts for _ in range(g)]
+    device = next(model.parameters()).device
+    p_ids, p_mask = encode_prompts(tokenizer, rows, cfg.max_prompt_tokens)
+    p_ids, p_mask = p_ids.to(device), p_mask.to(device)
+    was_training = model.training
+    model.eval()
+    try:
+        c_ids, c_mask, trunc = sample_tokens(model, p_ids, p_mask, max_new_tokens=cfg.max_completion_tokens,
+                                             eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
+                                             temperature=cfg.temperature, top_p=cfg.top_p, gen=gen)
+        c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd
+        lengths = c_mask.sum(-1).tolist()
+        texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
+                 for ids, n in zip(c_ids.tolist(), lengths, strict=True)]
+        weights = cfg.rewards.weights
+        comps: dict[str, list[float]] = {}
+        totals = []
+        for i, text in enumerate(texts):
+            c = task.components(text, examples[i // g])
+            for k, v in c.items():
+                comps.setdefault(k, []).append(float(v))
+            totals.append(sum(weights.get(k, 0.0) * v for k, v in c.items()))
+        rewards = torch.tensor(totals, dtype=torch.float32)
+        r = Rollout(p_ids, p_mask, c_ids, c_mask, trunc.cpu(), rewards,
+                    {k: torch.tensor(v) for k, v in comps.items()},
+                    obj.group_advantages(rewards, g, cfg.scale_rewards).to(device), texts,
+                    [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows)
+        if cfg.num_iterations > 1:
+            r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
+        ref, ctx = reference_context(model, ref_model)
+        with ctx:
+            r.ref_logp = sequence_logprobs(ref, r, cfg.temperature).clone()
+    finally:
+        model.train(was_training)
+    return r

@@ -1,0 +1,370 @@
+"""The GRPO training recipe, read top to bottom: setup, evaluate the base, then per step
+rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics, recorders, checkpoint).
+
+A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
+num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
+prompts_per_step prompts for the backward passes. Sampling at step s uses a generator seeded by (seed, s)
+and the data order is a function of (seed, epoch), so a resumed run replays exactly what an uninterrupted
+run would have done.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from mechdiag import atomic
+from mechdiag.config import Config, save
+from mechdiag.errors import UserError
+from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
+from mechdiag.run import RunDir
+from mechdiag.train import hooks as H
+from mechdiag.train import objective as obj
+from mechdiag.train.rollout import collect, policy_logits
+
+
+# ---- model ------------------------------------------------------------------------------------------------
+def load_model(name_or_path: str, dtype: str = "float32"):
+    """(model, tokenizer): through mechdiag.models when present (it knows "bundled"), else a local HF dir."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    try:
+        from mechdiag.models import load_model_and_tokenizer
+    except ImportError:
+        load_model_and_tokenizer = None
+    if load_model_and_tokenizer is not None:
+        model, tok = load_model_and_tokenizer(name_or_path)
+    else:
+        if name_or_path == "bundled" or not Path(name_or_path).is_dir():
+            raise UserError(f"model {name_or_path!r} not found (give a local Hugging Face model directory)")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path)
+    model = model.to(getattr(torch, dtype))
+    if tok.pad_token_id is None:
+        tok.pad_token_id = pad_id(tok)
+    return model, tok
+
+
+def prepare_model(cfg: Config):
+    """(model, tokenizer, ref_model): LoRA wraps the model (ref = adapter disabled); full FT keeps a frozen copy."""
+    from mechdiag.train.lora import apply_lora
+
+    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    if cfg.lora.enabled:
+        return apply_lora(model, cfg.lora), tok, None
+    ref = copy.deepcopy(model).eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return model, tok, ref
+
+
+def make_scheduler(opt, cfg: Config, total_updates: int):
+    from transformers import get_scheduler
+
+    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
+    return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
+                         num_training_steps=total_updates)
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def get_task(name: str, path: str | None, options: dict):
+    """A registered task by name, or a user task class by import path "package.module:Class"."""
+    from mechdiag import tasks
+
+    if ":" in name and name not in tasks.REGISTRY:
+        tasks.register(name, name)
+    try:
+        return tasks.get_task(name, path, **options)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"task {name!r}: cannot load it ({e})") from None
+
+
+# ---- trainer ----------------------------------------------------------------------------------------------
+class Trainer:
+    def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
+        self.cfg = cfg
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        random.seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.run = RunDir(out_dir, create=True)
+        self.model, self.tokenizer, self.ref_model = prepare_model(cfg)
+        self.device = next(self.model.parameters()).device
+        self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+        self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
+                                             for s in cfg.task.mixture]
+        self.train_examples = [t.examples(cfg.task.train_split if i == 0 else "train", n=cfg.task.n_train,
+                                          seed=cfg.seed)
+                               for i, (t, _) in enumerate(self.sources)]
+        if not self.train_examples[0]:
+            raise UserError(f"task {cfg.task.name} has no training examples")
+        self.eval_examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
+        self.eval_prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
+        self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
+        if cfg.max_steps is not None:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = max(1, math.ceil((cfg.epochs or 1) * len(self.train_examples[0])
+                                                / self.prompts_per_update))
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                     weight_decay=cfg.weight_decay)
+        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
+        self.step, self.bad_steps, self.base_eval = 0, 0, None
+        if resume:
+            self._resume()
+        elif any(self.run.stream(s).exists() for s in ("metrics", "eval")):
+            raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
+        save(cfg, self.run.config_path, header="mechdiag train: resolved config")
+        self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
+        if cfg.record.shift_at_eval:
+            self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
+        self.hooks += [H.Checkpointer(cfg.save_every), H.ProgressBar()]
+        self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list:
+        """The prompts of step `step` (1-based): a slice of the epoch's permutation, or a weighted mixture."""
+        k = self.prompts_per_update
+        main = self.train_examples[0]
+        if len(self.sources) == 1:
+            start = (step - 1) * k
+            out = []
+            for j in range(start, start + k):
+                epoch, i = divmod(j, len(main))
+                perm = list(range(len(main)))
+                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
+                out.append(main[perm[i]])
+            return out
+        rng = random.Random(step_seed(self.cfg.seed, step, 2))
+        weights = [w for _, w in self.sources]
+        picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
+        return [rng.choice(self.train_examples[s]) for s in picks]
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self, step: int, batch_size: int = 256) -> dict:
+        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
+        cfg, tok, model = self.cfg, self.tokenizer, self.model
+        was = model.training
+        model.eval()
+        eos, pad = eos_ids(model, tok), pad_id(tok)
+        correct, rewards, lengths, ent_sum, ent_n, samples = [], [], [], 0.0, 0, []
+        try:
+            for s in range(0, len(self.eval_prompts), batch_size):
+                ids, mask = encode_prompts(tok, self.eval_prompts[s:s + batch_size], cfg.max_prompt_tokens)
+                ent: list = []
+                comp, cmask, trunc = sample_tokens(model, ids.to(self.device), mask.to(self.device),
+                                                   max_new_tokens=cfg.max_completion_tokens, eos=eos, pad=pad,
+                                                   temperature=0.0, entropy=ent)
+                ent_sum += float((ent[0] * cmask).sum())
+                ent_n += int(cmask.sum())
+                for j, smp in enumerate(samples_from(tok, comp, cmask, trunc)):
+                    ex = self.eval_examples[s + j]
+                    r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
+                    ok = bool(self.task.correct(smp.text, ex))
+                    correct.append(ok)
+                    rewards.append(r)
+                    lengths.append(smp.length)
+                    if len(samples) < 16:
+                        samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
+                                        "correct": ok, "reward": r})
+            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
+                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(lengths) / len(lengths)}
+            out.update(self._pass_at_k(step))
+        finally:
+            model.train(was)
+        self.run.append("samples", samples)
+        return out
+
+    def _pass_at_k(self, step: int) -> dict:
+        cfg = self.cfg
+        n = cfg.eval_samples
+        if n == 1:  # greedy accuracy stands for pass@1
+            return {}
+        from mechdiag.generate import generate
+
+        k_list = [k for k in cfg.pass_k if k <= n]
+        groups = generate(self.model, self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
+                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
+                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
+        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
+              for g, ex in zip(groups, self.eval_examples, strict=True)]
+        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
+
+    def _eval(self, step: int) -> dict:
+        metrics = self.evaluate(step)
+        if self.cfg.eval_samples == 1:
+            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
+        H.call(self.hooks, "on_eval", self, step, metrics)
+        return metrics
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[dict, object]:
+        cfg, model = self.cfg, self.model
+        t0 = time.perf_counter()
+        gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step))
+        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model)
+        t_roll = time.perf_counter() - t0
+        model.train()
+        micro = cfg.prompts_per_step * cfg.group_size
+        stats: dict[str, list[float]] = {}
+        lr = self.sched.get_last_lr()[0]
+        skipped = 0
+        for _ in range(cfg.num_iterations):
+            self.opt.zero_grad(set_to_none=True)
+            finite = True
+            for s in range(0, len(roll), micro):
+                mb = roll.select(slice(s, s + micro))
+                logits = policy_logits(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+                logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+                loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
+                                         epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
+                                         loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
+                with torch.no_grad():
+                    st["entropy"] = obj.masked_mean(obj.token_entropy(logits, cfg.temperature),
+                                                    mb.completion_mask).item()
+                st["loss"] = loss.item()
+                finite = finite and math.isfinite(st["loss"])
+                if finite:
+                    (loss / cfg.grad_accum).backward()
+                for k, v in st.items():
+                    stats.setdefault(k, []).append(v)
+            params = [p for p in model.parameters() if p.requires_grad]
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
+            stats.setdefault("grad_norm", []).append(grad_norm)
+            if finite and math.isfinite(grad_norm):
+                self.opt.step()
+                self.bad_steps = 0
+            else:
+                skipped += 1
+                self.bad_steps += 1
+                self.opt.zero_grad(set_to_none=True)
+                warnings.warn(f"step {step}: non-finite loss or gradient; update skipped", stacklevel=2)
+                if self.bad_steps >= cfg.max_bad_steps:
+                    raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
+                                    "lower learning_rate or check the rewards")
+            self.sched.step()
+        dt = time.perf_counter() - t0
+        n_tok = int(roll.completion_mask.sum())
+        g = obj.group_stats(roll.rewards, cfg.group_size)
+        metrics = {"reward": roll.rewards.mean().item(), **g,
+                   "completion_clipped_ratio": roll.truncated.float().mean().item(),
+                   "completion_length": n_tok / len(roll),
+                   **{k: float(sum(v) / len(v)) for k, v in stats.items()},
+                   **{f"reward/{k}": v.mean().item() for k, v in roll.components.items()},
+                   "lr": lr, "step_time": dt, "rollout_time": t_roll, "tokens_per_s": n_tok / dt,
+                   "skipped_updates": skipped}
+        return metrics, roll
+
+    # ---- checkpoints ----------------------------------------------------------------------------------
+    def _save_weights(self, path: Path) -> None:
+        self.model.save_pretrained(path)
+
+    def save_checkpoint(self, step: int) -> Path:
+        final = self.run.checkpoints / f"step-{step}"
+        tmp = self.run.checkpoints / f".step-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._save_weights(tmp)
+        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
+        torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+        atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
+        os.replace(tmp, final)
+        (final / "COMPLETE").write_text("")
+        H.call(getattr(self, "hooks", []), "on_save", self, step, final)
+        return final
+
+    def _load_weights(self, path: Path) -> None:
+        from safetensors.torch import load_file
+
+        if self.cfg.lora.enabled:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(path / "adapter_model.safetensors"))
+        else:
+            files = sorted(path.glob("*.safetensors"))
+            state = {}
+            for f in files:
+                state.update(load_file(f))
+            self.model.load_state_dict(state, strict=False)
+
+    def _resume(self) -> None:
+        steps = self.run.checkpoint_steps()
+        if not steps:  # nothing durable yet: start over in the same directory
+            self.run.drop_after(-1)
+            return
+        last = steps[-1]
+        ck = self.run.checkpoints / f"step-{last}"
+        self._load_weights(ck)
+        self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+        self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
+        rng = torch.load(ck / "rng.pt", weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        state = json.loads((ck / "trainer_state.json").read_text())
+        self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
+        self.run.drop_after(self.step)
+        base = [r for r in self.run.read("eval") if r["step"] == 0]
+        self.base_eval = base[0] if base else None
+
+    # ---- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> RunDir:
+        t_start = time.perf_counter()
+        cfg = self.cfg
+        H.call(self.hooks, "on_train_start", self)
+        try:
+            if self.base_eval is None:
+                self.base_eval = {"step": 0, **self._eval(0)}
+            for step in range(self.step + 1, self.total_steps + 1):
+                metrics, roll = self.train_step(step)
+                self.step = step
+                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                    self._eval(step)
+            last_eval = self._eval(self.total_steps)  # the final model, not the best checkpoint
+            self._save_weights(self.run.final)
+            self.tokenizer.save_pretrained(self.run.final)
+            summary = {"steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
+                       "task": cfg.task.name, "eval_n": len(self.eval_examples),
+                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
+                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
+                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
+                       "wall_time_s": time.perf_counter() - t_start}
+            self.run.write_summary(summary)
+            H.call(self.hooks, "on_train_end", self, summary)
+        except BaseException:
+            for h in self.hooks:
+                if isinstance(h, H.ProgressBar) and h.progress is not None:
+                    h.progress.stop()
+            raise
+        return self.run
+
+
+def train(cfg: Config, out_dir, resume: bool = False, hooks: list | None = None) -> RunDir:
+    """Train with GRPO under `cfg` into the run directory `out_dir` (resume: continue from its last checkpoint)."""
+    return Trainer(cfg, out_dir, resume=resume, extra_hooks=hooks).fit()

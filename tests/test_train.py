@@ -1,0 +1,159 @@
+"""The trainer end to end on the tiny real Llama (stories260K) with a dense toy reward."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mechdiag import config as C
+from mechdiag.errors import UserError
+from mechdiag.run import RunDir
+from mechdiag.train import objective
+from mechdiag.train.trainer import Trainer, pass_at_k, train
+from tests.helpers import assert_bad_input
+
+TRAIN_KEYS = ["reward", "reward_cv", "kl", "completion_clipped_ratio", "entropy", "completion_length", "reward_std",
+              "frac_zero_std", "policy_clip_fraction", "loss", "grad_norm", "lr", "step_time", "tokens_per_s",
+              "reward/correctness"]
+EVAL_KEYS = ["accuracy", "eval_reward", "entropy", "completion_length", "pass@1"]
+
+
+def small(model_dir, *extra) -> list[str]:
+    return [f"model.name_or_path={model_dir}", "task.name=tests.toy:Toy", "group_size=4", "prompts_per_step=2",
+            "max_completion_tokens=12", "max_prompt_tokens=32", "eval_n=8", "threads=1", "learning_rate=0.01",
+            "record.displacement_every=0", "record.shift_at_eval=false", "record.samples_every=1", *extra]
+
+
+def test_run_directory_contract(stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=3", "save_every=2", "eval_every=2"))
+    run = train(cfg, tmp_path / "run")
+    metrics = run.read("metrics")
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert set(TRAIN_KEYS) <= set(m), set(TRAIN_KEYS) - set(m)
+        assert 0.0 <= m["completion_clipped_ratio"] <= 1.0 and m["completion_length"] > 0
+    assert metrics[0]["lr"] < metrics[1]["lr"] or metrics[1]["lr"] > metrics[2]["lr"]  # warmup + cosine
+    assert any(m["kl"] > 0 for m in metrics[1:])  # the policy left the reference
+    evals = run.read("eval")
+    assert [e["step"] for e in evals] == [0, 2, 3]
+    assert all(set(EVAL_KEYS) <= set(e) for e in evals)
+    samples = [s for s in run.read("samples") if s["split"] == "train"]
+    assert len(samples) == 3 * 2 * 4
+    step1 = [s for s in samples if s["step"] == 1]
+    assert sorted({s["group"] for s in step1}) == [0, 1]
+    for g in (0, 1):  # advantages are centred within each group
+        adv = [s["advantage"] for s in step1 if s["group"] == g]
+        assert len(adv) == 4 and abs(sum(adv)) < 1e-4
+    assert run.checkpoint_steps() == [2]
+    assert (run.final / "adapter_model.safetensors").exists()
+    s = run.summary()
+    assert s["steps"] == 3 and s["base_accuracy"] == evals[0]["accuracy"]
+    assert s["final_accuracy"] == evals[-1]["accuracy"]
+    assert (run.path / "config.yaml").exists() and C.load(run.path / "config.yaml").max_steps == 3
+
+
+def test_existing_run_needs_resume(stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=1", "save_every=0"))
+    train(cfg, tmp_path / "run")
+    with pytest.raises(UserError, match="--resume"):
+        train(cfg, tmp_path / "run")
+
+
+def test_resume_after_kill9_matches_uninterrupted(stories260k, tmp_path, cli):
+    sets = small(stories260k, "max_steps=5", "save_every=2", "lora.dropout=0.1")
+    flags = [x for s in sets for x in ("--set", s)]
+    ref = cli("train", *flags, "--out", str(tmp_path / "ref"))
+    assert ref.returncode == 0, ref.stderr
+    killed = cli("train", *flags, "--set", "hooks=[tests.toy:kill_at_3]", "--out", str(tmp_path / "cut"))
+    assert killed.returncode == -9
+    cut = RunDir(tmp_path / "cut")
+    assert [m["step"] for m in cut.read("metrics")] == [1, 2, 3]  # step 3 was written, not checkpointed
+    # the resumed run must not be killed again: drop the hook from its saved config
+    text = (cut.config_path).read_text().replace("- tests.toy:kill_at_3", "").replace("hooks:\n", "hooks: []\n")
+    cut.config_path.write_text(text)
+    res = cli("train", "--resume", str(tmp_path / "cut"))
+    assert res.returncode == 0, res.stderr
+    assert [m["step"] for m in cut.read("metrics")] == [1, 2, 3, 4, 5]
+    assert [e["step"] for e in cut.read("eval")] == [0, 5]
+    assert sorted({s["step"] for s in cut.read("samples") if s["split"] == "train"}) == [1, 2, 3, 4, 5]
+    a = load_file(tmp_path / "ref" / "final" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "cut" / "final" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert any(v.abs().sum() > 0 for k, v in a.items() if "lora_B" in k)  # the adapter did train
+    ref_m = [json.dumps(m | {"step_time": 0, "rollout_time": 0, "tokens_per_s": 0})
+             for m in RunDir(tmp_path / "ref").read("metrics")]
+    cut_m = [json.dumps(m | {"step_time": 0, "rollout_time": 0, "tokens_per_s": 0}) for m in cut.read("metrics")]
+    assert ref_m == cut_m
+
+
+def test_nonfinite_updates_are_skipped_then_stop(stories260k, tmp_path, monkeypatch):
+    real = objective.grpo_loss
+    calls = {"n": 0}
+
+    def flaky(*a, **kw):
+        loss, st = real(*a, **kw)
+        calls["n"] += 1
+        return (loss * math.nan if calls["n"] in (2, 4, 5, 6) else loss), st
+
+    monkeypatch.setattr(objective, "grpo_loss", flaky)
+    cfg = C.load(None, small(stories260k, "max_steps=5", "save_every=0", "max_bad_steps=2"))
+    tr = Trainer(cfg, tmp_path / "a")
+    before = {k: v.clone() for k, v in tr.model.named_parameters() if v.requires_grad}
+    with pytest.warns(UserWarning, match="non-finite"):
+        with pytest.raises(UserError, match=r"2 non-finite updates in a row \(last at step 5\)"):
+            tr.fit()
+    m = tr.run.read("metrics")
+    assert [r["skipped_updates"] for r in m] == [0, 1, 0, 1]  # step 5 was the second bad one in a row: stop
+    assert m[1]["grad_norm"] is None  # NaN -> null in the JSON
+    after = dict(tr.model.named_parameters())
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # good steps did update
+
+
+def test_full_finetune_and_multiple_iterations(stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=2", "save_every=0", "lora.enabled=false", "num_iterations=2",
+                             "learning_rate=0.003", "epsilon=0.01"))
+    tr = Trainer(cfg, tmp_path / "full")
+    assert tr.ref_model is not None and not any(p.requires_grad for p in tr.ref_model.parameters())
+    w0 = tr.ref_model.lm_head.weight.clone()
+    tr.fit()
+    m = tr.run.read("metrics")
+    assert m[-1]["kl"] > 0
+    assert max(r["policy_clip_fraction"] for r in m) > 0  # second pass: ratios differ from 1, tight clip bites
+    assert torch.equal(tr.ref_model.lm_head.weight, w0)  # the reference stays frozen
+    assert (tr.run.final / "model.safetensors").exists()
+
+
+def test_pass_at_k_estimator():
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 5, 3) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    assert pass_at_k(4, 1, 2) == pytest.approx(1 - (3 / 4) * (2 / 3))
+
+
+def test_cli_dry_run_lists_modules(stories260k, cli):
+    p = cli("train", "--dry-run", "--set", f"model.name_or_path={stories260k}", "--set", "lora.layers=first1+last1",
+            "--set", "lora.target_modules=[v_proj,o_proj]")
+    assert p.returncode == 0, p.stderr
+    listed = [ln.split()[1] for ln in p.stdout.splitlines() if ln.startswith("#   ")]
+    assert listed == ["model.layers.0.self_attn.v_proj", "model.layers.0.self_attn.o_proj",
+                      "model.layers.4.self_attn.v_proj", "model.layers.4.self_attn.o_proj"]
+    assert "group_size: 8" in p.stdout
+
+
+@pytest.mark.parametrize("args", [["--set", "lora.rr=3"], ["--set", "beta=-1"], ["--set", "loss_type=ppo"],
+                                  ["--resume", "/nonexistent/run"], ["no_such.yaml"]])
+def test_cli_bad_input(args, cli):
+    assert_bad_input(cli("train", *args))
+
+
+def test_cli_bad_module_and_layers(stories260k, cli):
+    base = ["train", "--dry-run", "--set", f"model.name_or_path={stories260k}"]
+    p = cli(*base, "--set", "lora.target_modules=[v_prj]")
+    assert_bad_input(p)
+    assert "did you mean v_proj" in p.stderr
+    assert_bad_input(cli(*base, "--set", "lora.layers=0-9"))
