@@ -1,3 +1,10 @@
 """mechdiag: a flight recorder and a mechanic for GRPO fine-tuning of small language models."""
 
 __version__ = "0.1.0"
+
+
+def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False):
+    """Weight displacement of checkpoint b against reference a as a pandas DataFrame (see mechdiag.displacement)."""
+    from mechdiag.displacement import displacement as _displacement
+
+    return _displacement(a, b, base=base, by=by, spectral=spectral)

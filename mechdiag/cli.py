@@ -111,3 +111,112 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run):
     s = run.summary()
     click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
                f"({100 * s['accuracy_gain']:+.1f} points) in {s['wall_time_s']:.0f} s; run: {run.path}")
+
+
+# --- displacement -----------------------------------------------------------------------------------------------
+
+
+def _records(df) -> list[dict]:
+    """DataFrame -> flat JSON-ready records: pandas NA/NaN become None, numpy scalars Python numbers."""
+    import math
+
+    out = []
+    for rec in df.to_dict("records"):
+        clean = {}
+        for k, v in rec.items():
+            if hasattr(v, "item"):
+                v = v.item()
+            if v is None or (isinstance(v, float) and not math.isfinite(v)) or str(v) == "<NA>":
+                v = None
+            clean[k] = v
+        out.append(clean)
+    return out
+
+
+def _table(df, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for c in df.columns:
+        table.add_column(c, justify="left" if c in ("name", "module", "shape", "dtype", "all") else "right")
+    for rec in _records(df):
+        cells = []
+        for c, v in rec.items():
+            if v is None:
+                cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
+            elif isinstance(v, float):
+                cells.append(f"{v:.4g}")
+            else:
+                cells.append(str(v))
+        table.add_row(*cells)
+    return table
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
+              "base_model_name_or_path is not a local folder).")
+@click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+              show_default=True)
+@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
+def displacement(a, b, base, by, fmt, out, spectral, html):
+    """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
+
+    Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
+    study's WDisp and each group's update mass."""
+    import io
+
+    from rich.console import Console
+
+    from mechdiag import atomic
+    from mechdiag.displacement import compare, group_wdisp, rows_frame
+
+    if fmt == "parquet" and out is None:
+        raise UserError("--format parquet needs --out PATH")
+    err = Console(stderr=True)
+    progress_cb, bar = None, None
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("displacement"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                       TimeRemainingColumn(), console=err, transient=True)
+        task = bar.add_task("diff", total=1.0)
+
+        def progress_cb(done, total):
+            if total > 50_000_000:  # only large checkpoints: ~200 MB of float32
+                if not bar.live.is_started:
+                    bar.start()
+                bar.update(task, completed=done / total)
+    try:
+        rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
+    finally:
+        if bar is not None and bar.live.is_started:
+            bar.stop()
+    df = rows_frame(rows, spectral)
+    result = df if by == "tensor" else group_wdisp(df, by=by)
+
+    if html:
+        from mechdiag.report.heatmap import displacement_heatmap, write_html
+
+        write_html(displacement_heatmap(df), html)
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            result.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(_records(result)) + "\n"
+    elif fmt == "csv":
+        text = result.to_csv(index=False)
+    else:
+        buf = io.StringIO()
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
+            _table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
+        text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)

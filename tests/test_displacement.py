@@ -1,0 +1,436 @@
+"""Weight displacement: planted deltas are found exactly, LoRA factors give the materialised numbers, grouped WDisp
+follows the study's formula, the CLI keeps its contract, and the trainer's lora_rows equals the checkpoint path."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+
+import pandas as pd
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import mechdiag
+from mechdiag.displacement import displacement as disp
+from mechdiag.displacement import group_wdisp, lora_rows, update_mass
+from mechdiag.errors import UserError
+from tests.helpers import assert_bad_input
+from tests.tiny_models import FAMILIES, build, save
+
+torch.set_num_threads(1)
+F64 = torch.float64
+
+
+def _write(folder, state, config_from=None):
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors", metadata={"format": "pt"})
+    if config_from is not None:
+        shutil.copy(config_from / "config.json", folder / "config.json")
+    return folder
+
+
+def _state(folder):
+    return load_file(folder / "model.safetensors")
+
+
+def _rel(x, y):
+    return abs(x - y) / max(abs(y), 1e-30)
+
+
+# --- planted deltas ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_planted_deltas_are_found_exactly(tmp_path, family):
+    a = save(build(family), tmp_path / "a")
+    sd = _state(a)
+    names = sorted(sd)
+    mat = next(n for n in names if sd[n].ndim == 2 and ".1." in n)  # a block matrix of layer 1
+    vec = next(n for n in names if sd[n].ndim == 1)  # a norm or bias
+    g = torch.Generator().manual_seed(1)
+    planted = {}
+    for n in (mat, vec):
+        new = (sd[n].double() + 0.01 * torch.randn(sd[n].shape, generator=g, dtype=F64)).float()
+        planted[n] = (torch.linalg.vector_norm(new.double() - sd[n].double()).item(),
+                      torch.linalg.vector_norm(sd[n].double()).item())
+        sd[n] = new
+    b = _write(tmp_path / "b", sd, config_from=a)
+    df = disp(a, b)
+    assert set(df.loc[df.delta_fro > 0, "name"]) == set(planted)
+    for n, (dn, rn) in planted.items():
+        row = df.set_index("name").loc[n]
+        assert _rel(row.delta_fro, dn) < 1e-6 and _rel(row.ref_fro, rn) < 1e-6
+        assert _rel(row.rel_fro, dn / rn) < 1e-6 if rn > 0 else row.rel_fro == math.inf  # Gemma norms start at 0
+        assert row.frac_unchanged == 0.0
+    assert (df.loc[df.delta_fro == 0, "frac_unchanged"] == 1.0).all()
+    assert df["layer"].dropna().between(0, 1).all()
+
+
+def test_grouped_wdisp_is_the_study_formula(tmp_path):
+    a = save(build("llama"), tmp_path / "a")
+    sd = _state(a)
+    for n in sd:
+        if n.endswith(("q_proj.weight", "down_proj.weight")):
+            sd[n] = sd[n] * (1.1 if ".0." in n else 0.7)
+    b = _write(tmp_path / "b", sd, config_from=a)
+    rows = disp(a, b)
+    for by in ("module", "layer"):
+        g = group_wdisp(rows, by=by)
+        for _, r in g.iterrows():
+            sel = rows[rows[by].isna()] if pd.isna(r[by]) else rows[rows[by] == r[by]]
+            expect = math.sqrt((sel.delta_fro ** 2).sum()) / math.sqrt((sel.ref_fro ** 2).sum() + 1e-12)
+            assert _rel(r.wdisp, expect) < 1e-12 or (expect == 0 and r.wdisp == 0)
+        assert abs(g.update_mass.sum() - 1.0) < 1e-12
+    mass = update_mass(rows, by="module").set_index("module")["update_mass"]
+    assert set(mass[mass > 0].index) == {"q_proj", "down_proj"}
+    one = group_wdisp(rows, by="all")
+    overall = math.sqrt((rows.delta_fro ** 2).sum() / (rows.ref_fro ** 2).sum())
+    assert len(one) == 1 and _rel(one.wdisp[0], overall) < 1e-9
+    assert mechdiag.displacement(a, b, by="module").equals(group_wdisp(rows, by="module"))
+
+
+def test_group_functions_on_jsonl_rows_group_per_step():
+    rows = pd.DataFrame([
+        {"step": s, "name": f"model.layers.{l}.self_attn.{m}.weight", "layer": l, "module": m, "ref_fro": 2.0,
+         "delta_fro": float(s * (1 + l) * (2 if m == "v_proj" else 1)), "rel_fro": 0.0}
+        for s in (1, 2) for l in (0, 1) for m in ("q_proj", "v_proj")])
+    mass = update_mass(rows, by="module")
+    assert list(mass.columns) == ["step", "module", "update_mass"]
+    for s in (1, 2):
+        m = mass[mass.step == s].set_index("module")["update_mass"]
+        assert m["v_proj"] == pytest.approx(0.8) and m["q_proj"] == pytest.approx(0.2)
+    by_layer = group_wdisp(rows, by="layer")
+    r = by_layer[(by_layer.step == 2) & (by_layer.layer == 1)].iloc[0]
+    assert r.wdisp == pytest.approx(math.sqrt(4 ** 2 + 8 ** 2) / math.sqrt(8 + 1e-12))
+
+
+def test_stories260k_against_perturbed_copy(tmp_path, stories260k):
+    sd = _state(stories260k)
+    g = torch.Generator().manual_seed(0)
+    expected = {}
+    for n in sd:
+        if n.endswith(("v_proj.weight", "o_proj.weight")):
+            new = sd[n] + 1e-3 * torch.randn(sd[n].shape, generator=g)
+            expected[n] = torch.linalg.vector_norm(new.double() - sd[n].double()).item()
+            sd[n] = new
+    b = _write(tmp_path / "b", sd, config_from=stories260k)
+    df = disp(stories260k, b).set_index("name")
+    assert "lm_head.weight" not in df.index  # tied: counted once, as the embedding
+    assert len(df) == 47
+    for n, dn in expected.items():
+        assert _rel(df.loc[n, "delta_fro"], dn) < 1e-6
+    assert (df.drop(index=list(expected))["delta_fro"] == 0).all()
+    mods = group_wdisp(df.reset_index(), by="module").set_index("module")
+    assert set(mods.index[mods.wdisp > 0]) == {"v_proj", "o_proj"}
+
+
+def test_sharded_checkpoint_gives_same_rows(tmp_path):
+    m = build("qwen2")
+    a = save(m, tmp_path / "a")
+    with torch.no_grad():
+        m.model.layers[1].mlp.up_proj.weight.mul_(1.5)
+        m.model.layers[0].self_attn.q_proj.bias.add_(0.25)
+    b1 = save(m, tmp_path / "b1")
+    b2 = save(m, tmp_path / "b2", max_shard_size="8KB")
+    assert len(list(b2.glob("model-*-of-*.safetensors"))) >= 2
+    r1, r2 = disp(a, b1), disp(a, b2)
+    pd.testing.assert_frame_equal(r1, r2)
+    assert (r1.delta_fro > 0).sum() == 2
+
+
+def test_sub_ulp_changes_counted_apart_from_unchanged(tmp_path):
+    a = save(build("llama"), tmp_path / "a")
+    sd = _state(a)
+    n = "model.layers.0.mlp.gate_proj.weight"
+    w = sd[n].clone().view(-1)
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(w)[1] - 8)  # one bf16 ULP at |w| in [2^(e-1), 2^e)
+    w[:10] += ulp[:10] / 4  # below one bf16 ULP
+    w[10:25] += 1.0  # real changes
+    sd[n] = w.view_as(sd[n])
+    b = _write(tmp_path / "b", sd, config_from=a)
+    row = disp(a, b).set_index("name").loc[n]
+    numel = w.numel()
+    assert row.frac_sub_ulp == pytest.approx(10 / numel) and row.frac_unchanged == pytest.approx((numel - 25) / numel)
+
+
+def test_dense_spectral_matches_svd(tmp_path):
+    a = save(build("llama"), tmp_path / "a")
+    sd = _state(a)
+    g = torch.Generator().manual_seed(3)
+    for n in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):  # tall and wide
+        sd[n] = sd[n] + 0.1 * torch.randn(sd[n].shape, generator=g)
+    b = _write(tmp_path / "b", sd, config_from=a)
+    df = disp(a, b, spectral=True).set_index("name")
+    ref = _state(a)
+    for n in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        s = torch.linalg.svdvals(sd[n].double() - ref[n].double())
+        p = s / s.sum()
+        assert _rel(df.loc[n, "sigma_1"], s[0].item()) < 1e-6
+        assert _rel(df.loc[n, "stable_rank"], ((s ** 2).sum() / s[0] ** 2).item()) < 1e-5
+        assert _rel(df.loc[n, "effective_rank"], torch.exp(-(p * p.log()).sum()).item()) < 1e-5
+    assert df.loc["model.layers.1.mlp.up_proj.weight", "sigma_1"] == 0.0
+
+
+def test_nan_weights_flag_the_row(tmp_path, cli):
+    a = save(build("llama"), tmp_path / "a")
+    sd = _state(a)
+    n = "model.layers.1.self_attn.k_proj.weight"
+    sd[n][0, 0] = float("nan")
+    sd["model.layers.0.self_attn.k_proj.weight"][1, 1] = float("inf")
+    b = _write(tmp_path / "b", sd, config_from=a)
+    df = disp(a, b).set_index("name")
+    assert df.loc[n, "nonfinite"] and math.isnan(df.loc[n, "rel_fro"])
+    assert df["nonfinite"].sum() == 2
+    assert group_wdisp(df.reset_index(), by="all").n_tensors[0] == len(df) - 2
+    proc = cli("displacement", str(a), str(b), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    rec = {r["name"]: r for r in json.loads(proc.stdout)}
+    assert rec[n]["nonfinite"] is True and rec[n]["rel_fro"] is None
+
+
+def test_tied_lm_head_counted_once(tmp_path):
+    cfg_model = build("gemma")  # tie_word_embeddings=True: lm_head is not saved
+    a = save(cfg_model, tmp_path / "a")
+    sd = _state(a)
+    assert "lm_head.weight" not in sd
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()  # a tool that saved the tied copy anyway
+    b = _write(tmp_path / "b", sd, config_from=a)
+    df = disp(a, b)
+    assert "lm_head.weight" not in set(df.name) and (df.module == "embed_tokens").sum() == 1
+
+
+# --- LoRA adapters ----------------------------------------------------------------------------------------------
+
+
+def _adapter(base_dir, out, seed, **cfg):
+    """Save a random-init PEFT adapter (B non-zero) and the merge_and_unload of the same weights."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base_dir),
+                           LoraConfig(init_lora_weights=False, **cfg))
+    model.save_pretrained(out / "adapter")
+    model.merge_and_unload().save_pretrained(out / "merged")
+    return out / "adapter", out / "merged"
+
+
+def _factors(adapter, module_key):
+    with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+        A = f.get_tensor(f"base_model.model.{module_key}.lora_A.weight").double()
+        B = f.get_tensor(f"base_model.model.{module_key}.lora_B.weight").double()
+    return B, A
+
+
+ALL_PROJ = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA_CASES = {
+    "plain": dict(r=4, lora_alpha=16, target_modules=ALL_PROJ),
+    "rslora": dict(r=4, lora_alpha=8, use_rslora=True, target_modules=ALL_PROJ),
+    "patterns": dict(r=4, lora_alpha=8, target_modules=ALL_PROJ, alpha_pattern={"v_proj": 3},
+                     rank_pattern={"down_proj": 2, "layers.1.self_attn.q_proj": 3}),
+    "embedding": dict(r=2, lora_alpha=4, target_modules=["embed_tokens", "o_proj"]),
+}
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, stories260k):
+    root = tmp_path_factory.mktemp("lora")
+    return {k: _adapter(stories260k, root / k, seed=i, **cfg) for i, (k, cfg) in enumerate(LORA_CASES.items())}
+
+
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_adapter_equals_merged(adapters, stories260k, case):
+    adapter, merged = adapters[case]
+    ra = disp(stories260k, adapter).set_index("name")
+    rm = disp(stories260k, merged).set_index("name")
+    assert list(ra.index) == list(rm.index)
+    moved = rm.index[rm.delta_fro > 0]
+    assert len(moved) >= 5 and (ra.loc[rm.index.difference(moved), "delta_fro"] == 0).all()
+    for col in ("ref_fro", "delta_fro", "rel_fro"):
+        rel = ((ra.loc[moved, col] - rm.loc[moved, col]).abs() / rm.loc[moved, col]).max()
+        assert rel < 1e-5, (col, rel)
+
+
+def test_adapter_scaling_rank_and_alpha_patterns(adapters, stories260k):
+    for case, key, scale in [("plain", "model.layers.0.self_attn.q_proj", 16 / 4),
+                             ("rslora", "model.layers.2.mlp.up_proj", 8 / math.sqrt(4)),
+                             ("patterns", "model.layers.3.mlp.down_proj", 8 / 2),
+                             ("patterns", "model.layers.1.self_attn.q_proj", 8 / 3),
+                             ("patterns", "model.layers.0.self_attn.v_proj", 3 / 4)]:
+        adapter, _ = adapters[case]
+        B, A = _factors(adapter, key)
+        delta = scale * B @ A  # materialised, float64
+        row = disp(stories260k, adapter).set_index("name").loc[key + ".weight"]
+        assert _rel(row.delta_fro, torch.linalg.vector_norm(delta).item()) < 1e-9, (case, key)
+        assert row.lora_rank == A.shape[0]
+
+
+def test_adapter_spectral_from_factors(adapters, stories260k):
+    adapter, _ = adapters["patterns"]
+    df = disp(stories260k, adapter, spectral=True).set_index("name")
+    key = "model.layers.1.self_attn.q_proj"
+    B, A = _factors(adapter, key)
+    s = torch.linalg.svdvals((8 / 3) * B @ A)[:3]
+    p = s / s.sum()
+    row = df.loc[key + ".weight"]
+    assert _rel(row.sigma_1, s[0].item()) < 1e-9
+    assert _rel(row.stable_rank, ((s ** 2).sum() / s[0] ** 2).item()) < 1e-9
+    assert _rel(row.effective_rank, torch.exp(-(p * p.log()).sum()).item()) < 1e-9
+    assert row.effective_rank <= 3 + 1e-9
+
+
+def test_adapter_vs_adapter_is_exact(adapters, stories260k):
+    (a1, m1), (a2, m2) = adapters["plain"], adapters["rslora"]
+    ra = disp(a1, a2, base=stories260k, spectral=True).set_index("name")
+    rm = disp(m1, m2, spectral=True).set_index("name")
+    key = "model.layers.2.self_attn.k_proj"
+    B1, A1 = _factors(a1, key)
+    B2, A2 = _factors(a2, key)
+    W0 = _state(stories260k)[key + ".weight"].double()
+    delta = 4.0 * B2 @ A2 - 4.0 * B1 @ A1  # plain: 16/4, rslora: 8/sqrt(4)
+    row = ra.loc[key + ".weight"]
+    assert _rel(row.delta_fro, torch.linalg.vector_norm(delta).item()) < 1e-9
+    assert _rel(row.ref_fro, torch.linalg.vector_norm(W0 + 4.0 * B1 @ A1).item()) < 1e-8
+    assert _rel(row.sigma_1, torch.linalg.svdvals(delta)[0].item()) < 1e-9
+    assert row.lora_rank == 8
+    moved = rm.index[rm.delta_fro > 0]
+    assert ((ra.loc[moved, "delta_fro"] - rm.loc[moved, "delta_fro"]).abs() / rm.loc[moved, "delta_fro"]).max() < 1e-5
+
+
+def test_gpt2_fan_in_fan_out_adapter(tmp_path):
+    base = save(build("gpt2"), tmp_path / "base")
+    adapter, merged = _adapter(base, tmp_path, seed=5, r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
+                               fan_in_fan_out=True)
+    ra, rm = disp(base, adapter).set_index("name"), disp(base, merged).set_index("name")
+    moved = rm.index[rm.delta_fro > 0]
+    assert {tuple(n.split(".")[-2:]) for n in moved} == {("c_attn", "weight"), ("c_fc", "weight")}
+    assert ((ra.loc[moved, "delta_fro"] - rm.loc[moved, "delta_fro"]).abs() / rm.loc[moved, "delta_fro"]).max() < 1e-5
+
+
+# --- lora_rows: the trainer's in-memory path ---------------------------------------------------------------------
+
+
+def test_lora_rows_equals_checkpoint_path(tmp_path, stories260k):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(11)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories260k),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"],
+                                      rank_pattern={"down_proj": 2}, init_lora_weights=False))
+    rows = lora_rows(model)
+    assert len(rows) == 15 and set(rows[0]) == {"name", "layer", "module", "ref_fro", "delta_fro", "rel_fro"}
+    assert rows[0]["name"] == "model.layers.0.self_attn.q_proj.weight" and rows[0]["layer"] == 0
+    assert rows[0]["module"] == "q_proj"
+    model.save_pretrained(tmp_path / "ad")
+    ck = disp(stories260k, tmp_path / "ad").set_index("name")
+    for r in rows:
+        for col in ("ref_fro", "delta_fro", "rel_fro"):
+            assert _rel(r[col], ck.loc[r["name"], col]) < 1e-9, (r["name"], col)
+    by = group_wdisp(pd.DataFrame(rows), by="module").set_index("module")
+    assert set(by.index) == {"q_proj", "v_proj", "down_proj"}
+    # the cached ||W0|| follows in-place changes of the base weight
+    w = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    with torch.no_grad():
+        w.mul_(2.0)
+    assert _rel(lora_rows(model)[0]["ref_fro"], 2 * rows[0]["ref_fro"]) < 1e-9
+
+
+# --- CLI contract -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    a = save(build("llama"), root / "a")
+    sd = _state(a)
+    sd["model.layers.1.self_attn.o_proj.weight"] = sd["model.layers.1.self_attn.o_proj.weight"] * 1.5
+    return a, _write(root / "b", sd, config_from=a)
+
+
+def test_cli_formats(pair, tmp_path, cli):
+    a, b = pair
+    proc = cli("displacement", str(a), str(b), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    recs = json.loads(proc.stdout)
+    assert {"name", "layer", "module", "ref_fro", "delta_fro", "rel_fro"} <= set(recs[0])
+    moved = [r for r in recs if r["delta_fro"] > 0]
+    assert [r["name"] for r in moved] == ["model.layers.1.self_attn.o_proj.weight"]
+    assert moved[0]["rel_fro"] == pytest.approx(0.5, rel=1e-6) and moved[0]["layer"] == 1
+    grouped = json.loads(cli("displacement", str(a), str(b), "--by", "module", "--format", "json").stdout)
+    assert {r["module"]: r["wdisp"] > 0 for r in grouped}["o_proj"] and "wdisp" in grouped[0]
+    csv = cli("displacement", str(a), str(b), "--by", "layer", "--format", "csv").stdout
+    assert csv.splitlines()[0].startswith("layer,n_tensors")
+    pq, html = tmp_path / "r.parquet", tmp_path / "h.html"
+    proc = cli("displacement", str(a), str(b), "--format", "parquet", "--out", str(pq), "--html", str(html))
+    assert proc.returncode == 0, proc.stderr
+    assert len(pd.read_parquet(pq)) == len(recs)
+    page = html.read_text()
+    assert "heatmap" in page and len(page) > 1_000_000  # plotly.js inlined: works offline
+    table = cli("displacement", str(a), str(b), "--spectral")
+    assert table.returncode == 0 and "o_proj" in table.stdout and "sigma_1" in table.stdout
+
+
+def test_heatmap_grid_is_layers_by_modules(pair):
+    from mechdiag.report.heatmap import OUTSIDE, displacement_grid, displacement_heatmap
+
+    df = disp(*pair)
+    grid = displacement_grid(df)
+    assert list(grid.index) == ["0", "1", OUTSIDE]
+    assert grid.loc["1", "o_proj"] == pytest.approx(0.5, rel=1e-6) and grid.loc["0", "o_proj"] == 0
+    assert displacement_heatmap(df).data[0].type == "heatmap"
+
+
+def _bad_cases(root, pair, stories260k):
+    a, b = pair
+    sd = _state(a)
+    shape = dict(sd)
+    shape["model.layers.0.mlp.up_proj.weight"] = torch.zeros(33, 16)
+    one_side = dict(sd)
+    del one_side["model.layers.0.mlp.up_proj.weight"]
+    empty = root / "empty"
+    empty.mkdir()
+    adapter = root / "orphan"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 2,
+                                                             "base_model_name_or_path": "org/unknown"}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 16)},
+              adapter / "adapter_model.safetensors")
+    return {
+        "missing": (str(a), str(root / "nope"), "no such file"),
+        "not_checkpoint": (str(a), str(empty), "not a checkpoint"),
+        "shape": (str(a), str(_write(root / "shape", shape, config_from=a)), "shape"),
+        "one_side": (str(a), str(_write(root / "one", one_side, config_from=a)), "not in"),
+        "architecture": (str(a), str(save(build("gpt2"), root / "gpt2")), "different architectures"),
+        "unknown_base": (str(adapter), str(adapter), "--base"),
+        "pickle": (str(a), str((root / "w.pt").write_bytes(b"x") and root / "w.pt"), "pickle"),
+    }
+
+
+def test_bad_input_is_one_clear_user_error(pair, tmp_path, stories260k):
+    from mechdiag.displacement import compare
+
+    for what, (x, y, msg) in _bad_cases(tmp_path, pair, stories260k).items():
+        with pytest.raises(UserError, match=msg.replace("-", "\\-")):
+            compare(x, y)
+        assert what
+
+
+def test_cli_bad_input_one_line_exit_2_no_output(pair, tmp_path, cli, stories260k):
+    cases = _bad_cases(tmp_path, pair, stories260k)
+    for what in ("shape", "unknown_base", "architecture"):  # the exit path is shared; one subprocess costs seconds
+        x, y, msg = cases[what]
+        out = tmp_path / f"{what}.json"
+        proc = cli("displacement", x, y, "--format", "json", "--out", str(out), "--html", str(tmp_path / "h.html"))
+        assert_bad_input(proc)
+        assert msg in proc.stderr, (what, proc.stderr)
+        assert not out.exists() and not (tmp_path / "h.html").exists()
+
+
+def test_api_errors_are_user_errors(pair):
+    with pytest.raises(UserError, match="by must be"):
+        disp(*pair, by="row")
+    assert isinstance(mechdiag.displacement(*pair), pd.DataFrame)
