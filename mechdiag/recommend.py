@@ -1,0 +1,597 @@
+"""From diagnostics to a refined config (paper-notes §5): each rule is a symptom detector over the recorded
+signals of one or more run directories, a treatment on the Config, the evidence that fired it and a confidence.
+
+Every threshold is a named constant below and is explained in docs/recommendations.md. Several runs (seeds of
+one config) are pooled: train and eval signals are averaged per step, displacement and shift shares per run
+then averaged. A healthy run fires no rule and leaves the config unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mechdiag import config as configlib
+from mechdiag.compare import Run, base_eval, final_eval, group_runs, load_runs
+from mechdiag.config import Config, parse_layers
+
+# ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
+WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
+MIN_POINTS = 4  # fewer train records than this: trend rules stay silent
+CONFIDENT_POINTS = 20  # train records for full confidence from the data-size factor
+
+REWARD_CV_LOW = 0.10  # tail mean within-group reward CV below this: groups barely differ
+FRAC_ZERO_STD_HIGH = 0.50  # tail mean share of groups with identical rewards above this: no gradient signal
+REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts as "high" (7B-on-MCQ case)
+REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
+TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
+TEMPERATURE_MAX = 1.2  # ...up to this
+EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
+
+KL_HIGH = 0.10  # tail mean per-token KL to the reference above this (nats) is high
+KL_RISE_RATIO = 1.5  # tail mean over the mean of the second quarter above this is "rising"...
+KL_RISE_MIN = 0.02  # ...when the tail mean is also above this (ignore noise near zero)
+KL_VERY_HIGH = 0.5  # above this also halve the learning rate
+ACC_DROP = 0.02  # eval accuracy this far below its best (base included) is "falling"
+BETA_FACTOR = 3.0  # the study's 0.003 -> 0.01
+BETA_FROM_ZERO = 0.005  # beta when it was 0 (Table 7's math/code value)
+BETA_MAX = 0.2  # never raise beta above this; lower the learning rate instead
+LR_FACTOR = 0.5
+
+REWARD_RISE_FRAC = 0.10  # tail minus head reward above this share of the maximum reward is "rising"
+ACC_FLAT = 0.01  # final minus base accuracy at or below this is "flat or falling"
+CORRECT_SHARE_MAX = 0.5  # where reward/correctness is recorded: fire only if it paid for less of the rise
+CORRECTNESS_FACTOR = 2.0  # the study's code reshaping 1.0 -> 2.0
+CORRECTNESS_MAX = 8.0
+FORMAT_FACTOR = 0.5
+FORMAT_MIN = 0.05
+FORMAT_COMPONENTS = ("xml_count", "format", "numeric", "reasoning_nonempty", "answer_nonempty", "valid_option",
+                     "syntax")
+
+CLIPPED_HIGH = 0.20  # tail mean share of completions cut at max_completion_tokens above this
+COMPLETION_FACTOR = 1.5
+COMPLETION_TOKENS_MAX = 1024
+
+END_LAYERS = 2  # the study's reduced layers: first 2 and last 2
+END_RATIO = 2.0  # mean per-layer share at the ends over the middle's mean above this is "concentrated"
+END_RATIO_STRONG = 4.0  # concentrated this much fires even without a regression
+MIN_LAYERS_FOR_ENDS = 2 * END_LAYERS + 2  # need a middle of at least 2 layers
+
+MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the update mass...
+MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
+MIN_MODULES = 2  # ...and we keep at least this many modules (the study's v_proj + o_proj)
+
+ENTROPY_COLLAPSE_RATIO = 0.3  # tail entropy below this share of the head entropy has collapsed
+ENTROPY_FLOOR = 0.05  # or below this absolute value (nats per token)
+
+SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
+SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
+DIFFICULTY_MAX = 4  # arith's hardest level
+
+
+# ---- findings ---------------------------------------------------------------------------------------------
+@dataclass
+class Change:
+    key: str  # dotted config path
+    old: object
+    new: object
+    rule: str = ""
+
+    def __str__(self) -> str:
+        if isinstance(self.old, dict) and isinstance(self.new, dict):  # name only the entries that change
+            keys = [k for k in {**self.old, **self.new} if self.old.get(k) != self.new.get(k)]
+            return f"{self.key}: " + ", ".join(f"{k} {_show(self.old.get(k))} -> {_show(self.new.get(k))}"
+                                               for k in keys)
+        return f"{self.key}: {_show(self.old)} -> {_show(self.new)}"
+
+    def record(self) -> dict:
+        return {"key": self.key, "old": self.old, "new": self.new, "rule": self.rule}
+
+
+@dataclass
+class Finding:
+    rule: str
+    symptom: str
+    evidence: str  # the numbers and steps that fired the rule
+    changes: list[Change]
+    reason: str
+    confidence: float
+    data: dict = field(default_factory=dict)  # the same numbers, machine-readable
+
+    def record(self) -> dict:
+        rec = {"kind": "finding", "rule": self.rule, "symptom": self.symptom, "evidence": self.evidence,
+               "change": "; ".join(str(c) for c in self.changes) or "none (advice only)",
+               "reason": self.reason, "confidence": self.confidence}
+        rec.update({f"evidence.{k}": v for k, v in self.data.items()})
+        return rec
+
+
+def _show(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_show(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_show(x) for x in v) + "]"
+    return str(v)
+
+
+def confidence(margin: float, n_points: int) -> float:
+    """0.5 at the threshold, rising to 0.95 when the signal is past it by its own size (margin 1), scaled down
+    when few train records back it."""
+    base = 0.5 + 0.45 * min(1.0, max(0.0, margin))
+    return round(base * min(1.0, 0.5 + 0.5 * n_points / CONFIDENT_POINTS), 2)
+
+
+# ---- pooled signals ----------------------------------------------------------------------------------------
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
+    """Per step, the mean over runs of every numeric key."""
+    acc: dict[int, dict[str, list[float]]] = {}
+    for rows in streams:
+        for r in rows:
+            if not _num(r.get("step")):
+                continue
+            slot = acc.setdefault(int(r["step"]), {})
+            for k, v in r.items():
+                if k != "step" and _num(v):
+                    slot.setdefault(k, []).append(float(v))
+    return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in sorted(acc.items())}
+
+
+def _last_step_rows(rows: list[dict]) -> list[dict]:
+    steps = [r["step"] for r in rows if _num(r.get("step"))]
+    if not steps:
+        return []
+    last = max(steps)
+    return [r for r in rows if r.get("step") == last]
+
+
+def _shares(rows: list[dict], by: str) -> dict:
+    """Share of the update mass per group: squared delta_fro summed per `by` over the total (the study's update
+    mass; mechdiag.displacement.update_mass computes the same from a frame)."""
+    mass: dict = {}
+    for r in rows:
+        if _num(r.get("delta_fro")) and r.get(by) is not None:
+            key = str(r[by]).rsplit(".", 1)[-1] if by == "module" else r[by]  # "self_attn.v_proj" -> "v_proj"
+            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
+    total = sum(mass.values())
+    return {k: v / total for k, v in mass.items()} if total > 0 else {}
+
+
+def _mean_dicts(dicts: list[dict]) -> dict:
+    dicts = [d for d in dicts if d]
+    keys = {k for d in dicts for k in d}
+    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
+
+
+@dataclass
+class Signals:
+    """What the rules read: one config and the pooled records of its runs."""
+
+    cfg: Config
+    runs: list[str]
+    train: dict[int, dict[str, float]]
+    eval: dict[int, dict[str, float]]
+    layer_mass: dict[int, float]  # displacement share per layer, last recorded step
+    module_mass: dict[str, float]  # displacement share per module type, last recorded step
+    shift: dict[int, dict[str, float]]  # per layer: shift (and increment) at the last recorded step
+    base: dict[str, float]
+    final: dict[str, float]
+    n_layers: int | None
+
+    @classmethod
+    def from_runs(cls, runs: list[Run]) -> Signals:
+        cfg = runs[0].cfg
+        # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
+        adapted = set(cfg.lora.target_modules)
+        disp = [[row for row in _last_step_rows(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
+                 in adapted] for r in runs]
+        shift_rows = [_last_step_rows(r.shift) for r in runs]
+        layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
+        by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
+        return cls(
+            cfg=cfg, runs=[str(r.path) for r in runs],
+            train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
+            layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
+            module_mass=_mean_dicts([_shares(rows, "module") for rows in disp]),
+            shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
+            final=_mean_dicts([final_eval(r) for r in runs]),
+            n_layers=max(layers) + 1 if layers else None)
+
+    def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
+        src = self.train if stream == "train" else self.eval
+        pts = [(s, d[key]) for s, d in src.items() if key in d]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    def window(self, key: str, which: str) -> tuple[float, str] | None:
+        """Mean of `key` over the head or tail window of the train records, with its step range."""
+        steps, vals = self.series(key)
+        if len(vals) < MIN_POINTS:
+            return None
+        k = max(1, round(len(vals) * WINDOW_FRAC))
+        sl = slice(0, k) if which == "head" else slice(len(vals) - k, len(vals)) if which == "tail" else \
+            slice(k, 2 * k)  # "second": the second quarter
+        s, v = steps[sl], vals[sl]
+        return sum(v) / len(v), f"steps {s[0]}-{s[-1]}"
+
+    @property
+    def n_train(self) -> int:
+        return len(self.train)
+
+    @property
+    def max_reward(self) -> float:
+        """Components are in [0, 1] before weighting (tasks/base.py), so the best total is the positive weights."""
+        return sum(w for w in self.cfg.rewards.weights.values() if w > 0) or 1.0
+
+    def accuracy_trend(self) -> tuple[float, float, float] | None:
+        """(best so far including base, final, base) eval accuracy, or None without two points."""
+        _, acc = self.series("accuracy", "eval")
+        base = self.base.get("accuracy", acc[0] if acc else None)
+        final = self.final.get("accuracy", acc[-1] if acc else None)
+        if base is None or final is None or (len(acc) < 2 and "accuracy" not in self.base):
+            return None
+        return max([base, *acc]), final, base
+
+
+# ---- rules ------------------------------------------------------------------------------------------------
+RuleFn = Callable[[Signals], "Finding | None"]
+RULES: list[tuple[str, str, RuleFn]] = []
+
+
+def rule(name: str, symptom: str):
+    def register(fn: RuleFn) -> RuleFn:
+        RULES.append((name, symptom, fn))
+        fn.rule_name, fn.symptom = name, symptom
+        return fn
+    return register
+
+
+def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float, **data) -> Finding:
+    return Finding(fn.rule_name, fn.symptom, evidence, changes, reason, conf, data)
+
+
+def _raise_temperature(cfg: Config) -> Change | None:
+    if cfg.temperature >= TEMPERATURE_MAX - 1e-9:
+        return None
+    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, cfg.temperature + TEMPERATURE_STEP), 4))
+
+
+def _raise_epsilon_high(cfg: Config) -> Change | None:
+    if cfg.clip_high >= EPSILON_HIGH_TARGET - 1e-9:
+        return None
+    return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
+
+
+def _raise_beta(cfg: Config) -> Change | None:
+    if cfg.beta >= BETA_MAX - 1e-12:
+        return None
+    new = BETA_FROM_ZERO if cfg.beta == 0 else min(BETA_MAX, cfg.beta * BETA_FACTOR)
+    return Change("beta", cfg.beta, round(new, 6))
+
+
+def _difficulty(cfg: Config) -> int | None:
+    level = cfg.task.options.get("difficulty", 2 if cfg.task.name == "arith" else None)
+    return level if isinstance(level, int) and not isinstance(level, bool) else None
+
+
+def _easier_data(cfg: Config) -> Change | None:
+    level = _difficulty(cfg)
+    if level is None or level <= 1:
+        return None
+    return Change("task.options", dict(cfg.task.options), {**cfg.task.options, "difficulty": level - 1})
+
+
+def _saturated(s: Signals) -> tuple[float, str] | None:
+    tail = s.window("reward", "tail")
+    if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
+        return tail
+    return None
+
+
+@rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
+def early_saturation(s: Signals):
+    steps, reward = s.series("reward")
+    if len(reward) < MIN_POINTS or not _saturated(s):
+        return None
+    level = SATURATION_FRAC * s.max_reward
+    first = next(i for i, r in enumerate(reward) if r >= level)
+    if first > SATURATION_EARLY * (len(reward) - 1):
+        return None
+    ev = (f"reward {reward[first]:.3g} >= {SATURATION_FRAC} x max {s.max_reward:.3g} already at step {steps[first]} "
+          f"({first + 1} of {len(reward)} records; early = first {SATURATION_EARLY:.0%})")
+    opts = dict(s.cfg.task.options)
+    level_now = _difficulty(s.cfg)
+    changes = []
+    if level_now is not None and level_now < DIFFICULTY_MAX:
+        changes = [Change("task.options", opts, {**opts, "difficulty": level_now + 1})]
+    reason = "harder data: saturated groups all score the same and carry no advantage" if changes else \
+        "harder data: add harder problems to task.mixture (no difficulty knob to turn here)"
+    return _finding(early_saturation, ev, changes, reason,
+                    confidence(1 - first / max(1, SATURATION_EARLY * len(reward)), len(reward)),
+                    saturated_at_step=steps[first], max_reward=s.max_reward)
+
+
+@rule("low_diversity", "low reward CV or many zero-std groups: the group advantage has little to work with")
+def low_diversity(s: Signals):
+    cv, zero = s.window("reward_cv", "tail"), s.window("frac_zero_std", "tail")
+    hits = []
+    if cv and cv[0] < REWARD_CV_LOW:
+        hits.append((f"reward_cv {cv[0]:.3g} < {REWARD_CV_LOW} over {cv[1]}", REWARD_CV_LOW / max(cv[0], 1e-9) - 1))
+    if zero and zero[0] > FRAC_ZERO_STD_HIGH:
+        hits.append((f"frac_zero_std {zero[0]:.3g} > {FRAC_ZERO_STD_HIGH} over {zero[1]}",
+                     (zero[0] - FRAC_ZERO_STD_HIGH) / (1 - FRAC_ZERO_STD_HIGH)))
+    if not hits or _saturated(s):  # a solved task also gives equal rewards: early_saturation's case, not ours
+        return None
+    reward = s.window("reward", "tail")
+    frac = reward[0] / s.max_reward if reward else 0.0
+    if frac >= REWARD_HIGH_FRAC:
+        order = [_raise_epsilon_high, _raise_temperature]
+    elif frac < REWARD_LOW_FRAC:
+        order = [_raise_temperature, _easier_data, _raise_epsilon_high]
+    else:
+        order = [_raise_temperature, _raise_epsilon_high]
+    change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
+    ev = "; ".join(h[0] for h in hits) + f"; reward {frac:.0%} of max"
+    reason = {"epsilon_high": "more sample diversity: a higher upper clip lets rare good completions gain "
+                              "probability (study: 7B on MCQ, eps_high 0.2 -> 0.3)",
+              "task.options": "easier data: almost every completion fails, so groups score the same",
+              }.get(change.key if change else "", "more sample diversity: a higher temperature spreads the "
+                                                  "group's rewards (study's conclusion)")
+    return _finding(low_diversity, ev, [change] if change else [], reason,
+                    confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
+                    reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)
+
+
+@rule("kl_drift", "high or rising KL to the reference while eval accuracy falls: the policy drifts")
+def kl_drift(s: Signals):
+    trend = s.accuracy_trend()
+    if trend is None:
+        return None
+    best, final, base = trend
+    if final > best - ACC_DROP:
+        return None
+    tail, second = s.window("kl", "tail"), s.window("kl", "second")
+    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} (base {base:.3g})"
+    if tail is None:
+        if s.cfg.beta > 0 or s.series("kl")[1]:
+            return None
+        ev, margin, kl = f"kl not recorded with beta = 0; {acc_ev}", 0.0, None
+    else:
+        high = tail[0] > KL_HIGH
+        rising = second is not None and tail[0] > KL_RISE_MIN and tail[0] > KL_RISE_RATIO * max(second[0], 1e-12)
+        if not (high or rising):
+            return None
+        kl = tail[0]
+        parts = [f"kl {tail[0]:.3g} > {KL_HIGH} over {tail[1]}"] if high else []
+        if rising:
+            parts.append(f"kl rising {second[0]:.3g} ({second[1]}) -> {tail[0]:.3g} ({tail[1]})")
+        ev = "; ".join(parts) + f"; {acc_ev}"
+        margin = max(tail[0] / KL_HIGH - 1 if high else 0, (best - final) / max(ACC_DROP, 1e-9) - 1)
+    changes = [c for c in [_raise_beta(s.cfg)] if c]
+    if kl is not None and (kl > KL_VERY_HIGH or not changes):
+        changes.append(Change("learning_rate", s.cfg.learning_rate, s.cfg.learning_rate * LR_FACTOR))
+    reason = "a stronger KL anchor keeps the policy near the base (study: 4B on MCQ, beta 0.003 -> 0.01)"
+    return _finding(kl_drift, ev, changes, reason, confidence(margin, s.n_train), kl_tail=kl,
+                    accuracy_final=final, accuracy_best=best)
+
+
+@rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")
+def reward_misalignment(s: Signals):
+    head, tail, trend = s.window("reward", "head"), s.window("reward", "tail"), s.accuracy_trend()
+    if not (head and tail and trend):
+        return None
+    rise = tail[0] - head[0]
+    _, final, base = trend
+    if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
+        return None
+    w = dict(s.cfg.rewards.weights)
+    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
+          f"eval accuracy {base:.3g} -> {final:.3g}")
+    c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
+    share = None
+    if c_tail and c_head:  # the raw correctness rate is recorded: how much of the rise did it pay for?
+        share = w.get("correctness", 0.0) * (c_tail[0] - c_head[0]) / rise
+        if share >= CORRECT_SHARE_MAX:
+            return None  # the reward rose for correct answers: a train/eval gap, not a reward design problem
+        ev += f"; reward/correctness {c_head[0]:.3g} -> {c_tail[0]:.3g}, {max(share, 0):.0%} of the rise"
+    new = dict(w)
+    if "correctness" in w and w["correctness"] < CORRECTNESS_MAX:
+        new["correctness"] = min(CORRECTNESS_MAX, w["correctness"] * CORRECTNESS_FACTOR)
+    for k in FORMAT_COMPONENTS:
+        if k in w and w[k] > FORMAT_MIN:
+            new[k] = max(FORMAT_MIN, round(w[k] * FORMAT_FACTOR, 6))
+    changes = [Change("rewards.weights", w, new)] if new != w else []
+    return _finding(reward_misalignment, ev, changes,
+                    "reward reshaping: pay for correct answers, less for tags (study: code correctness 1.0 -> 2.0)",
+                    confidence(rise / (REWARD_RISE_FRAC * s.max_reward) - 1, s.n_train), reward_rise=rise,
+                    accuracy_base=base, accuracy_final=final, correctness_share=share)
+
+
+@rule("truncation", "many completions hit the completion budget: their reward is cut with them")
+def truncation(s: Signals):
+    tail = s.window("completion_clipped_ratio", "tail")
+    if not tail or tail[0] <= CLIPPED_HIGH:
+        return None
+    cur = s.cfg.max_completion_tokens
+    changes, reason = [], "longer budget so reasoning and answer fit"
+    if cur < COMPLETION_TOKENS_MAX:
+        new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+        changes = [Change("max_completion_tokens", cur, new)]
+    else:
+        reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
+    return _finding(truncation, f"completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_HIGH} over {tail[1]}",
+                    changes, reason, confidence(tail[0] / CLIPPED_HIGH - 1, s.n_train), clipped_tail=tail[0])
+
+
+def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
+    ends = set(range(END_LAYERS)) | set(range(n_layers - END_LAYERS, n_layers))
+    e = [v for k, v in per_layer.items() if k in ends]
+    m = [v for k, v in per_layer.items() if k not in ends]
+    if not e or not m:
+        return None
+    return (sum(e) / len(e)) / max(sum(m) / len(m), 1e-12)
+
+
+@rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
+def reduced_layers(s: Signals):
+    n = s.n_layers
+    if not s.cfg.lora.enabled or n is None or n < MIN_LAYERS_FOR_ENDS:
+        return None
+    spec = f"first{END_LAYERS}+last{END_LAYERS}"
+    current = set(parse_layers(s.cfg.lora.layers, n))
+    if current <= set(parse_layers(spec, n)):
+        return None
+    ratios = {}
+    if s.layer_mass:
+        ratios["displacement"] = _end_ratio(s.layer_mass, n)
+    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+    if s.shift:
+        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    ratios = {k: v for k, v in ratios.items() if v is not None}
+    if not ratios:
+        return None
+    what, ratio = max(ratios.items(), key=lambda kv: kv[1])
+    trend = s.accuracy_trend()
+    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
+    if ratio < END_RATIO or (ratio < END_RATIO_STRONG and not regressed):
+        return None
+    ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
+          f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
+                               f"; strong: > {END_RATIO_STRONG})"))
+    return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
+                    "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
+                    confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
+
+
+@rule("reduced_modules", "update mass concentrated in a few module types")
+def reduced_modules(s: Signals):
+    mass, current = s.module_mass, list(s.cfg.lora.target_modules)
+    m = len(mass)
+    if not s.cfg.lora.enabled or m <= MIN_MODULES:
+        return None
+    ranked = sorted(mass.items(), key=lambda kv: -kv[1])
+    k, cover = 0, 0.0
+    while cover < MODULE_MASS_COVER or k < MIN_MODULES:
+        cover += ranked[k][1]
+        k += 1
+    concentration = cover / (k / m)
+    if k > m // 2 or concentration < MODULE_CONCENTRATION:
+        return None
+    keep = {mod for mod, _ in ranked[:k]}
+    new = [mod for mod in current if mod in keep]
+    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} of the update mass ({k} of {m} modules, "
+          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})")
+    return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
+                    "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
+                    confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
+                    modules=",".join(new))
+
+
+@rule("entropy_collapse", "policy entropy collapses: the model stops exploring")
+def entropy_collapse(s: Signals):
+    head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
+    if head and tail:
+        start, end, where = head[0], tail[0], f"{head[1]} -> {tail[1]}"
+    else:
+        steps, ent = s.series("entropy", "eval")
+        if len(ent) < 2:
+            return None
+        start, end, where = ent[0], ent[-1], f"eval steps {steps[0]} -> {steps[-1]}"
+    collapsed = end < ENTROPY_COLLAPSE_RATIO * start or (end < ENTROPY_FLOOR <= start)
+    if not collapsed:
+        return None
+    change = _raise_temperature(s.cfg) or _raise_beta(s.cfg)
+    ev = f"entropy {start:.3g} -> {end:.3g} ({where}; < {ENTROPY_COLLAPSE_RATIO} x start or < {ENTROPY_FLOOR})"
+    reason = "keep exploring: " + ("a higher temperature" if change and change.key == "temperature" else
+                                   "a stronger KL anchor to the base's entropy")
+    return _finding(entropy_collapse, ev, [change] if change else [], reason,
+                    confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
+                    entropy_start=start, entropy_end=end)
+
+
+# ---- applying ------------------------------------------------------------------------------------------------
+def _set(data: dict, key: str, value) -> None:
+    parts = key.split(".")
+    for p in parts[:-1]:
+        data = data.setdefault(p, {})
+    data[parts[-1]] = value
+
+
+def diagnose(signals: Signals) -> list[Finding]:
+    """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
+    finding keeps the evidence and says which rule covered it)."""
+    findings, taken = [], {}
+    for name, _, fn in RULES:
+        f = fn(signals)
+        if f is None:
+            continue
+        kept = []
+        for c in f.changes:
+            if c.key in taken:
+                f.reason += f" ({c.key} already changed by {taken[c.key]})"
+            else:
+                taken[c.key] = name
+                c.rule = name
+                kept.append(c)
+        f.changes = kept
+        findings.append(f)
+    return findings
+
+
+def apply(cfg: Config, findings: list[Finding]) -> Config:
+    data = cfg.model_dump(mode="json")
+    for f in findings:
+        for c in f.changes:
+            _set(data, c.key, c.new)
+    return configlib.from_dict(data)
+
+
+def header(findings: list[Finding], runs: list[str]) -> str:
+    lines = [f"Refined by mechdiag recommend from {', '.join(runs)}"]
+    changes = [(c, f) for f in findings for c in f.changes]
+    if not findings:
+        lines.append("No rule fired: the config is unchanged.")
+    elif not changes:
+        lines.append("No change to the config; advice only.")
+    for c, f in changes:
+        lines.append(f"- {c}  [{f.rule}, confidence {f.confidence}] {f.evidence}")
+    for f in findings:
+        if not f.changes:
+            lines.append(f"- advice [{f.rule}, confidence {f.confidence}] {f.reason}: {f.evidence}")
+    return "\n".join(lines)
+
+
+@dataclass
+class Recommendation:
+    cfg: Config  # the refined config
+    base_cfg: Config
+    findings: list[Finding]
+    runs: list[str]
+    comparison: list[dict]
+
+    @property
+    def changes(self) -> list[Change]:
+        return [c for f in self.findings for c in f.changes]
+
+    @property
+    def header(self) -> str:
+        return header(self.findings, self.runs)
+
+
+def recommend(paths) -> Recommendation:
+    """Diagnose the runs and refine their config. With several configs among the runs, the rules read the group
+    with the best mean final accuracy (the comparison of all groups comes with it)."""
+    from mechdiag.compare import side_by_side
+
+    runs = load_runs(paths)
+    groups = group_runs(runs)
+    comparison = side_by_side(runs) if len(runs) > 1 else []
+    best = max(groups, key=lambda g: sum(final_eval(r).get("accuracy", -1.0) for r in g.runs) / len(g.runs))
+    signals = Signals.from_runs(best.runs)
+    findings = diagnose(signals)
+    return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison)

@@ -1,0 +1,344 @@
+"""Rules on synthetic run directories built to show one symptom each; healthy runs give no change."""
+
+import json
+import re
+
+import pytest
+
+from mechdiag import config as configlib
+from mechdiag import recommend as R
+from mechdiag.compare import load_runs, side_by_side
+from mechdiag.errors import UserError
+from mechdiag.paths import REPO_ROOT
+from tests.helpers import assert_bad_input
+from tests.synth import ends_heavy, write_run
+
+FLAT = {"reward": (1.5, 1.6), "kl": 0.01}  # no reward rise and a low, flat KL: isolates the other rules
+
+
+def cfg_with(*overrides):
+    return configlib.load(overrides=list(overrides))
+
+
+def rec(tmp_path, cfg=None, name="run", **kw):
+    write_run(tmp_path / name, cfg, **kw)
+    return R.recommend([tmp_path / name])
+
+
+def fired(r):
+    return {f.rule for f in r.findings}
+
+
+def changed(r):
+    return {c.key: c.new for c in r.changes}
+
+
+def test_healthy_run_gives_no_change(tmp_path):
+    r = rec(tmp_path)
+    assert r.findings == []
+    assert r.cfg == r.base_cfg
+    assert "No rule fired" in r.header
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_healthy_is_robust_to_noise(tmp_path, seed):
+    assert rec(tmp_path, seed=seed).findings == []
+
+
+def test_low_diversity_low_reward_raises_temperature(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=0.5"), reward_cv=0.04, frac_zero_std=0.7, **FLAT)
+    assert fired(r) == {"low_diversity"}
+    assert changed(r) == {"temperature": 0.7}
+    f = r.findings[0]
+    assert "reward_cv 0.0" in f.evidence and "< 0.1" in f.evidence and "steps 31-40" in f.evidence
+    assert 0.5 <= f.confidence <= 0.95
+
+
+def test_frac_zero_std_alone_fires(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=0.8"), frac_zero_std=0.75, **FLAT)
+    assert changed(r) == {"temperature": 1.0}
+    assert "frac_zero_std" in r.findings[0].evidence and "reward_cv" not in r.findings[0].evidence
+
+
+def test_low_diversity_high_reward_raises_upper_clip(tmp_path):
+    r = rec(tmp_path, reward=(2.8, 3.0), reward_cv=0.03, kl=0.01)  # 81% of the max reward 3.7: high
+    assert changed(r) == {"epsilon_high": 0.3}
+    assert "eps_high" in r.findings[0].reason
+
+
+def test_low_diversity_with_nothing_left_to_raise_is_advice_only(tmp_path, cli):
+    cfg = cfg_with("temperature=1.2", "epsilon_high=0.3")
+    r = rec(tmp_path, cfg, reward_cv=0.03, **FLAT)
+    assert fired(r) == {"low_diversity"} and r.changes == []
+    assert r.cfg == cfg
+    assert "advice only" in r.header and "- advice [low_diversity" in r.header
+    proc = cli("recommend", str(tmp_path / "run"))
+    assert proc.returncode == 0 and "advice only" in proc.stdout
+
+
+def test_kl_high_with_accuracy_falling_raises_beta(tmp_path):
+    r = rec(tmp_path, reward=(1.5, 1.6), kl=(0.0, 0.2, 0.3), accuracy=(0.4, 0.3))
+    assert fired(r) == {"kl_drift"}
+    assert changed(r) == {"beta": pytest.approx(0.015)}
+    assert "kl 0.2" in r.findings[0].evidence or "kl 0.3" in r.findings[0].evidence
+    assert "eval accuracy 0.3" in r.findings[0].evidence
+
+
+def test_rising_kl_below_high_still_fires(tmp_path):
+    r = rec(tmp_path, reward=(1.5, 1.6), kl=(0.0, 0.02, 0.08), accuracy=(0.4, 0.3))
+    assert changed(r) == {"beta": pytest.approx(0.015)}
+    assert "kl rising" in r.findings[0].evidence
+
+
+def test_high_kl_with_accuracy_rising_is_fine(tmp_path):
+    assert rec(tmp_path, reward=(1.5, 1.6), kl=(0.0, 0.3), accuracy=(0.3, 0.5)).findings == []
+
+
+def test_very_high_kl_also_lowers_learning_rate(tmp_path):
+    r = rec(tmp_path, reward=(1.5, 1.6), kl=(0.2, 0.9), accuracy=(0.4, 0.2))
+    assert changed(r) == {"beta": pytest.approx(0.015), "learning_rate": pytest.approx(1e-3)}
+
+
+def test_beta_zero_without_kl_record_and_falling_accuracy(tmp_path):
+    r = rec(tmp_path, cfg_with("beta=0"), reward=(1.5, 1.6), kl_recorded=False, accuracy=(0.4, 0.3))
+    assert changed(r) == {"beta": R.BETA_FROM_ZERO}
+    assert "kl not recorded" in r.findings[0].evidence
+
+
+def test_reward_rising_accuracy_flat_reshapes_rewards(tmp_path):
+    r = rec(tmp_path, reward=(1.0, 2.8), accuracy=(0.4, 0.4), kl=0.01,
+            components={"correctness": (0.4, 0.4), "format": (0.1, 0.9)})
+    assert fired(r) == {"reward_misalignment"}
+    w = changed(r)["rewards.weights"]
+    assert w["correctness"] == 4.0 and w["format"] == 0.25 and w["xml_count"] == 0.25
+    assert w["reasoning_nonempty"] == 0.05
+    assert "reward/correctness 0.4 -> 0.4, 0% of the rise" in r.findings[0].evidence
+    assert str(r.changes[0]).startswith("rewards.weights: correctness 2 -> 4, xml_count 0.5 -> 0.25")
+
+
+def test_reward_rise_paid_by_correctness_is_not_misalignment(tmp_path):
+    # correctness 0.1 -> 0.8 at weight 2 pays 1.4 of the 1.8 rise: the reward is not the problem
+    r = rec(tmp_path, reward=(1.0, 2.8), accuracy=(0.4, 0.4), kl=0.01,
+            components={"correctness": (0.1, 0.8), "format": (0.5, 0.9)})
+    assert r.findings == []
+
+
+def test_high_clipped_ratio_raises_budget(tmp_path):
+    r = rec(tmp_path, clipped=0.5, **FLAT)
+    assert fired(r) == {"truncation"}
+    assert changed(r) == {"max_completion_tokens": 72}
+
+
+def test_clipped_ratio_at_budget_cap_is_advice(tmp_path):
+    r = rec(tmp_path, cfg_with("max_completion_tokens=1024"), clipped=0.5, **FLAT)
+    assert fired(r) == {"truncation"} and r.changes == []
+    assert "penalise length" in r.findings[0].reason
+
+
+def test_displacement_at_the_ends_reduces_layers(tmp_path):
+    r = rec(tmp_path, layer_mass=ends_heavy(8, 6.0), **FLAT)
+    assert fired(r) == {"reduced_layers"}
+    assert changed(r) == {"lora.layers": "first2+last2"}
+    assert "displacement" in r.findings[0].evidence
+
+
+def test_moderate_end_concentration_needs_a_regression(tmp_path):
+    assert rec(tmp_path, name="a", layer_mass=ends_heavy(8, 3.0), **FLAT).findings == []
+    r = rec(tmp_path, name="b", layer_mass=ends_heavy(8, 3.0), accuracy=(0.4, 0.3), **FLAT)
+    assert "reduced_layers" in fired(r) and "accuracy 0.3" in r.findings[-1].evidence
+
+
+def test_shift_at_the_last_layers_reduces_layers(tmp_path):
+    r = rec(tmp_path, shift=lambda layer: 0.1 if layer >= 6 else 0.01, **FLAT)
+    assert changed(r) == {"lora.layers": "first2+last2"}
+    assert "shift.shift" in r.findings[0].evidence
+
+
+def test_already_reduced_layers_do_not_fire(tmp_path):
+    cfg = cfg_with("lora.layers=first2+last2")
+    assert rec(tmp_path, cfg, shift=lambda layer: 0.1 if layer >= 6 else 0.01, **FLAT).findings == []
+
+
+def test_concentrated_module_mass_reduces_modules(tmp_path):
+    mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0}
+    r = rec(tmp_path, module_mass=mass, **FLAT)
+    assert fired(r) == {"reduced_modules"}
+    assert sorted(changed(r)["lora.target_modules"]) == ["o_proj", "v_proj"]
+    assert "v_proj 38%" in r.findings[0].evidence or "o_proj 38%" in r.findings[0].evidence
+
+
+def test_module_mass_ignores_tensors_lora_does_not_adapt(tmp_path):
+    mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0}
+    write_run(tmp_path / "run", module_mass=mass, **FLAT)
+    rows = [{"step": 40, "name": "model.embed_tokens.weight", "layer": None, "module": "embed_tokens",
+             "ref_fro": 1.0, "delta_fro": 10.0, "rel_fro": 10.0},
+            {"step": 40, "name": "model.layers.0.input_layernorm.weight", "layer": 0,
+             "module": "input_layernorm", "ref_fro": 1.0, "delta_fro": 0.5, "rel_fro": 0.5}]
+    with open(tmp_path / "run" / "displacement.jsonl", "a") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    r = R.recommend([tmp_path / "run"])
+    assert changed(r) == {"lora.target_modules": ["v_proj", "o_proj"]}
+
+
+def test_mildly_uneven_module_mass_does_not_fire(tmp_path):
+    mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 1.5}
+    assert rec(tmp_path, module_mass=mass, **FLAT).findings == []
+
+
+def test_entropy_collapse_raises_temperature_then_beta(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=0.8"), name="a", entropy=(1.5, 0.1), **FLAT)
+    assert fired(r) == {"entropy_collapse"} and changed(r) == {"temperature": 1.0}
+    r = rec(tmp_path, cfg_with("temperature=1.2"), name="b", entropy=(1.5, 0.1), **FLAT)
+    assert changed(r) == {"beta": pytest.approx(0.015)}
+
+
+def test_one_key_is_changed_by_the_first_rule_only(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=0.6"), reward_cv=0.03, entropy=(1.5, 0.1), **FLAT)
+    assert fired(r) == {"low_diversity", "entropy_collapse"}
+    assert changed(r) == {"temperature": 0.8}
+    assert "already changed by low_diversity" in r.findings[1].reason
+
+
+def test_early_saturation_asks_for_harder_data(tmp_path):
+    r = rec(tmp_path, reward=(3.45, 3.6), frac_zero_std=0.8, reward_cv=0.02, kl=0.01)
+    assert fired(r) == {"early_saturation"}  # low_diversity defers: equal rewards of a solved task
+    assert changed(r) == {"task.options": {"difficulty": 3}}
+
+
+def test_saturation_at_hardest_level_is_advice(tmp_path):
+    r = rec(tmp_path, cfg_with("task.options={difficulty: 4}"), reward=(3.45, 3.6), kl=0.01)
+    assert fired(r) == {"early_saturation"} and r.changes == []
+
+
+def test_late_saturation_is_healthy(tmp_path):
+    assert rec(tmp_path, reward=(1.0, 3.4, 3.6), kl=0.01).findings == []
+
+
+def test_refined_config_round_trips_with_header(tmp_path, cli):
+    write_run(tmp_path / "run", cfg_with("temperature=0.5", "beta=0"), reward_cv=0.03, kl_recorded=False,
+              accuracy=(0.4, 0.3), reward=(1.5, 1.6), layer_mass=ends_heavy(8, 6.0))
+    out = tmp_path / "refined.yaml"
+    proc = cli("recommend", str(tmp_path / "run"), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    again = configlib.load(out)
+    expected = R.recommend([tmp_path / "run"]).cfg
+    assert again == expected
+    assert (again.temperature, again.beta, again.lora.layers) == (0.7, R.BETA_FROM_ZERO, "first2+last2")
+    head = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
+    assert any("temperature: 0.5 -> 0.7" in ln and "[low_diversity" in ln for ln in head)
+    assert any("beta: 0 -> 0.005" in ln and "[kl_drift" in ln for ln in head)
+    assert any("lora.layers: all -> first2+last2" in ln for ln in head)
+    assert "refined config with 3 change(s)" in proc.stdout
+
+
+def test_json_records(tmp_path, cli):
+    write_run(tmp_path / "run", clipped=0.5, **FLAT)
+    proc = cli("recommend", str(tmp_path / "run"), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    recs = json.loads(proc.stdout)
+    assert len(recs) == 1
+    r = recs[0]
+    assert {"rule", "symptom", "evidence", "change", "confidence"} <= set(r)
+    assert r["rule"] == "truncation" and r["change"] == "max_completion_tokens: 48 -> 72"
+    assert isinstance(r["confidence"], float) and r["evidence.clipped_tail"] > 0.4
+    assert all(not isinstance(v, (dict, list)) for v in r.values())
+
+
+def test_healthy_cli_says_so_and_copies_config(tmp_path, cli):
+    write_run(tmp_path / "run")
+    out = tmp_path / "same.yaml"
+    proc = cli("recommend", str(tmp_path / "run"), "--out", str(out))
+    assert proc.returncode == 0 and "healthy: no rule fired" in proc.stdout
+    assert configlib.load(out) == configlib.load(tmp_path / "run" / "config.yaml")
+    proc = cli("recommend", str(tmp_path / "run"), "--format", "json")
+    assert proc.returncode == 0 and json.loads(proc.stdout) == []
+
+
+def test_seeds_pool_and_treatments_compare(tmp_path, cli):
+    base = cfg_with("temperature=0.6")
+    treated = cfg_with("temperature=0.9")
+    paths = []
+    for seed, acc in ((42, 0.40), (3407, 0.42)):
+        write_run(tmp_path / f"base-{seed}", base.model_copy(update={"seed": seed}), seed=seed, accuracy=(0.2, acc))
+        paths.append(tmp_path / f"base-{seed}")
+    for seed, acc in ((42, 0.55), (3407, 0.57)):
+        write_run(tmp_path / f"t-{seed}", treated.model_copy(update={"seed": seed}), seed=seed, accuracy=(0.2, acc),
+                  clipped=0.5)
+        paths.append(tmp_path / f"t-{seed}")
+    records = side_by_side(load_runs(paths))
+    acc = {r["group"]: r for r in records if r["metric"] == "accuracy"}
+    assert set(acc) == {"temperature=0.6", "temperature=0.9"}
+    assert acc["temperature=0.9"]["mean"] == pytest.approx(0.56, abs=0.01)
+    assert acc["temperature=0.9"]["std"] == pytest.approx(0.0141, abs=0.005)
+    assert acc["temperature=0.9"]["verdict"] == "helped" and acc["temperature=0.6"]["verdict"] == "baseline"
+    assert acc["temperature=0.9"]["delta"] == pytest.approx(0.15, abs=0.01)
+    assert acc["temperature=0.9"]["vs_base"] == pytest.approx(0.36, abs=0.01)  # base accuracy 0.2
+    # the rules read the best group (the treated one, which truncates)
+    r = R.recommend(paths)
+    assert fired(r) == {"truncation"} and r.base_cfg.temperature == 0.9
+    proc = cli("recommend", *map(str, paths))
+    assert proc.returncode == 0, proc.stderr
+    assert re.search(r"0\.56\d* ± 0\.01\d* \(\+0\.36", proc.stdout)
+    assert "temperature=0.9 vs temperature=0.6: accuracy +0.15" in proc.stdout and "(helped)" in proc.stdout
+
+
+def test_overlapping_seeds_are_within_noise(tmp_path):
+    paths = []
+    for name, temp, accs in (("a", 0.6, (0.40, 0.50)), ("b", 0.9, (0.42, 0.52))):
+        for seed, acc in zip((1, 2), accs, strict=True):
+            write_run(tmp_path / f"{name}{seed}", cfg_with(f"temperature={temp}", f"seed={seed}"), accuracy=(0.2, acc))
+            paths.append(tmp_path / f"{name}{seed}")
+    acc = [r for r in side_by_side(load_runs(paths)) if r["metric"] == "accuracy"]
+    assert acc[-1]["verdict"] == "within seed noise"
+
+
+def test_bad_inputs_exit_2_one_line(tmp_path, cli):
+    assert_bad_input(cli("recommend", str(tmp_path / "missing")))
+    empty = tmp_path / "noconfig"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text('{"step": 1, "reward": 1.0}\n')
+    proc = cli("recommend", str(empty))
+    assert_bad_input(proc)
+    assert "config.yaml" in proc.stderr
+    write_run(tmp_path / "corrupt")
+    (tmp_path / "corrupt" / "metrics.jsonl").write_text('{"step": 1, "reward": 1.0}\n{not json\n')
+    proc = cli("recommend", str(tmp_path / "corrupt"))
+    assert_bad_input(proc)
+    assert "corrupt" in proc.stderr
+    write_run(tmp_path / "badcfg")
+    (tmp_path / "badcfg" / "config.yaml").write_text("temperature: -3\n")
+    assert_bad_input(cli("recommend", str(tmp_path / "badcfg")))
+
+
+def test_no_records_is_bad_input(tmp_path):
+    rd = tmp_path / "bare"
+    rd.mkdir()
+    configlib.save(configlib.load(), rd / "config.yaml")
+    with pytest.raises(UserError, match="nothing to diagnose"):
+        R.recommend([rd])
+
+
+def test_every_threshold_and_rule_is_documented():
+    doc = (REPO_ROOT / "docs" / "recommendations.md").read_text()
+    constants = [k for k, v in vars(R).items() if k.isupper() and isinstance(v, (int, float, tuple))]
+    assert len(constants) > 30
+    missing = [k for k in constants if f"`{k}`" not in doc]
+    assert missing == []
+    assert [name for name, _, _ in R.RULES if f"`{name}`" not in doc] == []
+
+
+def test_flat_summary_keys_give_base_and_final(tmp_path):
+    from mechdiag.compare import base_eval, final_eval
+
+    write_run(tmp_path / "run", n_evals=2)
+    (tmp_path / "run" / "eval.jsonl").write_text("")
+    (tmp_path / "run" / "summary.json").write_text('{"base_accuracy": 0.25, "final_accuracy": 0.5, "steps": 40}')
+    run = load_runs([tmp_path / "run"])[0]
+    assert base_eval(run) == {"accuracy": 0.25} and final_eval(run) == {"accuracy": 0.5}
+
+
+def test_nothing_solved_at_max_temperature_asks_for_easier_data(tmp_path):
+    r = rec(tmp_path, cfg_with("temperature=1.2"), reward=0.05, frac_zero_std=0.95, reward_cv=0.0, kl=0.01)
+    assert fired(r) == {"low_diversity"}
+    assert changed(r) == {"task.options": {"difficulty": 1}}
+    assert "easier data" in r.findings[0].reason
