@@ -8,3 +8,11 @@ def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False):
     from mechdiag.displacement import displacement as _displacement
 
     return _displacement(a, b, base=base, by=by, spectral=spectral)
+
+
+def __getattr__(name):  # lazy: `import mechdiag` stays fast, torch loads on first use
+    if name == "shift":
+        from mechdiag.probes.shift import shift
+
+        return shift
+    raise AttributeError(f"module 'mechdiag' has no attribute {name!r}")

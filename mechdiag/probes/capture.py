@@ -1,0 +1,130 @@
+"""Capture the post-block residual stream of every decoder layer with nnsight.
+
+One `Probe` per model in memory. A PEFT model is probed through its inner transformers model, so the adapter can
+be toggled (`disable_adapter()` / `set_adapter(name)`) around a trace and base and tuned share one copy of the
+weights. Batches are right-padded by us, so both models see identical ids and masks and real tokens never attend
+to padding.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mechdiag.errors import UserError
+
+_WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> NNsight (wrap each model once)
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long, 1 = real token
+    last: torch.Tensor  # [B] index of the last real token
+
+
+def pad_batch(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> Batch:
+    """Right-pad token id lists into one batch."""
+    lens = [len(s) for s in seqs]
+    ids = torch.full((len(seqs), max(lens)), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
+    last = torch.tensor(lens, dtype=torch.long) - 1
+    return Batch(ids.to(device), mask.to(device), last.to(device))
+
+
+@dataclass
+class Captured:
+    resid: list[torch.Tensor]  # L+1 tensors [B, T, D]: the stream entering block 0, then each block's output
+    logits: torch.Tensor  # [B, T, V]
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
+
+
+def n_layers_of(config) -> int | None:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return None
+
+
+def _find_layers(model: nn.Module) -> str:
+    """Qualified name of the ModuleList of decoder blocks (model.layers for Llama, transformer.h for GPT-2)."""
+    want = n_layers_of(model.config)
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    exact = [(name, m) for name, m in lists if len(m) == want]
+    pool = exact or lists
+    if not pool:
+        raise UserError(f"cannot find the decoder layers of {type(model).__name__}")
+    return min(pool, key=lambda nm: nm[0].count("."))[0]  # the outermost one
+
+
+def _find_final_norm(model: nn.Module) -> nn.Module:
+    """The norm applied after the last block (logit lens = lm_head(norm(h)))."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for owner in (decoder, getattr(model, "transformer", None), model):
+        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
+            m = getattr(owner, name, None)
+            if isinstance(m, nn.Module):
+                return m
+    raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
+
+
+def _envoy(root, path: str):
+    for part in path.split("."):
+        root = root[int(part)] if part.isdigit() else getattr(root, part)
+    return root
+
+
+class Probe:
+    """nnsight view of one model: per-layer residuals and logits for a batch, plus the logit-lens head."""
+
+    def __init__(self, model: nn.Module):
+        from nnsight import NNsight
+
+        self.model = model
+        self.inner = unwrap(model)
+        if self.inner not in _WRAPPED:
+            with warnings.catch_warnings():  # wrapping reads deprecated model attributes
+                warnings.simplefilter("ignore", FutureWarning)
+                _WRAPPED[self.inner] = NNsight(self.inner)
+        self.nn = _WRAPPED[self.inner]
+        self.layers_path = _find_layers(self.inner)
+        self.n_layers = len(_envoy(self.inner, self.layers_path))
+        self.norm = _find_final_norm(self.inner)
+        self.head = self.inner.get_output_embeddings()
+        if self.head is None:
+            raise UserError(f"{type(self.inner).__name__} has no output head (need a causal LM)")
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.inner.parameters()).device
+
+    @torch.no_grad()
+    def run(self, batch: Batch) -> Captured:
+        import nnsight
+
+        layers = _envoy(self.nn, self.layers_path)
+        with self.nn.trace(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False):
+            outs = [layers[0].input]  # read in execution order: block 0's input comes first
+            for layer in layers:
+                o = layer.output
+                outs.append(o[0] if isinstance(o, tuple) else o)  # transformers 5 gives a tensor, 4 a tuple
+            outs.append(self.nn.output.logits)
+            saved = nnsight.save(outs)
+        return Captured(resid=list(saved[:-1]), logits=saved[-1])
+
+    @torch.no_grad()
+    def lens(self, h: torch.Tensor) -> torch.Tensor:
+        """Logit lens: next-token logits read from a residual h [..., D]."""
+        return self.head(self.norm(h))

@@ -1,0 +1,208 @@
+"""Load a base/tuned pair for probing: model folders (transformers, safetensors) or PEFT adapter folders.
+
+An adapter on the same base as the other side shares one model in memory, switched per trace
+(`disable_adapter()` for the plain base, `set_adapter(name)` for an adapter); a merged or fully fine-tuned
+checkpoint loads as a second model. Pickle checkpoints (.bin, .pt) are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mechdiag.errors import UserError
+from mechdiag.probes.capture import Probe, n_layers_of
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass
+class Source:
+    """One side of the pair: a transformers model folder, plus an optional adapter folder applied on it."""
+
+    model_dir: Path
+    adapter_dir: Path | None = None
+
+    def __str__(self) -> str:
+        return str(self.adapter_dir or self.model_dir)
+
+
+def _is_adapter(path: Path) -> bool:
+    return (path / "adapter_config.json").is_file()
+
+
+def _check_model_dir(path: Path) -> None:
+    if not path.is_dir():
+        raise UserError(f"model folder not found: {path}")
+    if not (path / "config.json").is_file():
+        raise UserError(f"{path} is neither a transformers model folder (config.json) nor a PEFT adapter "
+                        "(adapter_config.json)")
+    if not any(path.glob("*.safetensors")):
+        if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
+            raise UserError(f"{path} holds only pickle weights; refusing to unpickle (convert to safetensors)")
+        raise UserError(f"no .safetensors weights in {path}")
+
+
+def _adapter_base(adapter: Path) -> Path | None:
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"unreadable {adapter / 'adapter_config.json'}: {e}") from None
+    name = cfg.get("base_model_name_or_path")
+    if name and Path(name).is_dir():
+        return Path(name)
+    if name and (adapter / name).is_dir():
+        return adapter / name
+    return None
+
+
+def _check_adapter_dir(path: Path) -> None:
+    if not (path / "adapter_model.safetensors").is_file():
+        if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
+            raise UserError(f"{path} holds only a pickle adapter; refusing to unpickle (save with safetensors)")
+        raise UserError(f"no adapter_model.safetensors in {path}")
+
+
+def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
+    """Turn the BASE and TUNED arguments into (model folder, adapter) sources.
+
+    A TUNED adapter is applied on BASE when BASE is a model folder; otherwise on its base_model_name_or_path.
+    """
+    base, tuned = Path(base), Path(tuned)
+    for p in (base, tuned):
+        if not p.exists():
+            raise UserError(f"not found: {p}")
+    if _is_adapter(base):
+        _check_adapter_dir(base)
+        root = _adapter_base(base)
+        if root is None:
+            raise UserError(f"the base model of adapter {base} is not a local folder (base_model_name_or_path)")
+        ref = Source(root, base)
+    else:
+        ref = Source(base)
+    _check_model_dir(ref.model_dir)
+    if _is_adapter(tuned):
+        _check_adapter_dir(tuned)
+        root = ref.model_dir if ref.adapter_dir is None else (_adapter_base(tuned) or ref.model_dir)
+        out = Source(root, tuned)
+    else:
+        out = Source(tuned)
+    _check_model_dir(out.model_dir)
+    return ref, out
+
+
+def load_model(path: Path, dtype: str = "float32", device: str | torch.device = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot load model {path}: {str(e).splitlines()[0]}") from None
+    return model.to(device).eval()
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json"))
+
+
+def check_compatible(ref_cfg, tuned_cfg, ref_name: str, tuned_name: str) -> None:
+    """Same architecture, depth, width and vocabulary, or a clear line saying which differs."""
+    def arch(c):
+        return (c.model_type, tuple(getattr(c, "architectures", None) or ()))
+
+    checks = [("architecture", arch(ref_cfg), arch(tuned_cfg)),
+              ("number of layers", n_layers_of(ref_cfg), n_layers_of(tuned_cfg)),
+              ("hidden size", getattr(ref_cfg, "hidden_size", None), getattr(tuned_cfg, "hidden_size", None)),
+              ("vocabulary size", getattr(ref_cfg, "vocab_size", None), getattr(tuned_cfg, "vocab_size", None))]
+    for what, a, b in checks:
+        if a != b:
+            raise UserError(f"base and tuned differ in {what}: {a} ({ref_name}) vs {b} ({tuned_name})")
+
+
+@dataclass
+class Pair:
+    ref: Probe
+    tuned: Probe
+    tokenizer: object
+    ref_ctx: Callable[[], contextlib.AbstractContextManager]
+    tuned_ctx: Callable[[], contextlib.AbstractContextManager]
+    shared: bool  # one model in memory, adapter toggled
+
+
+def _adapter_ctx(model, name: str | None):
+    """Context that runs `model` as the plain base (name None) or with adapter `name` active."""
+    if not hasattr(model, "peft_config"):
+        return contextlib.nullcontext
+    if name is None:
+        return model.disable_adapter
+
+    @contextlib.contextmanager
+    def ctx():
+        prev = model.active_adapter
+        model.base_model.set_adapter(name)
+        try:
+            yield
+        finally:
+            model.base_model.set_adapter(prev)
+
+    return ctx
+
+
+def _with_adapters(model, adapters: dict[str, Path]):
+    from peft import PeftModel
+
+    model_out = model
+    for name, path in adapters.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers attribute
+                if hasattr(model_out, "peft_config"):
+                    model_out.load_adapter(path, adapter_name=name)
+                else:
+                    model_out = PeftModel.from_pretrained(model_out, path, adapter_name=name)
+        except (OSError, ValueError, KeyError, RuntimeError) as e:
+            raise UserError(f"cannot load adapter {path}: {str(e).splitlines()[0]}") from None
+    return model_out.eval()
+
+
+def load_pair(base: str | Path, tuned: str | Path, dtype: str = "float32",
+              device: str | torch.device = "cpu") -> Pair:
+    ref_src, tun_src = resolve(base, tuned)
+    tok = load_tokenizer(ref_src.model_dir)
+    for d in {tun_src.model_dir, tun_src.adapter_dir} - {None, ref_src.model_dir}:
+        if _has_tokenizer(d) and load_tokenizer(d).get_vocab() != tok.get_vocab():
+            raise UserError(f"base and tuned have different vocabularies: tokenizer of {d} differs from "
+                            f"{ref_src.model_dir}")
+    if ref_src.model_dir.resolve() == tun_src.model_dir.resolve():
+        adapters = {k: s.adapter_dir for k, s in (("ref", ref_src), ("tuned", tun_src)) if s.adapter_dir}
+        model = _with_adapters(load_model(ref_src.model_dir, dtype, device), adapters)
+        probe = Probe(model)
+        return Pair(probe, probe, tok, _adapter_ctx(model, "ref" if ref_src.adapter_dir else None),
+                    _adapter_ctx(model, "tuned" if tun_src.adapter_dir else None), shared=True)
+    from transformers import AutoConfig
+
+    try:
+        cfgs = [AutoConfig.from_pretrained(s.model_dir) for s in (ref_src, tun_src)]
+    except (OSError, ValueError, KeyError) as e:
+        raise UserError(f"cannot read a model config: {str(e).splitlines()[0]}") from None
+    check_compatible(*cfgs, str(ref_src), str(tun_src))
+    models = []
+    for name, src in (("ref", ref_src), ("tuned", tun_src)):
+        m = load_model(src.model_dir, dtype, device)
+        models.append(_with_adapters(m, {name: src.adapter_dir}) if src.adapter_dir else m)
+    return Pair(Probe(models[0]), Probe(models[1]), tok, contextlib.nullcontext, contextlib.nullcontext, shared=False)
