@@ -9,6 +9,17 @@ from mechdiag.tasks.base import Example, Task
 
 REGISTRY: dict[str, str] = {  # name -> "module:Class"
     "arith": "mechdiag.tasks.arith:Arith",
+    "gsm8k": "mechdiag.tasks.math_tasks:GSM8K",
+    "gsm_plus": "mechdiag.tasks.math_tasks:GSMPlus",
+    "gsm_hard": "mechdiag.tasks.math_tasks:GSMHard",
+    "svamp": "mechdiag.tasks.math_tasks:SVAMP",
+    "math500": "mechdiag.tasks.math_tasks:MATH500",
+    "arc": "mechdiag.tasks.mcq:ARC",
+    "openbookqa": "mechdiag.tasks.mcq:OpenBookQA",
+    "mmlu_stem": "mechdiag.tasks.mcq:MMLUStem",
+    "mbpp": "mechdiag.tasks.code:MBPP",
+    "humaneval": "mechdiag.tasks.code:HumanEval",
+    "jsonl": "mechdiag.tasks.jsonl:Jsonl",
 }
 
 

@@ -36,6 +36,13 @@ class Task:
     def correct(self, completion: str, example: Example) -> bool:
         raise NotImplementedError
 
+    def components_many(self, completions: list[str], examples: list[Example]) -> list[dict[str, float]]:
+        """Components of many completions; code tasks override it to run their sandboxes in parallel."""
+        return [self.components(c, e) for c, e in zip(completions, examples, strict=True)]
+
+    def correct_many(self, completions: list[str], examples: list[Example]) -> list[bool]:
+        return [self.correct(c, e) for c, e in zip(completions, examples, strict=True)]
+
     def reward(self, completion: str, example: Example, weights: dict[str, float]) -> tuple[float, dict]:
         comps = self.components(completion, example)
         total = sum(weights.get(k, 0.0) * v for k, v in comps.items())

@@ -52,6 +52,7 @@ def nonempty(block: str | None) -> float:
 
 
 # ---- numbers -----------------------------------------------------------------------------------------------
+_NUMBER_TEXT = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE]([+-]?\d+))?|[+-]?\d+/\d+")
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
 
 
@@ -61,6 +62,9 @@ def parse_number(text: str | None) -> Fraction | None:
         return None
     s = text.strip().replace("$", "").replace("\u2212", "-").rstrip(".").rstrip("%").strip()
     s = re.sub(r"(?<=\d),(?=\d{3}\b)", "", s)
+    m = _NUMBER_TEXT.fullmatch(s)
+    if not m or (m.group(1) and abs(int(m.group(1))) > 400):  # "1e999999999" would build a huge integer
+        return None
     try:
         return Fraction(s)
     except (ValueError, ZeroDivisionError):
@@ -83,11 +87,14 @@ def answer_number(completion: str, answer_tag: str = "answer") -> Fraction | Non
     return parse_number(block) if parse_number(block) is not None else last_number(block)
 
 
-def numbers_equal(a: Fraction | None, b: Fraction | None, rel_tol: float = 1e-6) -> bool:
+def numbers_equal(a: Fraction | None, b: Fraction | None, rel_tol: float = 1e-9) -> bool:
+    """Exact for two integers (1000001 is not 1000000); else within rel_tol (float noise: 1806106.8000000003)."""
     if a is None or b is None:
         return False
     if a == b:
         return True
+    if a.denominator == 1 and b.denominator == 1:
+        return False
     return abs(float(a) - float(b)) <= rel_tol * max(1.0, abs(float(b)))
 
 
