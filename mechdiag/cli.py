@@ -68,7 +68,9 @@ def demo(out, report_path, max_steps):
 @click.option("--seed", type=int, help="Shorthand for --set seed=N.")
 @click.option("--max-steps", type=int, help="Shorthand for --set max_steps=N.")
 @click.option("--dry-run", is_flag=True, help="Validate, print the resolved config and the modules LoRA will train.")
-def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run):
+@click.option("--backend", type=click.Choice(["native", "trl"]), default="native", show_default=True,
+              help="trl: the same config through TRL's GRPOTrainer (multi-GPU with accelerate launch; docs/trl.md).")
+def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend):
     """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
     from pathlib import Path
 
@@ -101,10 +103,22 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run):
                 click.echo(f"#   {r['name']}  ({r['in']} -> {r['out']}, {r['params']} params)")
         else:
             click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
+        if backend == "trl":
+            from mechdiag.integrations.trl import grpo_args
+
+            args = grpo_args(cfg, "<out>/trl")
+            keys = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "steps_per_generation", "num_iterations", "max_steps", "beta", "epsilon", "epsilon_high",
+                    "loss_type", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps",
+                    "temperature", "top_p", "max_completion_length")
+            click.echo("# TRL GRPOConfig: " + ", ".join(f"{k}={getattr(args, k)}" for k in keys))
         return
     import time
 
-    from mechdiag.train.trainer import train
+    if backend == "trl":
+        from mechdiag.integrations.trl import train_trl as train
+    else:
+        from mechdiag.train.trainer import train
 
     run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     run = train(cfg, run_dir, resume=bool(resume))
@@ -133,7 +147,7 @@ def _records(df) -> list[dict]:
     return out
 
 
-def _table(df, title: str):
+def _rows_table(df, title: str):
     from rich.table import Table
 
     table = Table(title=title, show_lines=False)
@@ -214,8 +228,12 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
     else:
         buf = io.StringIO()
         Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
-            _table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
+            _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
         text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)
 
 
 # ---- shift -------------------------------------------------------------------------------------------------

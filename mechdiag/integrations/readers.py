@@ -98,6 +98,10 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
             out[("reward/" if m["stat"] == "mean" else "reward_std/") + m["name"]] = float(v)
         else:
             out[f"trl/{key}"] = float(v)
+    # GroupCV's share of all-equal groups is right for every scale_rewards; TRL's frac_reward_zero_std is a
+    # per-batch flag under scale_rewards="batch"
+    if "trl/group_frac_zero_std" in out:
+        out["frac_zero_std"] = out.pop("trl/group_frac_zero_std")
     return out
 
 
