@@ -40,7 +40,7 @@ def load_run(path) -> Run:
         from mechdiag.integrations.readers import foreign_kind, read_foreign
     except ImportError:
         foreign_kind = None
-    if foreign_kind is not None and foreign_kind(path):  # a TRL output_dir or verl metrics: read into the run-directory shape first
+    if foreign_kind is not None and foreign_kind(path):  # TRL or verl: read into the run-directory shape first
         import tempfile
 
         with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:

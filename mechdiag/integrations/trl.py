@@ -18,6 +18,7 @@ import math
 import os
 import time
 import types
+import warnings
 from pathlib import Path
 
 from mechdiag.errors import UserError
@@ -182,13 +183,16 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=False, use_cpu=not cuda,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
         dataloader_num_workers=0,
+        use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
     )
     if cfg.max_steps:
         kw["max_steps"] = updates
     else:
         kw["num_train_epochs"] = cfg.epochs or 1.0
     kw.update(overrides)
-    return GRPOConfig(**kw)
+    with warnings.catch_warnings():  # transformers 5 renames gradient_checkpointing; we set it False anyway
+        warnings.simplefilter("ignore", FutureWarning)
+        return GRPOConfig(**kw)
 
 
 def peft_lora_config(model, lora):
@@ -311,6 +315,7 @@ class MechdiagCallback(TrainerCallback):
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._evals: list[dict] = []
+        self._derived = False
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _on(self, state) -> bool:
@@ -322,12 +327,19 @@ class MechdiagCallback(TrainerCallback):
         rec, self._pending = self._pending, None
         if rec is None:
             return
+        names = [k.split("/", 1)[1] for k in rec if k.startswith("reward/")]  # in reward_funcs order
+        if self.reward_weights is None and names:
+            w = args.reward_weights or [1.0] * len(names)
+            self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
+            if self._derived:  # now the reward function names are known: config.yaml gets them
+                from mechdiag import config as C
+
+                self.config = C.from_dict({**self.config.model_dump(mode="json"),
+                                           "rewards": {"weights": self.reward_weights}})
+                C.save(self.config, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
         path = completion_files(Path(args.output_dir)).get(rec["step"])
         if path is not None:
-            names = [k.split("/", 1)[1] for k in rec if k.startswith("reward/")]
             weights = self.reward_weights
-            if weights is None and self.config is not None:
-                weights = dict(self.config.rewards.weights)
             stats, samples = completions_rows(path, names, weights, args.num_generations)
             for k, v in stats.items():
                 rec.setdefault(k, v)
@@ -361,6 +373,7 @@ class MechdiagCallback(TrainerCallback):
             raise UserError(f"{self.run.path} already holds a run; give MechdiagCallback another run_dir")
         self.run.drop_after(state.global_step)  # resuming from a checkpoint: forget what came after it
         cfg = self.config
+        self._derived = cfg is None
         if cfg is None:
             names = [k for k in (self.reward_weights or {})] or None
             cfg = config_from_grpo(args, _peft(model) or model, names)
@@ -451,9 +464,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
-    run = RunDir(out_dir, create=True)
     torch.manual_seed(cfg.seed)
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
     task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
@@ -463,14 +476,14 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights)
     cv = GroupCV(funcs, weights, group_size=cfg.group_size)
     eval_prompts = [task.prompt(ex, tok) for ex in eval_ex]
+    args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
+    run = RunDir(out_dir, create=True)
     rec = cfg.record
     cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every if cfg.lora.enabled else 0,
                           shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
                           shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
                           eval_every=cfg.eval_every * cfg.num_iterations,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)))
-    args = grpo_args(cfg, run.path / "trl", reward_weights=weights, **overrides)
-    peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     return trainer, run, cb
