@@ -70,13 +70,17 @@ def demo(out, report_path, max_steps):
 @click.option("--dry-run", is_flag=True, help="Validate, print the resolved config and the modules LoRA will train.")
 @click.option("--backend", type=click.Choice(["native", "trl"]), default="native", show_default=True,
               help="trl: the same config through TRL's GRPOTrainer (multi-GPU with accelerate launch; docs/trl.md).")
-def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend):
+@click.option("--trl", "trl_args", multiple=True, metavar="KEY=VALUE",
+              help="With --backend trl: set a GRPOConfig field directly (repeatable), e.g. use_vllm=true.")
+def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend, trl_args):
     """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
     from pathlib import Path
 
     from mechdiag import config as C
 
     overrides = list(overrides)
+    if trl_args and backend != "trl":
+        raise UserError("--trl KEY=VALUE needs --backend trl")
     if seed is not None:
         overrides.append(f"seed={seed}")
     if max_steps is not None:
@@ -104,9 +108,9 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend)
         else:
             click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
         if backend == "trl":
-            from mechdiag.integrations.trl import grpo_args
+            from mechdiag.integrations.trl import grpo_args, parse_trl_args
 
-            args = grpo_args(cfg, "<out>/trl")
+            args = grpo_args(cfg, "<out>/trl", **parse_trl_args(trl_args))
             keys = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
                     "steps_per_generation", "num_iterations", "max_steps", "beta", "epsilon", "epsilon_high",
                     "loss_type", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps",
@@ -116,7 +120,11 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend)
     import time
 
     if backend == "trl":
-        from mechdiag.integrations.trl import train_trl as train
+        import functools
+
+        from mechdiag.integrations.trl import parse_trl_args, train_trl
+
+        train = functools.partial(train_trl, **parse_trl_args(trl_args))
     else:
         from mechdiag.train.trainer import train
 

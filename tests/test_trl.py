@@ -251,7 +251,16 @@ def test_backend_trl_bad_input(stories260k, cli, tmp_path, monkeypatch):
     proc = cli("train", "--backend", "trl", "--out", str(tmp_path / "r"), "--set", "lora.target_modules=[qq_proj]",
                *[a for s in _small(stories260k) for a in ("--set", s)])
     assert_bad_input(proc)
-    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+    assert not (tmp_path / "r").exists()  # refused before anything was written
+    proc = cli("train", "--backend", "trl", "--trl", "num_generation=4", "--set", f"model.name_or_path={stories260k}")
+    assert_bad_input(proc)
+    assert "did you mean num_generations" in proc.stderr
+    assert_bad_input(cli("train", "--trl", "top_k=5"))
+    proc = cli("train", "--backend", "trl", "--dry-run", "--trl", "top_k=5", "--trl", "beta=0.5",
+               *[a for s in _small(stories260k) for a in ("--set", s)])
+    assert proc.returncode == 0, proc.stderr
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("# TRL GRPOConfig:"))
+    assert "num_generations=4" in line and "per_device_train_batch_size=8" in line and "beta=0.5" in line
 
 
 def test_config_round_trip(stories260k):

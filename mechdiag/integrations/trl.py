@@ -192,7 +192,37 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     kw.update(overrides)
     with warnings.catch_warnings():  # transformers 5 renames gradient_checkpointing; we set it False anyway
         warnings.simplefilter("ignore", FutureWarning)
-        return GRPOConfig(**kw)
+        try:
+            return GRPOConfig(**kw)
+        except (ValueError, TypeError, ImportError) as e:
+            raise UserError(f"GRPOConfig: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+
+
+def parse_trl_args(items) -> dict:
+    """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
+    import dataclasses
+
+    import yaml
+    from trl import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--trl expects KEY=VALUE, got {item!r}")
+        if key not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise UserError(f"--trl {key}: GRPOConfig has no such field" + (f" (did you mean {near[0]}?)"
+                                                                           if near else ""))
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[key] = value
+    return out
 
 
 def peft_lora_config(model, lora):
@@ -499,13 +529,17 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
     if not resume and (run_path / "metrics.jsonl").exists():
         raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
     trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
-    C.save(cfg, run.config_path, header="mechdiag train --backend trl: resolved config")
+    main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
+    if main:
+        C.save(cfg, run.config_path, header="mechdiag train --backend trl: resolved config")
     last = None
     if resume:
         ckpts = sorted(run.path.glob("trl/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
         last = str(ckpts[-1]) if ckpts else None
     trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(str(run.final))
+    trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
+    if not main:
+        return run
     trainer.processing_class.save_pretrained(str(run.final))
     summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
                "eval_n": cfg.eval_n, "backend": "trl", "steps": cfg.max_steps or trainer.state.global_step,
