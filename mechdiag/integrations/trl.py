@@ -399,9 +399,9 @@ class MechdiagCallback(TrainerCallback):
         from mechdiag import config as C
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
-        if self.run.config_path.exists() and state.global_step == 0 and self.run.stream("metrics").exists():
-            raise UserError(f"{self.run.path} already holds a run; give MechdiagCallback another run_dir")
-        self.run.drop_after(state.global_step)  # resuming from a checkpoint: forget what came after it
+        if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
+            warnings.warn(f"{self.run.path} held an earlier run; its records are replaced", stacklevel=2)
+        self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         cfg = self.config
         self._derived = cfg is None
         if cfg is None:
