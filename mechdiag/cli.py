@@ -99,7 +99,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         from mechdiag.train.trainer import prepare_model
 
         click.echo(C.to_yaml(cfg), nl=False)
-        model, _, _ = prepare_model(cfg)
+        model = prepare_model(cfg)[0]
         if cfg.lora.enabled:
             rows = lora_modules(model)
             click.echo(f"# LoRA trains {len(rows)} modules, {trainable_parameters(model)} parameters:")

@@ -133,7 +133,10 @@ class ShiftRecorder(_Lazy):
 
 
 class Checkpointer(Hook):
-    """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states."""
+    """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states.
+
+    The trainer calls it last in a step, after every other hook and any eval of that step, so that a
+    checkpoint at N means every record of steps <= N is on disk."""
 
     def __init__(self, every: int):
         self.every = every

@@ -57,17 +57,28 @@ def load_model(name_or_path: str, dtype: str = "float32"):
     return model, tok
 
 
+def frozen_copy(model):
+    out = copy.deepcopy(model).eval()
+    for p in out.parameters():
+        p.requires_grad_(False)
+    return out
+
+
 def prepare_model(cfg: Config):
-    """(model, tokenizer, ref_model): LoRA wraps the model (ref = adapter disabled); full FT keeps a frozen copy."""
+    """(model, tokenizer, ref_model, sampler).
+
+    LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
+    frozen copy as the reference. `sampler` (LoRA with cfg.merged_sampler only) is an adapter-free copy of the
+    base into which the effective weights are written before each rollout and eval, because plain layers decode
+    faster; it is None otherwise and the model samples itself.
+    """
     from mechdiag.train.lora import apply_lora
 
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
     if cfg.lora.enabled:
-        return apply_lora(model, cfg.lora), tok, None
-    ref = copy.deepcopy(model).eval()
-    for p in ref.parameters():
-        p.requires_grad_(False)
-    return model, tok, ref
+        sampler = frozen_copy(model) if cfg.merged_sampler else None
+        return apply_lora(model, cfg.lora), tok, None, sampler
+    return model, tok, frozen_copy(model), None
 
 
 def make_scheduler(opt, cfg: Config, total_updates: int):
@@ -76,6 +87,16 @@ def make_scheduler(opt, cfg: Config, total_updates: int):
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
                          num_training_steps=total_updates)
+
+
+def auto_threads() -> int:
+    """All cores, less those other processes keep busy: oversubscribed OpenMP threads spin and run 10x slower."""
+    n = os.cpu_count() or 1
+    try:
+        busy = int(os.getloadavg()[0])
+    except OSError:
+        busy = 0
+    return max(1, min(n, n - busy))
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -105,12 +126,11 @@ def get_task(name: str, path: str | None, options: dict):
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
+        torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.run = RunDir(out_dir, create=True)
-        self.model, self.tokenizer, self.ref_model = prepare_model(cfg)
+        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
         self.device = next(self.model.parameters()).device
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
         self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
@@ -141,8 +161,18 @@ class Trainer:
         self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
         if cfg.record.shift_at_eval:
             self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
-        self.hooks += [H.Checkpointer(cfg.save_every), H.ProgressBar()]
+        self.hooks.append(H.ProgressBar())
         self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
+        self.checkpointer = H.Checkpointer(cfg.save_every)
+
+    def sampler(self):
+        """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
+        if self._sampler is None:
+            return self.model
+        from mechdiag.train.lora import merge_into
+
+        merge_into(self.model, self._sampler)
+        return self._sampler
 
     # ---- data -----------------------------------------------------------------------------------------
     def batch(self, step: int) -> list:
@@ -167,7 +197,7 @@ class Trainer:
     @torch.inference_mode()
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
         """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, tok, model = self.cfg, self.tokenizer, self.model
+        cfg, tok, model = self.cfg, self.tokenizer, self.sampler()
         was = model.training
         model.eval()
         eos, pad = eos_ids(model, tok), pad_id(tok)
@@ -207,7 +237,7 @@ class Trainer:
         from mechdiag.generate import generate
 
         k_list = [k for k in cfg.pass_k if k <= n]
-        groups = generate(self.model, self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
+        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
                           top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
                           seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
         cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
@@ -226,33 +256,31 @@ class Trainer:
         cfg, model = self.cfg, self.model
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step))
-        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model)
+        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model,
+                       sampler=self.sampler())
         t_roll = time.perf_counter() - t0
         model.train()
         micro = cfg.prompts_per_step * cfg.group_size
         stats: dict[str, list[float]] = {}
         lr = self.sched.get_last_lr()[0]
         skipped = 0
+        n = len(roll)
         for _ in range(cfg.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             finite = True
-            for s in range(0, len(roll), micro):
-                mb = roll.select(slice(s, s + micro))
-                logits = policy_logits(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
-                logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
-                loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                         epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
-                                         loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
-                with torch.no_grad():
-                    st["entropy"] = obj.masked_mean(obj.token_entropy(logits, cfg.temperature),
-                                                    mb.completion_mask).item()
+            for s in range(0, n, micro):
+                rows = torch.arange(s, min(s + micro, n))
+                loss, st = self._micro_loss(roll, rows)
                 st["loss"] = loss.item()
                 finite = finite and math.isfinite(st["loss"])
-                if finite:
+                if finite and loss.requires_grad:
                     (loss / cfg.grad_accum).backward()
                 for k, v in st.items():
                     stats.setdefault(k, []).append(v)
             params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
             stats.setdefault("grad_norm", []).append(grad_norm)
             if finite and math.isfinite(grad_norm):
@@ -269,6 +297,9 @@ class Trainer:
             self.sched.step()
         dt = time.perf_counter() - t0
         n_tok = int(roll.completion_mask.sum())
+        m_all = roll.completion_mask
+        stats["entropy"] = [obj.masked_mean(roll.sample_entropy, m_all).item()]
+        stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
         g = obj.group_stats(roll.rewards, cfg.group_size)
         metrics = {"reward": roll.rewards.mean().item(), **g,
                    "completion_clipped_ratio": roll.truncated.float().mean().item(),
@@ -278,6 +309,30 @@ class Trainer:
                    "lr": lr, "step_time": dt, "rollout_time": t_roll, "tokens_per_s": n_tok / dt,
                    "skipped_updates": skipped}
         return metrics, roll
+
+    def _micro_loss(self, roll, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The loss of micro-batch `rows`, as a share of the whole micro-batch's aggregate.
+
+        With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
+        the forward pass (often half the batch: groups with equal rewards) and the aggregate rescaled to match.
+        """
+        cfg = self.cfg
+        keep = rows
+        if cfg.beta == 0:
+            keep = rows[roll.advantages[rows].cpu() != 0]
+        tokens_all = roll.completion_mask[rows].sum().clamp(min=1)
+        if len(keep) == 0:
+            return torch.zeros(()), {"clip_low": 0.0, "clip_high": 0.0, "policy_clip_fraction": 0.0}
+        mb = roll.select(keep)
+        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+        logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
+                                 epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
+                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
+        token_share = (mb.completion_mask.sum() / tokens_all).item()
+        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(rows)
+        st = {k: v * token_share for k, v in st.items() if k != "kl"}
+        return loss * share, st
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
@@ -340,16 +395,23 @@ class Trainer:
         try:
             if self.base_eval is None:
                 self.base_eval = {"step": 0, **self._eval(0)}
+            t_train = time.perf_counter()
             for step in range(self.step + 1, self.total_steps + 1):
                 metrics, roll = self.train_step(step)
                 self.step = step
                 H.call(self.hooks, "on_step_end", self, step, metrics, roll)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
-            last_eval = self._eval(self.total_steps)  # the final model, not the best checkpoint
+                self.checkpointer.on_step_end(self, step, metrics, roll)
+                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
+                        and step < self.total_steps:
+                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
+                                  f"{self.total_steps}", stacklevel=2)
+                    break
+            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
             self._save_weights(self.run.final)
             self.tokenizer.save_pretrained(self.run.final)
-            summary = {"steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
                        "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],

@@ -1,0 +1,151 @@
+"""GRPO step throughput: mechdiag's trainer vs TRL's GRPOTrainer on the same tiny model, CPU, in one run.
+
+Same model, task (arith), group size, prompts per step, completion budget, LoRA (r, alpha, modules), beta,
+loss "grpo", temperature; TRL with bf16 off and no gradient checkpointing. The first `--warmup` steps of
+each are excluded. Also reports what the recording hooks cost: their own time per step over the step time.
+
+    python bench/grpo_step.py [--model bundled] [--steps 12] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+from mechdiag import config as C  # noqa: E402
+from mechdiag.train import hooks as H  # noqa: E402
+
+
+def common(args) -> list[str]:
+    return [f"model.name_or_path={args.model}", f"group_size={args.group}", f"prompts_per_step={args.prompts}",
+            f"max_completion_tokens={args.completion}", f"beta={args.beta}", "loss_type=grpo", "lora.r=16",
+            "lora.alpha=32", "lora.dropout=0", f"threads={args.threads}", "temperature=1.0", "learning_rate=1e-3",
+            "eval_n=8", "save_every=0", f"max_steps={args.steps + args.warmup}", "max_prompt_tokens=256"]
+
+
+def bench_mechdiag(args, out: Path) -> dict:
+    from mechdiag.train.trainer import Trainer
+
+    cfg = C.load(None, common(args) + ["record.displacement_every=10", "record.samples_every=10",
+                                       "record.shift_at_eval=true"])
+    tr = Trainer(cfg, out / "mechdiag")
+    recorders = [h for h in tr.hooks if not isinstance(h, H.Checkpointer)]
+    step_times, hook_times, lengths = [], [], []
+    for step in range(1, args.steps + args.warmup + 1):
+        t0 = time.perf_counter()
+        metrics, roll = tr.train_step(step)
+        t1 = time.perf_counter()
+        H.call(recorders, "on_step_end", tr, step, metrics, roll)
+        t2 = time.perf_counter()
+        print(f"mechdiag step {step}: {t1 - t0:.2f} s", file=sys.stderr, flush=True)
+        if step > args.warmup:
+            step_times.append(t1 - t0)
+            hook_times.append(t2 - t1)
+            lengths.append(metrics["completion_length"])
+    # the eval-time recorders (metrics writer, shift) run once per eval; charge them per eval_every=100 steps
+    t0 = time.perf_counter()
+    H.call(recorders, "on_eval", tr, 1, {"accuracy": 0.0, "eval_reward": 0.0})
+    eval_hook = time.perf_counter() - t0
+    mean_step = statistics.mean(step_times)
+    return {"s_per_step": mean_step, "completion_length": statistics.mean(lengths),
+            "hook_s_per_step": statistics.mean(hook_times) + eval_hook / 100,
+            "displacement": "on" if _has("mechdiag.displacement") else "absent (not merged)",
+            "shift": "on" if _has("mechdiag.probes.shift") else "absent (not merged)"}
+
+
+def _has(mod: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def bench_trl(args, out: Path) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mechdiag.tasks import get_task
+    from mechdiag.train.trainer import load_model
+
+    cfg = C.load(None, common(args))
+    model, tok = load_model(args.model)
+    task = get_task("arith")
+    examples = task.examples("train", n=(args.steps + args.warmup) * args.prompts, seed=0)
+    by_prompt = {task.prompt(ex, tok): ex for ex in examples}
+    ds = Dataset.from_list([{"prompt": p} for p in by_prompt])
+
+    def reward(prompts, completions, **kw):
+        return [task.reward(c, by_prompt[p], cfg.rewards.weights)[0] for p, c in zip(prompts, completions, strict=True)]
+
+    times, lengths = [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            self.t = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            times.append(time.perf_counter() - self.t)
+            print(f"trl step {state.global_step}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
+    gcfg = GRPOConfig(output_dir=str(out / "trl"), per_device_train_batch_size=args.prompts * args.group,
+                      num_generations=args.group, max_completion_length=args.completion, beta=args.beta,
+                      loss_type="grpo", learning_rate=1e-3, max_steps=args.steps + args.warmup, logging_steps=1,
+                      report_to=[], save_strategy="no", bf16=False, gradient_checkpointing=False, use_cpu=True,
+                      temperature=1.0, shuffle_dataset=False, disable_tqdm=True, dataloader_num_workers=0)
+    peft = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(cfg.lora.target_modules),
+                      task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=gcfg, train_dataset=ds, processing_class=tok,
+                          peft_config=peft, callbacks=[Clock()])
+    trainer.train()
+    return {"s_per_step": statistics.mean(times[args.warmup:]), "completion_length": statistics.mean(lengths)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="bundled")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--completion", type=int, default=48)
+    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load = os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as d:
+        out = Path(d)
+        t = bench_trl(args, out)
+        m = bench_mechdiag(args, out)
+    print(f"model {args.model}, G={args.group}, prompts/step={args.prompts}, max completion {args.completion}, "
+          f"beta {args.beta}, LoRA r16, threads {args.threads}, load avg at start {load:.1f}")
+    print(f"{'trainer':<10} {'s/step':>8} {'steps/s':>8} {'mean len':>9}")
+    for name, r in (("TRL", t), ("mechdiag", m)):
+        print(f"{name:<10} {r['s_per_step']:8.3f} {1 / r['s_per_step']:8.2f} {r['completion_length']:9.1f}")
+    print(f"speed-up mechdiag / TRL: {t['s_per_step'] / m['s_per_step']:.2f}x")
+    print(f"recording hooks: {m['hook_s_per_step'] * 1000:.1f} ms/step = "
+          f"{100 * m['hook_s_per_step'] / m['s_per_step']:.2f}% of step time "
+          f"(displacement {m['displacement']}, shift {m['shift']})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The hook protocol: call order, user hooks by import path, and graceful absence of optional recorders."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from mechdiag import config as C
+from mechdiag.errors import UserError
+from mechdiag.train import hooks as H
+from mechdiag.train.trainer import Trainer
+from tests.test_train import small
+
+EVENTS = []
+
+
+class Recorder:
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_train_start(self, trainer):
+        EVENTS.append(("start", trainer.step))
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        EVENTS.append(("step", step, len(rollout), round(metrics["reward"], 6)))
+
+    def on_eval(self, trainer, step, metrics):
+        EVENTS.append(("eval", step))
+
+    def on_save(self, trainer, step, path):
+        EVENTS.append(("save", step, (path / "COMPLETE").exists()))
+
+    def on_train_end(self, trainer, summary):
+        EVENTS.append(("end", summary["steps"]))
+
+
+def test_hooks_called_at_fixed_points(stories260k, tmp_path):
+    EVENTS.clear()
+    cfg = C.load(None, small(stories260k, "max_steps=3", "save_every=2", "hooks=[tests.test_hooks:Recorder]"))
+    Trainer(cfg, tmp_path / "run").fit()
+    kinds = [e[0] for e in EVENTS]
+    assert kinds == ["start", "eval", "step", "step", "save", "step", "eval", "end"]
+    assert EVENTS[2][2] == 2 * 4  # the rollout: prompts x group size
+    assert EVENTS[4] == ("save", 2, True)
+
+
+@pytest.mark.parametrize("spec,msg", [("nocolon", "package.module:factory"), ("no_such_mod:f", "cannot import"),
+                                      ("tests.test_hooks:Nope", "no attribute")])
+def test_bad_user_hook(spec, msg, stories260k, tmp_path):
+    cfg = C.load(None, small(stories260k, "max_steps=1", f"hooks=[{spec}]"))
+    with pytest.raises(UserError, match=msg):
+        Trainer(cfg, tmp_path / "run")
+
+
+def test_optional_recorder_warns_once_when_absent(monkeypatch):
+    rec = H.DisplacementRecorder(every=1)
+    monkeypatch.setattr(rec, "target", "mechdiag._not_there:lora_rows")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert rec._fn() is None and rec._fn() is None
+    assert len([x for x in w if "unavailable" in str(x.message)]) == 1
