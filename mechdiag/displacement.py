@@ -11,11 +11,15 @@ Each side's tensor is dense + sum of LoRA terms s*B@A. Dense parts are streamed 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import sys
+import threading
 import types
 import weakref
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 
 import pandas as pd
 import torch
@@ -34,7 +38,7 @@ from mechdiag.weights import (
 )
 
 DELTA_W = 1e-12  # the study's delta_w: keeps wdisp finite for all-zero reference groups
-CHUNK_ELEMS = 1 << 22  # rows per read chunk ~ 4M elements (16 MB in float32)
+CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the passes stay in cache
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
                "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite"]
 SPECTRAL_COLUMNS = ["sigma_1", "stable_rank", "effective_rank"]
@@ -93,14 +97,51 @@ def _sumsq(x: torch.Tensor, block: int = 256) -> float:
     return float(total) + float(torch.linalg.vector_norm(flat[k:].to(_F64))) ** 2
 
 
-def _bf16_ulp(w: torch.Tensor) -> torch.Tensor:
-    """One bf16 ULP at each weight: 2^(exponent - 7) from the float32 exponent bits; a tiny floor at zero weights."""
-    bits = w.view(torch.int32) & 0x7F800000
-    return (bits.view(torch.float32) * (2.0 ** -7)).clamp_min_(2.0 ** -133)
+def _pow2_floor(w: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2|w|) from the float32 exponent bits (one bf16 ULP is this times 2^-7); the smallest normal
+    float at zero and subnormal weights, so that an unchanged entry always counts as below one ULP."""
+    return (w.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_min_(1.1754944e-38)
+
+
+def _count(x: torch.Tensor) -> int:
+    """Sum of a 0/1 float32 tensor; float32 sums of ones are exact below 2^24 elements."""
+    return int(x.sum() if x.numel() < (1 << 24) else x.sum(dtype=_F64))
+
+
+def _change_counts(d: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
+    """(entries changed, entries with |d| < one bf16 ULP of w, zeros included); overwrites d. Counted as sums of
+    sign() in float32 into a reused buffer: several times faster on CPU than count_nonzero or bool sums."""
+    x = d.abs_()
+    t = _scratch(2, x.numel()).view(x.shape)
+    changed = _count(torch.sign(x, out=t))
+    torch.bitwise_and(w.view(torch.int32), 0x7F800000, out=t.view(torch.int32))  # 2^floor(log2|w|), see _pow2_floor
+    below = _count(t.clamp_min_(1.1754944e-38).add_(x, alpha=-128.0).sign_().clamp_(min=0))  # 2^e - 128|d| > 0
+    return changed, below
+
+
+_TLS = threading.local()
+
+
+def _scratch(slot: int, n: int) -> torch.Tensor:
+    """A float32 buffer of n elements, one per (thread, slot), reused chunk after chunk: fresh allocations of
+    megabytes cost page faults on every chunk."""
+    bufs = getattr(_TLS, "bufs", None)
+    if bufs is None:
+        bufs = _TLS.bufs = {}
+    buf = bufs.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = bufs[slot] = torch.empty(max(n, CHUNK_ELEMS), dtype=torch.float32)
+    return buf[:n]
+
+
+def _as_f32(x: torch.Tensor, slot: int) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return x
+    return _scratch(slot, x.numel()).view(x.shape).copy_(x)
 
 
 def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool = False,
-               chunk_elems: int = CHUNK_ELEMS) -> dict:
+               chunk_elems: int | None = None) -> dict:
     """Metrics of one tensor: reference = ea (dense + LoRA), tuned = eb (dense + LoRA)."""
     shape = files.shape(ea.dense)
     shape_b = files.shape(eb.dense)
@@ -113,9 +154,9 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
 
     rows = shape[0] if shape else 1
     cols = numel // rows if rows else 0
-    step = max(1, chunk_elems // max(cols, 1))
+    step = max(1, (chunk_elems or CHUNK_ELEMS) // max(cols, 1))
     ref_sq = dense_sq = 0.0
-    n_zero = n_below = 0
+    n_changed = n_below = 0
     ref_cross = None if ref_lr is None else torch.zeros_like(ref_lr[1])  # B_ref^T W0_ref, accumulated by rows
     delta_cross = None if (delta_lr is None or same_dense) else torch.zeros_like(delta_lr[1])  # Bc^T D
     gram = None
@@ -123,17 +164,15 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     need_dense_spectral = spectral and not same_dense and len(shape) == 2
     for start in range(0, max(rows, 1), step):
         stop = min(start + step, rows)
-        a = files.read(ea.dense, start, stop).to(torch.float32) if shape else files.read(ea.dense).float()
+        a = _as_f32(files.read(ea.dense, start, stop), 0)  # a view of the file when it is float32: read only
         ref_sq += _sumsq(a)
         if ref_cross is not None:
             ref_cross += ref_lr[0][start:stop].T @ a.to(_F64)
         if same_dense:
             continue
-        b = files.read(eb.dense, start, stop).to(torch.float32) if shape else files.read(eb.dense).float()
-        d = b.sub_(a)
+        b = files.read(eb.dense, start, stop)
+        d = _scratch(1, a.numel()).view(a.shape).copy_(b).sub_(a)  # float32: cast before subtracting
         dense_sq += _sumsq(d)
-        n_zero += int((d == 0).sum())
-        n_below += int((d.abs() < _bf16_ulp(a)).sum())
         if delta_cross is not None:
             delta_cross += delta_lr[0][start:stop].T @ d.to(_F64)
         if need_dense_spectral:
@@ -142,6 +181,10 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
                 gram = dd.T @ dd if gram is None else gram.add_(dd.T @ dd)
             else:
                 dense_chunks.append(dd.to(torch.float32))
+        if delta_lr is None:  # full fine-tune: unchanged entries, and changes below one bf16 ULP of the weight
+            changed, below = _change_counts(d, a)
+            n_changed += changed
+            n_below += below
 
     if ref_lr is not None:
         ref_sq += 2.0 * float((ref_cross * ref_lr[1]).sum()) + lowrank_sumsq(*ref_lr)
@@ -159,8 +202,8 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         "name": name, "layer": layer, "module": module, "shape": "x".join(map(str, shape)),
         "dtype": files.dtype(eb.dense), "numel": numel, "ref_fro": ref_fro, "delta_fro": delta_fro,
         "rel_fro": delta_fro / ref_fro if ref_fro > 0 else (0.0 if delta_fro == 0 else math.inf),
-        "frac_unchanged": n_zero / numel if full_finetune and numel else None,
-        "frac_sub_ulp": (n_below - n_zero) / numel if full_finetune and numel else None,
+        "frac_unchanged": (numel - n_changed) / numel if full_finetune and numel else None,
+        "frac_sub_ulp": (n_below - (numel - n_changed)) / numel if full_finetune and numel else None,
         "lora_rank": int(delta_lr[1].shape[0]) if delta_lr is not None else None,
         "nonfinite": nonfinite,
     }
@@ -212,21 +255,47 @@ def pair_names(a: Side, b: Side) -> list[str]:
 
 
 def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, int], None] | None = None,
-            files: SafeFiles | None = None) -> list[dict]:
-    """Per-tensor rows for reference A vs tuned B (paths: model folder, .safetensors file, or LoRA adapter)."""
+            files: SafeFiles | None = None, workers: int | None = None) -> list[dict]:
+    """Per-tensor rows for reference A vs tuned B (paths: model folder, .safetensors file, or LoRA adapter).
+    Tensors are processed by `workers` threads (default: up to 2 cores), each running single-threaded torch ops:
+    on a busy machine this beats intra-op threads, whose barriers stall when cores are oversubscribed."""
     files = files or SafeFiles()
     side_a = open_side(a, files, base=base, other=b)
     side_b = open_side(b, files, base=base, other=a)
     names = pair_names(side_a, side_b)
+    for n in names:  # every bad shape is reported before any work
+        sa, sb = files.shape(side_a.entries[n].dense), files.shape(side_b.entries[n].dense)
+        if sa != sb:
+            raise UserError(f"tensor {n}: shape {'x'.join(map(str, sa))} vs {'x'.join(map(str, sb))}")
     sizes = [max(1, math.prod(files.shape(side_a.entries[n].dense))) for n in names]
     total, done = sum(sizes), 0
-    out = []
-    for name, size in zip(names, sizes, strict=True):
-        out.append(tensor_row(files, name, side_a.entries[name], side_b.entries[name], spectral))
-        done += size
-        if progress is not None:
-            progress(done, total)
-    return out
+    workers = workers or max(1, min(2, os.cpu_count() or 1))
+    with single_thread():
+        pool = ThreadPoolExecutor(workers)
+        try:
+            futures = [pool.submit(tensor_row, files, n, side_a.entries[n], side_b.entries[n], spectral)
+                       for n in names]
+            out = []
+            for fut, size in zip(futures, sizes, strict=True):
+                out.append(fut.result())
+                done += size
+                if progress is not None:
+                    progress(done, total)
+            return out
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Run torch ops on the calling thread only. The low-rank algebra is r x r work, and on a busy machine
+    intra-op threads stall at their barriers: a 16 x 4864 Gram takes 60 ms with 2 threads, 0.2 ms with 1."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def rows_frame(rows: list[dict], spectral: bool = False) -> pd.DataFrame:
@@ -314,6 +383,11 @@ def _base_sumsq(w: torch.Tensor) -> float:
 def lora_rows(model) -> list[dict]:
     """One row per LoRA-wrapped weight of an in-memory PEFT model: reference = base weight, tuned = base + the
     active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged."""
+    with torch.no_grad(), single_thread():
+        return _lora_rows(model)
+
+
+def _lora_rows(model) -> list[dict]:
     rows = []
     for path, mod in model.named_modules():
         if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):

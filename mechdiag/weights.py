@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import re
 from dataclasses import dataclass, field
@@ -66,44 +67,86 @@ def is_buffer(name: str, shape: tuple[int, ...]) -> bool:
 # --- dense tensors in safetensors files -----------------------------------------------------------------------------
 
 
+_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+           "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class _File:
+    """One safetensors file: its validated header and a copy-on-write memory map of it (never written to)."""
+
+    def __init__(self, path: str):
+        self.header, self.data_start = _read_header(path)
+        try:
+            self.handle = safe_open(path, framework="pt")  # the reference parser agrees the file is well formed
+        except SafetensorError as e:
+            raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
+        with open(path, "rb") as f:
+            # ACCESS_COPY makes the buffer writable for torch.frombuffer; we never write, so pages stay the file's
+            self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+
+    def keys(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+
 class SafeFiles:
-    """Open safetensors files once each; read whole tensors or row ranges through the memory map."""
+    """Open safetensors files once each. Tensors (or row ranges) are zero-copy views of the memory map: reading
+    costs page faults only, and the pages belong to the page cache, not to this process."""
 
     def __init__(self):
-        self._handles: dict[str, object] = {}
+        self._files: dict[str, _File] = {}
 
-    def handle(self, path: str):
-        h = self._handles.get(path)
-        if h is None:
-            h = _open_safetensors(path)
-            self._handles[path] = h
-        return h
+    def file(self, path: str) -> _File:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = _File(path)
+        return f
+
+    def keys(self, path: str) -> list[str]:
+        return self.file(path).keys()
+
+    def _info(self, ref: TensorRef) -> dict:
+        try:
+            return self.file(ref.path).header[ref.key]
+        except KeyError:
+            raise UserError(f"{ref.path}: no tensor {ref.key}") from None
 
     def shape(self, ref: TensorRef) -> tuple[int, ...]:
-        return tuple(self.handle(ref.path).get_slice(ref.key).get_shape())
+        return tuple(self._info(ref)["shape"])
 
     def dtype(self, ref: TensorRef) -> str:
-        return self.handle(ref.path).get_slice(ref.key).get_dtype()
+        return self._info(ref)["dtype"]
 
     def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows start:stop (all when None) of the tensor; a truncated file surfaces here as a UserError."""
-        try:
-            if start is None:
-                return self.handle(ref.path).get_tensor(ref.key)
-            return self.handle(ref.path).get_slice(ref.key)[start:stop]
-        except (SafetensorError, RuntimeError, ValueError, OSError) as e:
-            raise UserError(f"{ref.path}: cannot read tensor {ref.key} ({_short(e)}); the file is corrupt") from None
+        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
+        info, f = self._info(ref), self.file(ref.path)
+        dtype = _DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise UserError(f"{ref.path}: tensor {ref.key} has unsupported dtype {info['dtype']}")
+        shape = list(info["shape"])
+        rows = shape[0] if shape else 1
+        start, stop = (0, rows) if start is None else (start, min(stop, rows))
+        row_elems = math.prod(shape[1:]) if shape else 1
+        count = (stop - start) * row_elems
+        out_shape = [stop - start, *shape[1:]] if shape else []
+        if count == 0:
+            return torch.empty(out_shape, dtype=dtype)
+        item = torch.empty((), dtype=dtype).element_size()
+        offset = f.data_start + info["data_offsets"][0] + start * row_elems * item
+        return torch.frombuffer(f.mm, dtype=dtype, count=count, offset=offset).view(out_shape)
 
 
 def _short(e: Exception) -> str:
     return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
 
 
-def _open_safetensors(path: str):
+def _read_header(path: str) -> tuple[dict, int]:
+    """The header and where the data starts, checked against the file size: safetensors trusts the offsets, so a
+    truncated file is caught here, before any tensor is touched."""
     p = Path(path)
-    size = p.stat().st_size
-    # safetensors trusts the header's offsets; check them against the file size so a truncated file is caught now.
     try:
+        size = p.stat().st_size
         with open(p, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -112,11 +155,18 @@ def _open_safetensors(path: str):
             if n <= 0 or 8 + n > size:
                 raise ValueError("header length beyond end of file")
             header = json.loads(f.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        if 8 + n + end > size:
-            raise ValueError(f"truncated: data needs {8 + n + end} bytes, file has {size}")
-        return safe_open(str(p), framework="pt")
-    except (SafetensorError, ValueError, KeyError, TypeError, OSError) as e:
+        data_len = size - 8 - n
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            b, e = v["data_offsets"]
+            if e > data_len:
+                raise ValueError(f"truncated: tensor {k} ends at byte {8 + n + e}, file has {size}")
+            dtype = _DTYPES.get(v["dtype"])
+            if not 0 <= b <= e or (dtype is not None and e - b != math.prod(v["shape"]) * dtype.itemsize):
+                raise ValueError(f"tensor {k}: {e - b} bytes do not hold shape {v['shape']} {v['dtype']}")
+        return header, 8 + n
+    except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
         raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
 
 
@@ -153,7 +203,7 @@ class Side:
 # --- opening sources --------------------------------------------------------------------------------------------
 
 
-def _safetensors_files(folder: Path) -> dict[str, str]:
+def _safetensors_files(folder: Path, files: SafeFiles) -> dict[str, str]:
     """key -> file for a model folder: the shard index when present, else the single file or all *.safetensors."""
     index = folder / INDEX_NAME
     if index.exists():
@@ -165,16 +215,16 @@ def _safetensors_files(folder: Path) -> dict[str, str]:
         if missing:
             raise UserError(f"{folder}: shard {missing[0]} listed in {INDEX_NAME} is missing")
         return {k: str(folder / f) for k, f in weight_map.items()}
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
+    found = sorted(folder.glob("*.safetensors"))
+    if not found:
         pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickles:
             raise UserError(f"{folder}: {pickles[0]} is a pickle checkpoint, refused (unpickling runs code); "
                             + CONVERT_HINT)
         raise UserError(f"{folder}: not a checkpoint (no *.safetensors, no {INDEX_NAME}, no {ADAPTER_CONFIG})")
     out: dict[str, str] = {}
-    for f in files:
-        for k in _open_safetensors(str(f)).keys():
+    for f in found:
+        for k in files.keys(str(f)):
             out[k] = str(f)
     return out
 
@@ -199,10 +249,10 @@ def open_dense(path: str | os.PathLike, files: SafeFiles) -> Side:
             raise UserError(f"{p}: pickle checkpoint refused (unpickling runs code); " + CONVERT_HINT)
         if p.suffix != ".safetensors":
             raise UserError(f"{p}: not a checkpoint (expected a .safetensors file or a model folder)")
-        keys = {k: str(p) for k in files.handle(str(p)).keys()}
+        keys = {k: str(p) for k in files.keys(str(p))}
         config = _read_config(p.parent)
     else:
-        keys = _safetensors_files(p)
+        keys = _safetensors_files(p, files)
         config = _read_config(p)
     entries = {}
     for k, f in keys.items():
@@ -263,13 +313,12 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
                             "environment you trust and save_pretrained() it again (writes adapter_model.safetensors)")
         raise UserError(f"{folder}: adapter folder without {ADAPTER_WEIGHTS}")
     wpath = os.path.realpath(wfile)
-    h = files.handle(wpath)
     r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rslora, fan_in_fan_out = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
 
     entries = {k: Entry(e.dense, list(e.lora)) for k, e in base.entries.items()}
     factors: dict[str, dict[str, torch.Tensor]] = {}
-    for key in h.keys():
+    for key in files.keys(wpath):
         name = key.removeprefix("base_model.model.")
         m = _ADAPTER_KEY.match(name)
         if m is None:  # modules_to_save / trainable copies: a full replacement tensor
@@ -286,7 +335,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
         if kind == "base_layer.weight":  # saved embedding base copy
             entries.setdefault(mod + ".weight", Entry(TensorRef(wpath, key))).dense = TensorRef(wpath, key)
             continue
-        factors.setdefault(mod, {})[kind] = h.get_tensor(key)
+        factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
     for mod, f in factors.items():
         target = mod + ".weight"

@@ -434,3 +434,14 @@ def test_api_errors_are_user_errors(pair):
     with pytest.raises(UserError, match="by must be"):
         disp(*pair, by="row")
     assert isinstance(mechdiag.displacement(*pair), pd.DataFrame)
+
+
+def test_progress_and_workers_do_not_change_rows(pair):
+    from mechdiag.displacement import compare
+
+    seen = []
+    one = compare(*pair, workers=1, progress=lambda done, total: seen.append((done, total)))
+    two = compare(*pair, workers=2)
+    assert one == two
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[-1][0] == seen[-1][1]
+    assert len(seen) == len(one)
