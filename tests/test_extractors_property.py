@@ -30,7 +30,9 @@ FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 PIECES = list("ab 1-,.$/\n<>{}") + ["<answer>", "</answer>", "<reasoning>", "</reasoning>", "<think>", "</think>",
                                     "```", "```python\n", "\\boxed{", "\\frac", "\\text{", "^\\circ", "1e999999"]
 TAGGY = st.lists(st.sampled_from(PIECES), max_size=30).map("".join)  # text made of the pieces parsers look for
-ANY_TEXT = st.one_of(st.text(max_size=200), TAGGY)
+MATHY = st.lists(st.sampled_from(list("0123456789xab+-*/^(){} ,.") + ["\\frac", "\\sqrt", "\\pi", "\\cdot"]),
+                 max_size=40).map("".join)  # reaches the sympy fallback: powers, fractions, variables
+ANY_TEXT = st.one_of(st.text(max_size=200), TAGGY, MATHY)
 CONTENT = st.text(alphabet=st.characters(blacklist_characters="<>", blacklist_categories=("Cs",)), max_size=80)
 
 

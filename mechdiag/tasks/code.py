@@ -14,6 +14,7 @@ from __future__ import annotations
 import ast
 import hashlib
 import re
+import warnings
 from collections import OrderedDict
 
 from mechdiag.sandbox import SandboxResult, run_many, run_tests
@@ -36,11 +37,17 @@ def extract_code(completion: str, answer_tag: str = "answer") -> str | None:
     return fences[-1].strip("\n") if fences else None
 
 
+def _parse(code: str) -> ast.Module:
+    with warnings.catch_warnings():  # model code is full of "invalid escape sequence" SyntaxWarnings
+        warnings.simplefilter("ignore")
+        return ast.parse(code)
+
+
 def parses(code: str | None) -> bool:
     if not code or not code.strip():
         return False
     try:
-        ast.parse(code)
+        _parse(code)
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         return False
     return True
@@ -59,8 +66,8 @@ _NO = object()
 def expected_cases(tests: str) -> list[tuple[list, object]]:
     """(literal call arguments, literal expected value) of each `assert f(args) == value` in the tests."""
     try:
-        tree = ast.parse(tests)
-    except (SyntaxError, ValueError):
+        tree = _parse(tests)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
         return []
     out = []
     for node in ast.walk(tree):
@@ -121,7 +128,7 @@ def complexity(code: str | None, tests: str = "") -> float:
     literals in the code (an input -> output table); (d) repetition: 8+ non-blank lines, under 40% distinct."""
     if not parses(code):
         return 0.0
-    tree = ast.parse(code)
+    tree = _parse(code)
     funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
     if not funcs or all(_trivial_body(f) for f in funcs):
         return 0.0
