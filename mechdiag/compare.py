@@ -111,7 +111,7 @@ def _flatten(d: dict, prefix: str = "") -> dict:
 
 def _treatment_items(cfg: Config) -> dict:
     flat = _flatten(cfg.model_dump(mode="json"))
-    return {k: v for k, v in flat.items() if not any(k == i or k.startswith(i) for i in IGNORED_KEYS if i)}
+    return {k: v for k, v in flat.items() if not k.startswith(IGNORED_KEYS)}
 
 
 def _fmt(v) -> str:

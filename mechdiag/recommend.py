@@ -151,14 +151,22 @@ def _last_step_rows(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("step") == last]
 
 
-def _shares(rows: list[dict], by: str) -> dict:
+def _shares(rows: list[dict], by: str, relative: bool = False) -> dict:
     """Share of the update mass per group: squared delta_fro summed per `by` over the total (the study's update
-    mass; mechdiag.displacement.update_mass computes the same from a frame)."""
+    mass; mechdiag.displacement.update_mass computes the same from a frame). relative: each group's mass is
+    first divided by its squared ref_fro (its WDisp^2), so a module is not "carrying the update" just for being
+    a bigger matrix (a Llama MLP projection has several times the entries of an attention one)."""
     mass: dict = {}
+    ref: dict = {}
     for r in rows:
         if _num(r.get("delta_fro")) and r.get(by) is not None:
             key = str(r[by]).rsplit(".", 1)[-1] if by == "module" else r[by]  # "self_attn.v_proj" -> "v_proj"
             mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
+            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if _num(r.get("ref_fro")) else 0.0)
+    if relative:
+        if any(ref.get(k, 0.0) <= 0 for k in mass):
+            return {}
+        mass = {k: v / ref[k] for k, v in mass.items()}
     total = sum(mass.values())
     return {k: v / total for k, v in mass.items()} if total > 0 else {}
 
@@ -178,7 +186,7 @@ class Signals:
     train: dict[int, dict[str, float]]
     eval: dict[int, dict[str, float]]
     layer_mass: dict[int, float]  # displacement share per layer, last recorded step
-    module_mass: dict[str, float]  # displacement share per module type, last recorded step
+    module_mass: dict[str, float]  # size-normalised displacement share per module type, last recorded step
     shift: dict[int, dict[str, float]]  # per layer: shift (and increment) at the last recorded step
     base: dict[str, float]
     final: dict[str, float]
@@ -198,7 +206,7 @@ class Signals:
             cfg=cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
             layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
-            module_mass=_mean_dicts([_shares(rows, "module") for rows in disp]),
+            module_mass=_mean_dicts([_shares(rows, "module", relative=True) for rows in disp]),
             shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
             n_layers=max(layers) + 1 if layers else None)

@@ -180,6 +180,24 @@ def test_module_mass_ignores_tensors_lora_does_not_adapt(tmp_path):
     assert changed(r) == {"lora.target_modules": ["v_proj", "o_proj"]}
 
 
+def test_module_mass_is_size_normalised(tmp_path):
+    # gate/up move 3x the Frobenius norm of the others, but they are 3x bigger matrices: no concentration
+    write_run(tmp_path / "run", **FLAT)
+    path = tmp_path / "run" / "displacement.jsonl"
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    for r in rows:
+        if r["module"] in ("gate_proj", "up_proj"):
+            r["delta_fro"] *= 3.0
+            r["ref_fro"] *= 3.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert R.recommend([tmp_path / "run"]).findings == []
+    for r in rows:
+        r["ref_fro"] = 1.0
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    r = R.recommend([tmp_path / "run"])
+    assert sorted(changed(r)["lora.target_modules"]) == ["gate_proj", "up_proj"]
+
+
 def test_mildly_uneven_module_mass_does_not_fire(tmp_path):
     mass = {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 1.5}
     assert rec(tmp_path, module_mass=mass, **FLAT).findings == []
