@@ -13,7 +13,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import mechdiag
 from mechdiag.cli import main
@@ -208,8 +208,14 @@ def test_bootstrap_interval():
     assert lo[0] == pytest.approx(0.3) and hi[0] == pytest.approx(0.3)
 
 
-def test_lazy_api():
+def test_lazy_api_and_probe_file(tmp_path, tiny):
     assert mechdiag.shift is shift
+    probe = tmp_path / "p.jsonl"
+    probe.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
+    from_file = mechdiag.shift(tiny["base"], tiny["tuned"], probe)
+    np.testing.assert_allclose(from_file["shift"], shift(tiny["base"], tiny["tuned"], PROMPTS[:3])["shift"])
+    with pytest.raises(mechdiag.errors.UserError, match="list of strings"):
+        mechdiag.shift(tiny["base"], tiny["tuned"], str(probe))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------
@@ -320,6 +326,8 @@ def test_bad_input(tmp_path, tiny, stories260k, adapter):
     nofield.write_text('{"text": "hi"}\n')
     vocab = save(tiny_llama(vocab=600), tmp_path / "vocab600")
     deeper = save(tiny_llama(n_layers=4), tmp_path / "deeper")
+    gpt2 = save(GPT2LMHeadModel(GPT2Config(vocab_size=512, n_embd=32, n_layer=3, n_head=4, n_positions=128)),
+                tmp_path / "gpt2")
     pickled = tmp_path / "pickled"
     pickled.mkdir()
     shutil.copy(tiny["base"] / "config.json", pickled / "config.json")
@@ -327,6 +335,7 @@ def test_bad_input(tmp_path, tiny, stories260k, adapter):
     cases = [
         ((tiny["base"], vocab, "--prompts", good), "vocabulary"),
         ((tiny["base"], deeper, "--prompts", good), "number of layers"),
+        ((tiny["base"], gpt2, "--prompts", good), "architecture"),
         ((tiny["base"], stories260k, "--prompts", good), "differ"),
         ((tiny["base"], pickled, "--prompts", good), "pickle"),
         ((tiny["base"], tiny["tuned"], "--prompts", tmp_path / "missing.txt"), "not found"),

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from mechdiag.errors import UserError
 from mechdiag.probes.capture import Captured, Probe, pad_batch
-from mechdiag.probes.prompts import encode, max_length_of, pad_id_of
+from mechdiag.probes.prompts import encode, max_length_of, pad_id_of, read_prompts
 
 DELTA_H = 1e-12  # delta_h of eq. 13: guards the denominator only
 N_BOOT = 1000
@@ -147,7 +147,9 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
           max_length: int | None = None, dtype: str = "float32", device: str = "cpu", n_boot: int = N_BOOT,
           seed: int = 0):
-    """Per-layer activation shift of `tuned` against `base` on `prompts` (a list of strings) -> DataFrame.
+    """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame.
+
+    prompts: a list of strings, or a pathlib.Path to a probe file (see read_prompts).
 
     base, tuned: model folders or PEFT adapter folders (see mechdiag.probes.load). df.attrs carries
     truncated (prompts cut to max_length), max_length, shared (one model with the adapter toggled).
@@ -156,8 +158,10 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
 
     from mechdiag.probes.load import load_pair
 
-    if isinstance(prompts, str):
-        raise UserError("prompts must be a list of strings (use mechdiag.probes.prompts.read_prompts for a file)")
+    if isinstance(prompts, Path):
+        prompts = read_prompts(prompts)
+    elif isinstance(prompts, str):
+        raise UserError("prompts must be a list of strings or a pathlib.Path to a probe file")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
