@@ -331,8 +331,9 @@ class MechdiagCallback(TrainerCallback):
 
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
-                 reward_weights: dict[str, float] | None = None):
+                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None):
         self.run_dir = run_dir
+        self.max_time_s = max_time_s
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
         self.shift_batch_size = shift_batch_size
@@ -394,6 +395,7 @@ class MechdiagCallback(TrainerCallback):
     # ---- events -------------------------------------------------------------------------------------
     @_timed
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
+        self._t0 = time.perf_counter()
         if not state.is_world_process_zero:
             return
         from mechdiag import config as C
@@ -414,6 +416,13 @@ class MechdiagCallback(TrainerCallback):
 
     @_timed
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+        if self.max_time_s is not None:  # config max_time_s; rank 0's clock decides so all ranks stop together
+            stop = time.perf_counter() - self._t0 > self.max_time_s
+            if args.world_size > 1:
+                from accelerate.utils import broadcast_object_list
+
+                stop = broadcast_object_list([stop])[0]
+            control.should_training_stop = control.should_training_stop or stop
         if not self._on(state):
             return
         step = state.global_step
@@ -469,9 +478,10 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     from mechdiag.train.trainer import Trainer
 
     def evaluate(model, tokenizer, step):
-        ev = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, model=_peft(model) or model, task=task,
-                                   eval_examples=eval_examples, eval_prompts=eval_prompts, run=run,
-                                   device=next(model.parameters()).device)
+        m = _peft(model) or model
+        ev = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, model=m, task=task, eval_examples=eval_examples,
+                                   eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
+                                   sampler=lambda: m)
         ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
         out = Trainer.evaluate(ev, step)
         if cfg.eval_samples == 1:
@@ -513,7 +523,8 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
                           shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
                           eval_every=cfg.eval_every * cfg.num_iterations,
-                          reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)))
+                          reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
+                          max_time_s=getattr(cfg, "max_time_s", None))
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     return trainer, run, cb
@@ -542,7 +553,8 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
         return run
     trainer.processing_class.save_pretrained(str(run.final))
     summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n, "backend": "trl", "steps": cfg.max_steps or trainer.state.global_step,
+               "eval_n": cfg.eval_n, "backend": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+               "planned_steps": cfg.max_steps,
                "wall_time_s": time.perf_counter() - t0}
     run.write_summary(summary)
     return run
