@@ -333,7 +333,7 @@ class MechdiagCallback(TrainerCallback):
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
                  reward_weights: dict[str, float] | None = None, max_time_s: float | None = None):
         self.run_dir = run_dir
-        self.max_time_s = max_time_s
+        self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
         self.shift_batch_size = shift_batch_size
