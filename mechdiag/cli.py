@@ -235,6 +235,357 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
 
 
+# ---- train ---------------------------------------------------------------------------------------------------
+@main.command("train")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
+@click.option("--out", type=click.Path(file_okay=False), help="Run directory (default runs/<timestamp>).")
+@click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in DIR from its last checkpoint.")
+@click.option("--seed", type=int, help="Shorthand for --set seed=N.")
+@click.option("--max-steps", type=int, help="Shorthand for --set max_steps=N.")
+@click.option("--dry-run", is_flag=True, help="Validate, print the resolved config and the modules LoRA will train.")
+@click.option("--backend", type=click.Choice(["native", "trl"]), default="native", show_default=True,
+              help="trl: the same config through TRL's GRPOTrainer (multi-GPU with accelerate launch; docs/trl.md).")
+@click.option("--trl", "trl_args", multiple=True, metavar="KEY=VALUE",
+              help="With --backend trl: set a GRPOConfig field directly (repeatable), e.g. use_vllm=true.")
+def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend, trl_args):
+    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
+    from pathlib import Path
+
+    from mechdiag import config as C
+
+    overrides = list(overrides)
+    if trl_args and backend != "trl":
+        raise UserError("--trl KEY=VALUE needs --backend trl")
+    if seed is not None:
+        overrides.append(f"seed={seed}")
+    if max_steps is not None:
+        overrides.append(f"max_steps={max_steps}")
+    if resume:
+        if config or out:
+            raise UserError("--resume DIR takes the config and output directory of that run; drop CONFIG/--out")
+        cfg_path = Path(resume) / "config.yaml"
+        if not cfg_path.is_file():
+            raise UserError(f"--resume {resume}: no config.yaml there (not a mechdiag run directory)")
+        cfg = C.load(cfg_path, overrides)
+    else:
+        cfg = C.load(config, overrides)
+    if dry_run:
+        from mechdiag.train.lora import lora_modules, trainable_parameters
+        from mechdiag.train.trainer import prepare_model
+
+        click.echo(C.to_yaml(cfg), nl=False)
+        model = prepare_model(cfg)[0]
+        if cfg.lora.enabled:
+            rows = lora_modules(model)
+            click.echo(f"# LoRA trains {len(rows)} modules, {trainable_parameters(model)} parameters:")
+            for r in rows:
+                click.echo(f"#   {r['name']}  ({r['in']} -> {r['out']}, {r['params']} params)")
+        else:
+            click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
+        if backend == "trl":
+            from mechdiag.integrations.trl import grpo_args, parse_trl_args
+
+            args = grpo_args(cfg, "<out>/trl", **parse_trl_args(trl_args))
+            keys = ("num_generations", "per_device_train_batch_size", "gradient_accumulation_steps",
+                    "steps_per_generation", "num_iterations", "max_steps", "beta", "epsilon", "epsilon_high",
+                    "loss_type", "scale_rewards", "learning_rate", "lr_scheduler_type", "warmup_steps",
+                    "temperature", "top_p", "max_completion_length")
+            click.echo("# TRL GRPOConfig: " + ", ".join(f"{k}={getattr(args, k)}" for k in keys))
+        return
+    import time
+
+    if backend == "trl":
+        import functools
+
+        from mechdiag.integrations.trl import parse_trl_args, train_trl
+
+        train = functools.partial(train_trl, **parse_trl_args(trl_args))
+    else:
+        from mechdiag.train.trainer import train
+
+    run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    run = train(cfg, run_dir, resume=bool(resume))
+    s = run.summary()
+    click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
+               f"({100 * s['accuracy_gain']:+.1f} points) in {s['wall_time_s']:.0f} s; run: {run.path}")
+
+
+# --- displacement -----------------------------------------------------------------------------------------------
+
+
+def _records(df) -> list[dict]:
+    """DataFrame -> flat JSON-ready records: pandas NA/NaN become None, numpy scalars Python numbers."""
+    import math
+
+    out = []
+    for rec in df.to_dict("records"):
+        clean = {}
+        for k, v in rec.items():
+            if hasattr(v, "item"):
+                v = v.item()
+            if v is None or (isinstance(v, float) and not math.isfinite(v)) or str(v) == "<NA>":
+                v = None
+            clean[k] = v
+        out.append(clean)
+    return out
+
+
+def _rows_table(df, title: str):
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for c in df.columns:
+        table.add_column(c, justify="left" if c in ("name", "module", "shape", "dtype", "all") else "right")
+    for rec in _records(df):
+        cells = []
+        for c, v in rec.items():
+            if v is None:
+                cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
+            elif isinstance(v, float):
+                cells.append(f"{v:.4g}")
+            else:
+                cells.append(str(v))
+        table.add_row(*cells)
+    return table
+
+
+@main.command()
+@click.argument("a", type=click.Path())
+@click.argument("b", type=click.Path())
+@click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
+              "base_model_name_or_path is not a local folder).")
+@click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+              show_default=True)
+@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
+def displacement(a, b, base, by, fmt, out, spectral, html):
+    """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
+
+    Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
+    study's WDisp and each group's update mass."""
+    import io
+
+    from rich.console import Console
+
+    from mechdiag import atomic
+    from mechdiag.displacement import compare, group_wdisp, rows_frame
+
+    if fmt == "parquet" and out is None:
+        raise UserError("--format parquet needs --out PATH")
+    err = Console(stderr=True)
+    progress_cb, bar = None, None
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        bar = Progress(TextColumn("displacement"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                       TimeRemainingColumn(), console=err, transient=True)
+        task = bar.add_task("diff", total=1.0)
+
+        def progress_cb(done, total):
+            if total > 50_000_000:  # only large checkpoints: ~200 MB of float32
+                if not bar.live.is_started:
+                    bar.start()
+                bar.update(task, completed=done / total)
+    try:
+        rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
+    finally:
+        if bar is not None and bar.live.is_started:
+            bar.stop()
+    df = rows_frame(rows, spectral)
+    result = df if by == "tensor" else group_wdisp(df, by=by)
+
+    if html:
+        from mechdiag.report.heatmap import displacement_heatmap, write_html
+
+        write_html(displacement_heatmap(df), html)
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            result.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(_records(result)) + "\n"
+    elif fmt == "csv":
+        text = result.to_csv(index=False)
+    else:
+        buf = io.StringIO()
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
+            _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
+        text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)
+
+
+# ---- shift -------------------------------------------------------------------------------------------------
+@main.command("shift")
+@click.argument("base")
+@click.argument("tuned")
+@click.option("--prompts", "prompts_file", help="jsonl with a \"prompt\" field, "
+              "or plain text, one prompt per line")
+@click.option("--task", help="probe with a registered task's prompts, formatted as in training")
+@click.option("--split", default="test", show_default=True, help="task split")
+@click.option("--n", "n", type=click.IntRange(min=1), help="use the first N prompts")
+@click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
+              "(default: the model's context)")
+@click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
+@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, or auto")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+              show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), help="write the rows here instead of stdout")
+@click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
+def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, fmt, out,
+              html):
+    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders)."""
+    import os
+
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import transformers
+
+    from mechdiag import atomic
+    from mechdiag.probes import prompts as probe_prompts
+    from mechdiag.probes.shift import note, shift, write_html
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    if bool(prompts_file) == bool(task):
+        raise UserError("give exactly one of --prompts FILE or --task NAME")
+    if fmt == "parquet" and not out:
+        raise UserError("--format parquet needs --out PATH")
+    if prompts_file:
+        prompts = probe_prompts.read_prompts(prompts_file, n)
+    else:
+        from mechdiag.probes.load import load_tokenizer, resolve
+
+        prompts = probe_prompts.task_prompts(task, load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+    df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
+               device=device)
+    if df.attrs.get("truncated"):
+        note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
+    if html:
+        write_html(df, html, title=f"Activation shift: {tuned} vs {base}")
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            df.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(df.to_dict(orient="records")) + "\n"
+    elif fmt == "csv":
+        text = df.to_csv(index=False)
+    else:
+        text = _shift_table(df)
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)
+
+
+# ---- recommend ---------------------------------------------------------------------------------------------
+def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=False)
+    for c in columns:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*r)
+    Console(width=200).print(table)
+
+
+def _cell(r: dict | None) -> str:
+    if r is None:
+        return "-"
+    gain = "" if r["vs_base"] is None else f" ({r['vs_base']:+.3g})"
+    return f"{r['mean']:.4g} ± {r['std']:.2g}{gain}"
+
+
+@main.command()
+@click.argument("runs", nargs=-1, required=True, type=click.Path())
+@click.option("--out", "out", type=click.Path(), default=None, help="Write the refined config here (YAML).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def recommend(runs, out, fmt):
+    """Diagnose RUN directories and propose a refined config, with the evidence for each change.
+
+    Seeds of one config are pooled. Runs of several configs also get a side-by-side of held-out eval metrics
+    (mean ± std over seeds, which treatment helped), and the rules read the best group. Rules and thresholds:
+    docs/recommendations.md.
+    """
+    from mechdiag import atomic
+    from mechdiag import config as configlib
+    from mechdiag.compare import helped_lines
+    from mechdiag.recommend import recommend as run_recommend
+
+    rec = run_recommend(list(runs))
+    if out:
+        configlib.save(rec.cfg, out, rec.header)
+    if fmt == "json":
+        click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
+        return
+    if rec.comparison:
+        metrics = sorted({r["metric"] for r in rec.comparison})
+        groups = list(dict.fromkeys(r["group"] for r in rec.comparison))
+        cell = {(r["group"], r["metric"]): r for r in rec.comparison}
+        rows = []
+        for g in groups:
+            n = next(r["runs"] for r in rec.comparison if r["group"] == g)
+            rows.append([g, str(n)] + [_cell(cell.get((g, m))) for m in metrics])
+        _table("held-out eval, mean ± std over seeds (gain over the untrained model)", ["group", "runs", *metrics],
+               rows)
+        for line in helped_lines(rec.comparison):
+            click.echo(line)
+    if not rec.findings:
+        click.echo("healthy: no rule fired, no change to the config" + (f" (copied to {out})" if out else ""))
+        return
+    _table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
+           [[f.rule, f.symptom, f.evidence, "; ".join(str(c) for c in f.changes) or f"none: {f.reason}",
+             f"{f.confidence:.2f}"] for f in rec.findings])
+    if not rec.changes:
+        click.echo("no change to the config (advice only)")
+    elif out:
+        click.echo(f"refined config with {len(rec.changes)} change(s) written to {out}")
+
+
+# ---- tune --------------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("config_path", required=False, type=click.Path(), metavar="[CONFIG]")
+@click.option("--rounds", type=int, default=3, show_default=True, help="Training rounds in all, round 0 included.")
+@click.option("--out", "out", type=click.Path(), default="runs/tune", show_default=True)
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config key (repeatable).")
+@click.option("--seed", type=int, default=None)
+@click.option("--trainer", default="mechdiag.train.trainer:train", show_default=True,
+              help="train(cfg, out_dir) -> RunDir to call, as package.module:function.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
+    """Train, recommend, train again with the refined config, for up to --rounds rounds.
+
+    Stops early when no rule changes the config. OUT keeps each round's run directory, rounds.jsonl (changes and
+    held-out metrics per round), best.yaml and final.yaml.
+    """
+    from mechdiag import atomic
+    from mechdiag import config as configlib
+    from mechdiag.tune import describe, load_train_fn
+    from mechdiag.tune import tune as run_tune
+
+    cfg = configlib.load(config_path, list(overrides) + ([f"seed={seed}"] if seed is not None else []))
+    train_fn = load_train_fn(trainer)
+    records = run_tune(cfg, rounds, out, train_fn, log=lambda m: click.echo(m, err=True))
+    if fmt == "json":
+        flat = [{k: (describe(v) if k in ("changes", "next_changes") else ",".join(v) if k == "rules" else v)
+                 for k, v in r.items()} for r in records]
+        click.echo(atomic.dumps(flat))
+        return
+    _table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
+           [[str(r["round"]), describe(r["changes"]) or "-",
+             "-" if r.get("eval.accuracy") is None else f"{r['eval.accuracy']:.4g}", ", ".join(r["rules"]) or "-"]
+            for r in records])
+    click.echo(f"stopped: {records[-1].get('stop', '')}; configs in {out}/best.yaml and {out}/final.yaml")
+
 
 def _shift_table(df) -> str:
     import io
@@ -486,3 +837,5 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in res.rows)
         click.echo(buf.getvalue(), nl=False)
     click.echo(f"run: {res.out_dir} (eval_benchmarks.jsonl, eval_models.jsonl, eval_samples.jsonl)", err=True)
+
+

@@ -36,6 +36,17 @@ class Run:
 
 
 def load_run(path) -> Run:
+    try:
+        from mechdiag.integrations.readers import foreign_kind, read_foreign
+    except ImportError:
+        foreign_kind = None
+    if foreign_kind is not None and foreign_kind(path):  # TRL or verl: read into the run-directory shape first
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
+            run = load_run(read_foreign(path, Path(tmp) / Path(path).name).path)
+        run.path = Path(path)
+        return run
     rd = RunDir(path)  # UserError if missing
     if not rd.config_path.is_file():
         raise UserError(f"{rd.path} has no config.yaml: not a run directory")

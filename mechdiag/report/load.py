@@ -62,6 +62,15 @@ PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e
            "#7f7f7f", "#bcbd22"]
 
 
+def _foreign_kind(path: Path) -> str | None:
+    """"trl" / "verl" for another trainer's run (mechdiag.integrations.readers), else None."""
+    try:
+        from mechdiag.integrations.readers import foreign_kind
+    except ImportError:
+        return "trl" if _is_trl_dir(path) else None
+    return foreign_kind(path)
+
+
 def _is_trl_dir(path: Path) -> bool:
     has_ours = any((path / f"{s}.jsonl").exists() for s in STREAMS) or (path / "config.yaml").exists()
     if has_ours:
@@ -71,7 +80,10 @@ def _is_trl_dir(path: Path) -> bool:
 
 def _read_trl(path: Path, stack: contextlib.ExitStack) -> RunDir:
     try:
-        from mechdiag.integrations.trl import read_trl_run
+        if _foreign_kind(path) == "verl":
+            from mechdiag.integrations.readers import read_verl_run as read_trl_run
+        else:
+            from mechdiag.integrations.trl import read_trl_run
     except ImportError:
         raise UserError(f"{path} is a TRL output directory, but the TRL reader is not installed") from None
     tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="mechdiag-trl-"))
@@ -85,8 +97,9 @@ def load_run(path: str | Path, stack: contextlib.ExitStack) -> Run:
     if not path.is_dir():
         raise UserError(f"run directory not found: {path}")
     source = "mechdiag"
-    if _is_trl_dir(path):
-        rundir, source = _read_trl(path, stack), "trl"
+    kind = _foreign_kind(path)
+    if kind:
+        rundir, source = _read_trl(path, stack), kind
     else:
         rundir = RunDir(path)
     streams = {s: rundir.read(s) for s in STREAMS}

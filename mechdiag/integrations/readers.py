@@ -1,0 +1,540 @@
+"""Readers: a TRL GRPOTrainer output_dir or a verl JSONL metrics file into the run-directory shape (mechdiag.run).
+
+TRL (trl 1.16) output_dir:
+    trainer_state.json (or checkpoint-N/trainer_state.json)  log_history: one dict per logging step, eval_ keys
+    completions/completions_NNNNN.parquet                    step, prompt, completion, one column per reward
+                                                             function (unweighted), advantage   (log_completions)
+    checkpoint-N/adapter_model.safetensors                   the LoRA adapter at step N
+    mechdiag/                                                the run directory MechdiagCallback wrote, if it ran
+verl file logger (trainer.logger=[...,'file'], VERL_FILE_LOGGER_PATH): one JSON line {"step": N, "data": {...}}
+per step, train and validation keys in one dict; the rollout dump (trainer.rollout_data_dir) is N.jsonl with
+input, output, score per completion.
+
+Quirks handled (docs/trl.md): TRL's reward_std and verl's score are BATCH statistics, so reward_cv (the study's
+within-group CV) is computed from the completions (grouped by prompt) or taken from the reward-function wrapper's
+log; clip metrics are 0 when num_iterations is 1 (ratio exactly 1), kept as the true value; entropy, kl and
+other keys a trainer did not log are left out, never written as 0.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from mechdiag.errors import UserError
+from mechdiag.run import STREAMS, RunDir
+
+CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
+
+# ---- key maps -----------------------------------------------------------------------------------------------
+TRL_TRAIN_KEYS = {
+    "reward": "reward", "reward_std": "reward_std", "reward_cv": "reward_cv", "frac_reward_zero_std": "frac_zero_std",
+    "kl": "kl", "entropy": "entropy", "completions/clipped_ratio": "completion_clipped_ratio",
+    "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
+    "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high", "loss": "loss", "grad_norm": "grad_norm",
+    "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
+}
+TRL_EVAL_KEYS = {
+    "reward": "eval_reward", "accuracy": "accuracy", "entropy": "entropy", "completions/mean_length":
+    "completion_length", "kl": "kl", "reward_std": "reward_std", "reward_cv": "reward_cv",
+    "completions/clipped_ratio": "completion_clipped_ratio", "loss": "eval_loss",
+}
+_TRL_REWARD = re.compile(r"^rewards/(?P<name>.+)/(?P<stat>mean|std)$")
+_TRL_SKIP = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
+             "step", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+
+# verl: canonical key <- first key present (older verl names after newer ones)
+VERL_TRAIN_KEYS = {
+    "reward": ("critic/score/mean",),
+    "reward_with_kl": ("critic/rewards/mean",),
+    "entropy": ("actor/entropy", "actor/entropy_loss"),
+    "kl": ("actor/kl_loss", "actor/reward_kl_penalty"),
+    "policy_clip_fraction": ("actor/pg_clipfrac",),
+    "clip_low": ("actor/pg_clipfrac_lower",),
+    "loss": ("actor/pg_loss",),
+    "grad_norm": ("actor/grad_norm",),
+    "lr": ("actor/lr",),
+    "completion_length": ("response_length/mean",),
+    "completion_clipped_ratio": ("response_length/clip_ratio",),
+    "step_time": ("timing_s/step",),
+    "tokens_per_s": ("perf/throughput",),
+}
+_VERL_VAL = re.compile(r"^val-(?:core|aux)/(?P<ds>[^/]+)/(?P<var>[^/]+)/(?P<stat>.+)$")
+_VERL_OLD_VAL = re.compile(r"^val/test_score/(?P<ds>.+)$")
+_MEAN_AT = re.compile(r"^mean@(\d+)$")
+_BEST_AT = re.compile(r"^best@(\d+)/mean$")
+
+
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def map_trl_log(logs: dict, eval_: bool = False) -> dict:
+    """One TRL log dict -> canonical keys (eval_: the eval_-prefixed record of an evaluation).
+
+    rewards/<f>/mean -> reward/<f> (unweighted, as our components); keys we have no name for keep their TRL
+    name under trl/; None and non-finite values (TRL logs None for an all-None reward) are dropped."""
+    out: dict = {}
+    table = TRL_EVAL_KEYS if eval_ else TRL_TRAIN_KEYS
+    for key, v in logs.items():
+        if eval_:
+            if not key.startswith("eval_"):
+                continue
+            key = key.removeprefix("eval_")
+        elif key.startswith("eval_"):
+            continue
+        if key in _TRL_SKIP or not _num(v):
+            continue
+        m = _TRL_REWARD.match(key)
+        if key in table:
+            out[table[key]] = float(v)
+        elif key.startswith("pass@"):
+            out[key] = float(v)
+        elif m:
+            out[("reward/" if m["stat"] == "mean" else "reward_std/") + m["name"]] = float(v)
+        else:
+            out[f"trl/{key}"] = float(v)
+    # GroupCV's share of all-equal groups is right for every scale_rewards; TRL's frac_reward_zero_std is a
+    # per-batch flag under scale_rewards="batch"
+    if "trl/group_frac_zero_std" in out:
+        out["frac_zero_std"] = out.pop("trl/group_frac_zero_std")
+    return out
+
+
+def is_train_log(logs: dict) -> bool:
+    return any(k in logs for k in ("loss", "reward", "grad_norm")) and "train_runtime" not in logs
+
+
+def is_eval_log(logs: dict) -> bool:
+    return any(k.startswith("eval_") for k in logs)
+
+
+# ---- per-group reward statistics ---------------------------------------------------------------------------
+def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, float]:
+    """Within-group statistics, groups = equal keys (a prompt): reward_cv = mean over groups of std/|mean|
+    (Bessel std, groups with mean 0 left out, as mechdiag.train.objective.group_stats) and frac_zero_std, the share
+    of groups whose rewards are all equal. NaN rewards (an unscorable completion) are left out of their group."""
+    groups: dict = {}
+    for r, k in zip(rewards, keys, strict=True):
+        if r is not None and math.isfinite(r):
+            groups.setdefault(k, []).append(float(r))
+    cvs, zero, n = [], 0, 0
+    for vals in groups.values():
+        if len(vals) < 2:
+            continue
+        n += 1
+        mean = math.fsum(vals) / len(vals)
+        std = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
+        zero += std <= 1e-8
+        if abs(mean) > 1e-12:
+            cvs.append(std / abs(mean))
+    if n == 0:
+        return {}
+    return {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan, "frac_zero_std": zero / n}
+
+
+def _contiguous_keys(n: int, group_size: int | None, prompts: list) -> list:
+    """Group ids: contiguous blocks of group_size (how TRL lays out a generation batch), else the prompt text."""
+    if group_size and n % group_size == 0:
+        return [i // group_size for i in range(n)]
+    return [str(p) for p in prompts]
+
+
+# ---- TRL completions parquet --------------------------------------------------------------------------------
+def completion_files(output_dir: Path) -> dict[int, Path]:
+    folder = Path(output_dir) / "completions"
+    out = {}
+    if folder.is_dir():
+        for p in folder.glob("completions_*.parquet"):
+            m = re.fullmatch(r"completions_(\d+)\.parquet", p.name)
+            if m:
+                out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def completions_rows(path: Path, reward_names: list[str], weights: dict[str, float] | None = None,
+                     group_size: int | None = None) -> tuple[dict, list[dict]]:
+    """(group stats, samples records) of one completions parquet. The weighted reward is sum_f w_f * r_f over the
+    reward-function columns (weights default to 1, TRL's default reward_weights); groups are contiguous blocks
+    of group_size when it is known, else equal prompts."""
+    import pandas as pd
+
+    try:
+        df = pd.read_parquet(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
+        raise UserError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+    names = [n for n in reward_names if n in df.columns]
+    if not names or "prompt" not in df.columns:
+        return {}, []
+    weights = weights or {}
+    comp = df[names].astype(float)
+    total = sum(comp[n] * float(weights.get(n, 1.0)) for n in names)
+    total = total.where(~comp.isna().all(axis=1))  # a row every function left None is unscorable (TRL: NaN)
+    prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
+    keys = _contiguous_keys(len(df), group_size, prompts)
+    stats = group_reward_stats(total.tolist(), keys)
+    first: dict = {}
+    group_of = [first.setdefault(k, len(first)) for k in keys]
+    steps = df["step"].tolist() if "step" in df.columns else [None] * len(df)
+    samples = []
+    for i in range(len(df)):
+        completion = df["completion"].iloc[i] if "completion" in df.columns else None
+        rec = {"step": int(steps[i]) if steps[i] is not None else None, "split": "train", "group": group_of[i],
+               "prompt": prompts[i], "completion": completion if isinstance(completion, str) else
+               json.dumps(completion, default=str), "reward": _none_nan(total.iloc[i])}
+        if "advantage" in df.columns:
+            rec["advantage"] = _none_nan(df["advantage"].iloc[i])
+        rec.update({f"reward/{n}": _none_nan(comp[n].iloc[i]) for n in names})
+        samples.append(rec)
+    return stats, samples
+
+
+def _none_nan(v):
+    v = float(v)
+    return v if math.isfinite(v) else None
+
+
+# ---- TRL output_dir -----------------------------------------------------------------------------------------
+def _checkpoints(output_dir: Path) -> dict[int, Path]:
+    out = {}
+    for p in output_dir.glob("checkpoint-*"):
+        m = re.fullmatch(r"checkpoint-(\d+)", p.name)
+        if m and p.is_dir():
+            out[int(m.group(1))] = p
+    return dict(sorted(out.items()))
+
+
+def trainer_state(output_dir: Path) -> dict:
+    """trainer_state.json of the output_dir (written by trainer.save_state()), else of its latest checkpoint."""
+    candidates = [output_dir / "trainer_state.json"] + [c / "trainer_state.json"
+                                                         for c in reversed(_checkpoints(output_dir).values())]
+    best = None
+    for path in candidates:
+        if path.is_file():
+            try:
+                state = json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as e:
+                raise UserError(f"corrupt {path}: {e}") from None
+            if not isinstance(state, dict) or not isinstance(state.get("log_history", []), list):
+                raise UserError(f"corrupt {path}: no log_history list")
+            if best is None or state.get("global_step", 0) > best.get("global_step", 0):
+                best = state
+    return best or {}
+
+
+def is_trl_dir(path: str | Path) -> bool:
+    path = Path(path)
+    if not path.is_dir() or any((path / f"{s}.jsonl").exists() for s in STREAMS) or (path / "config.yaml").exists():
+        return False
+    return (path / "trainer_state.json").exists() or any(path.glob("checkpoint-*/trainer_state.json")) \
+        or (path / CALLBACK_DIR / "config.yaml").exists()
+
+
+def _callback_run(output_dir: Path) -> RunDir | None:
+    p = output_dir / CALLBACK_DIR
+    return RunDir(p) if p.is_dir() and (p / "config.yaml").exists() else None
+
+
+def _fresh(into) -> RunDir:
+    rd = into if isinstance(into, RunDir) else RunDir(into, create=True)
+    rd.path.mkdir(parents=True, exist_ok=True)
+    held = [s for s in STREAMS if rd.stream(s).exists()]
+    if held or rd.config_path.exists():
+        raise UserError(f"{rd.path} already holds a run ({', '.join(held) or 'config.yaml'}); give an empty folder")
+    return rd
+
+
+def _config_from_adapter(output_dir: Path):
+    """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
+    adapter. Everything else stays at mechdiag's defaults (the TRL arguments are only in training_args.bin, a
+    pickle we do not load)."""
+    from mechdiag import config as C
+
+    data: dict = {}
+    ckpts = list(_checkpoints(output_dir).values())
+    for folder in [output_dir, *reversed(ckpts)]:
+        path = folder / "adapter_config.json"
+        if path.is_file():
+            try:
+                a = json.loads(path.read_text(encoding="utf-8"))
+            except ValueError as e:
+                raise UserError(f"corrupt {path}: {e}") from None
+            lora = {"r": a.get("r", 8), "alpha": a.get("lora_alpha", 8), "dropout": a.get("lora_dropout", 0.0),
+                    "use_rslora": bool(a.get("use_rslora", False))}
+            if isinstance(a.get("target_modules"), list) and a["target_modules"]:
+                lora["target_modules"] = sorted(a["target_modules"])
+            layers = a.get("layers_to_transform")
+            if isinstance(layers, int):
+                layers = [layers]
+            if isinstance(layers, list) and layers:
+                lora["layers"] = layers
+            data["lora"] = lora
+            if a.get("base_model_name_or_path"):
+                data["model"] = {"name_or_path": str(a["base_model_name_or_path"])}
+            break
+    return C.from_dict(data)
+
+
+def _checkpoint_displacement(output_dir: Path) -> list[dict]:
+    """Per-tensor LoRA displacement of every checkpoint-N adapter against its base (when the base is local)."""
+    from mechdiag.displacement import compare
+    from mechdiag.weights import adapter_base, is_adapter
+
+    rows = []
+    for step, ck in _checkpoints(output_dir).items():
+        if not is_adapter(ck):
+            continue
+        base = adapter_base(ck)
+        if base is None or not Path(base).is_dir():
+            continue
+        for r in compare(base, ck):
+            if r.get("lora_rank") is None:
+                continue  # a tensor the adapter does not touch
+            rows.append({"step": step, "name": r["name"], "layer": r["layer"], "module": r["module"],
+                         "ref_fro": r["ref_fro"], "delta_fro": r["delta_fro"], "rel_fro": r["rel_fro"]})
+    return rows
+
+
+def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = None,
+                 group_size: int | None = None) -> RunDir:
+    """Read a TRL GRPOTrainer output_dir into the empty run directory `into` (a RunDir or a path) and return it.
+
+    Streams the MechdiagCallback recorded (output_dir/mechdiag/) are taken as they are; what it did not record is
+    rebuilt from TRL's own files: metrics and eval from log_history, samples and reward_cv from the completions
+    parquet, displacement from the checkpoint-N adapters."""
+    from mechdiag import atomic
+    from mechdiag import config as C
+
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        raise UserError(f"TRL output directory not found: {output_dir}")
+    state = trainer_state(output_dir)
+    cb = _callback_run(output_dir)
+    if not state and cb is None:
+        raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
+                        "not a TRL output directory")
+    rd = _fresh(into)
+    cfg = C.load(cb.config_path) if cb is not None else _config_from_adapter(output_dir)
+    header = "read from TRL output_dir " + str(output_dir) + ("" if cb is not None else
+                                                             "; keys other than lora/model are mechdiag defaults")
+    C.save(cfg, rd.config_path, header=header)
+    weights = reward_weights if reward_weights is not None else dict(cfg.rewards.weights) if cb is not None else None
+    group_size = group_size or (cfg.group_size if cb is not None else None)
+
+    history = state.get("log_history", [])
+    # metrics: the callback's records, else log_history; reward_cv from the wrapper's log or the parquet
+    metrics = cb.read("metrics") if cb is not None else []
+    if not metrics:
+        metrics = [{"step": int(h["step"]), **map_trl_log(h)} for h in history if is_train_log(h) and "step" in h]
+    names = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("reward/")})
+    files = completion_files(output_dir)
+    samples = cb.read("samples") if cb is not None else []
+    have_samples = bool(samples)
+    for m in metrics:
+        path = files.get(m["step"])
+        if path is None or not names:
+            continue
+        stats, rows = completions_rows(path, names, weights, group_size)
+        for k, v in stats.items():
+            m.setdefault(k, v)
+        if not have_samples:
+            samples += rows
+    rd.append("metrics", metrics)
+
+    evals = cb.read("eval") if cb is not None else []
+    if not evals:
+        evals = [{"step": int(h["step"]), **map_trl_log(h, eval_=True)} for h in history
+                 if is_eval_log(h) and "step" in h]
+    rd.append("eval", evals)
+    rd.append("samples", samples)
+
+    disp = cb.read("displacement") if cb is not None else []
+    rd.append("displacement", disp or _checkpoint_displacement(output_dir))
+    if cb is not None:
+        rd.append("shift", cb.read("shift"))
+        if cb.stream("eval_benchmarks").exists():
+            shutil.copyfile(cb.stream("eval_benchmarks"), rd.stream("eval_benchmarks"))
+    summary = cb.summary() if cb is not None else {}
+    summary = {**summary, "source": "trl", "trl_output_dir": str(output_dir),
+               "steps": summary.get("steps", state.get("global_step", metrics[-1]["step"] if metrics else 0))}
+    if evals and "final_accuracy" not in summary and "accuracy" in evals[-1]:
+        summary["final_accuracy"] = evals[-1]["accuracy"]
+    atomic.write_json(rd.summary_path, summary)
+    return rd
+
+
+# ---- verl ---------------------------------------------------------------------------------------------------
+def _verl_lines(path: Path) -> list[dict]:
+    lines = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read {path}: {e}") from None
+    for i, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+        except ValueError:
+            if i == len(text.splitlines()):
+                break  # a torn last line of a running job
+            raise UserError(f"{path}:{i}: not a JSON line") from None
+        if not (isinstance(rec, dict) and isinstance(rec.get("data"), dict) and _num(rec.get("step"))):
+            raise UserError(f"{path}:{i}: not a verl file-logger line (expected {{\"step\": N, \"data\": {{...}}}})")
+        lines.append(rec)
+    return lines
+
+
+def is_verl_file(path: str | Path) -> bool:
+    path = Path(path)
+    if not (path.is_file() and path.suffix == ".jsonl"):
+        return False
+    try:
+        with path.open(encoding="utf-8") as f:
+            first = f.readline()
+        rec = json.loads(first)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(rec, dict) and isinstance(rec.get("data"), dict) and "step" in rec
+
+
+def map_verl(data: dict) -> tuple[dict, dict]:
+    """One verl data dict -> (train record, eval record) in canonical keys; datasets averaged, kept per dataset."""
+    train = {}
+    for key, sources in VERL_TRAIN_KEYS.items():
+        for s in sources:
+            if _num(data.get(s)):
+                train[key] = float(data[s])
+                break
+    ev: dict[str, list[float]] = {}
+    per_ds: dict = {}
+    for key, v in data.items():
+        if not _num(v):
+            continue
+        m = _VERL_VAL.match(key)
+        name = None
+        if m:
+            var, stat = m["var"], m["stat"]
+            mean_at, best_at = _MEAN_AT.match(stat), _BEST_AT.match(stat)
+            if var == "acc" and mean_at:
+                name = ("accuracy", int(mean_at.group(1)))
+            elif var == "acc" and best_at:
+                name = (f"pass@{best_at.group(1)}", 0)
+            elif var in ("reward", "score") and mean_at:
+                name = ("eval_reward", int(mean_at.group(1)))
+            ds = m["ds"]
+        else:
+            m = _VERL_OLD_VAL.match(key)
+            if m:
+                name, ds = ("eval_reward", 1), m["ds"]
+        if name is None:
+            continue
+        # several mean@N for one dataset: the largest N (the most samples)
+        slot = per_ds.setdefault((name[0], ds), (name[1], float(v)))
+        if name[1] > slot[0]:
+            per_ds[(name[0], ds)] = (name[1], float(v))
+    for (metric, _ds), (_, v) in per_ds.items():
+        ev.setdefault(metric, []).append(v)
+    evrec = {k: math.fsum(v) / len(v) for k, v in ev.items()}
+    if len({ds for (_, ds) in per_ds}) > 1:
+        evrec.update({f"{metric}/{ds}": v for (metric, ds), (_, v) in per_ds.items()})
+    return train, evrec
+
+
+def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
+    """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
+    from mechdiag import atomic
+
+    out = {}
+    for p in rollout_dir.glob("*.jsonl"):
+        if not p.stem.isdigit():
+            continue
+        try:
+            rows = atomic.read_jsonl(p)
+        except ValueError as e:
+            raise UserError(f"corrupt {p}: {e}") from None
+        rows = [r for r in rows if isinstance(r, dict) and "input" in r and _num(r.get("score"))]
+        step = int(p.stem)
+        keys = [str(r["input"]) for r in rows]
+        first: dict = {}
+        groups = [first.setdefault(k, len(first)) for k in keys]
+        samples = [{"step": step, "split": "train", "group": g, "prompt": r["input"], "completion": r.get("output"),
+                    "reward": float(r["score"])} for r, g in zip(rows, groups, strict=True)]
+        out[step] = (group_reward_stats([float(r["score"]) for r in rows], keys), samples)
+    return out
+
+
+def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
+    """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
+    directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
+    validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
+    from mechdiag import atomic
+    from mechdiag import config as C
+
+    path = Path(jsonl_path)
+    if path.is_dir():
+        found = sorted(p for p in path.glob("*.jsonl") if is_verl_file(p))
+        if len(found) != 1:
+            raise UserError(f"{path}: expected one verl metrics .jsonl file in it, found {len(found)}")
+        path = found[0]
+    if not path.is_file():
+        raise UserError(f"verl metrics file not found: {path}")
+    lines = _verl_lines(path)
+    if not lines:
+        raise UserError(f"{path} holds no verl metrics lines")
+    rd = _fresh(into)
+    cfg = config if isinstance(config, C.Config) else C.load(config) if config else C.from_dict({})
+    C.save(cfg, rd.config_path, header=f"read from verl metrics {path}" +
+           ("" if config else "; the design keys are mechdiag defaults (verl's config is not in this file)"))
+    rolls = _verl_rollouts(Path(rollout_dir)) if rollout_dir else {}
+    by_step: dict[int, tuple[dict, dict]] = {}
+    for rec in lines:  # a step logged twice (a resumed job) keeps its last line
+        tr, ev = map_verl(rec["data"])
+        by_step[int(rec["step"])] = (tr, ev)
+    metrics, evals, samples = [], [], []
+    for step, (tr, ev) in sorted(by_step.items()):
+        if tr:
+            if step in rolls:
+                for k, v in rolls[step][0].items():
+                    tr.setdefault(k, v)
+            metrics.append({"step": step, **tr})
+        if ev:
+            evals.append({"step": step, **ev})
+    for step in sorted(rolls):
+        samples += rolls[step][1]
+    rd.append("metrics", metrics)
+    rd.append("eval", evals)
+    rd.append("samples", samples)
+    summary = {"source": "verl", "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0}
+    if evals and "accuracy" in evals[-1]:
+        summary["final_accuracy"] = evals[-1]["accuracy"]
+    atomic.write_json(rd.summary_path, summary)
+    return rd
+
+
+# ---- any foreign run ----------------------------------------------------------------------------------------
+def foreign_kind(path) -> str | None:
+    """"trl" for a TRL output_dir, "verl" for a verl metrics .jsonl (or a folder holding exactly one), else None."""
+    path = Path(path)
+    if is_trl_dir(path):
+        return "trl"
+    if is_verl_file(path):
+        return "verl"
+    if path.is_dir() and not (path / "config.yaml").exists() and not any(
+            (path / f"{s}.jsonl").exists() for s in STREAMS):
+        if len([p for p in path.glob("*.jsonl") if is_verl_file(p)]) == 1:
+            return "verl"
+    return None
+
+
+def read_foreign(path, into) -> RunDir:
+    kind = foreign_kind(path)
+    if kind == "trl":
+        return read_trl_run(path, into=into)
+    if kind == "verl":
+        return read_verl_run(path, into=into)
+    raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")

@@ -1,0 +1,560 @@
+"""mechdiag inside TRL's GRPOTrainer (trl >= 1.0; checked against 1.16).
+
+    MechdiagCallback     a transformers TrainerCallback: metrics in canonical keys every log, LoRA displacement
+                         every N steps, activation shift at each evaluation, into a run directory beside TRL's
+                         output_dir (output_dir/mechdiag/ unless told otherwise)
+    GroupCV              wraps reward functions to log the study's within-group reward CV (TRL logs only the
+                         batch std) through TRL's log_metric
+    task_reward_funcs    a mechdiag task's reward components as TRL reward functions (one per component)
+    grpo_args / peft_lora_config / config_from_grpo   our design lambda <-> GRPOConfig and peft's LoraConfig
+    train_trl            `mechdiag train --backend trl`: the same config run through GRPOTrainer
+    read_trl_run         re-exported from mechdiag.integrations.readers
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+import types
+import warnings
+from pathlib import Path
+
+from mechdiag.errors import UserError
+from mechdiag.integrations.readers import (
+    CALLBACK_DIR,
+    completion_files,
+    completions_rows,
+    group_reward_stats,
+    is_eval_log,
+    is_train_log,
+    map_trl_log,
+    read_trl_run,
+    read_verl_run,
+)
+from mechdiag.run import RunDir
+
+try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
+    from transformers import TrainerCallback
+except ImportError:  # pragma: no cover - transformers is a dependency
+    TrainerCallback = object
+
+__all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "peft_lora_config", "config_from_grpo",
+           "train_trl", "read_trl_run", "read_verl_run"]
+
+
+# ---- per-group reward CV through a reward-function wrapper -------------------------------------------------
+class GroupCV:
+    """Wrap TRL reward functions so that, once all of them have scored a batch, the weighted reward's CV within
+    each group is logged as `reward_cv` (and the share of all-equal groups as `group_frac_zero_std`) via TRL's
+    log_metric. Weights are GRPOConfig.reward_weights (default 1 each); groups are contiguous blocks of
+    group_size (TRL's layout of a generation batch), else equal prompts. Under several processes the rewards are
+    gathered first, so a group split across processes is still one group.
+
+        cv = GroupCV([f1, f2], weights=[1.0, 0.5], group_size=8)
+        GRPOTrainer(..., reward_funcs=cv.funcs, args=GRPOConfig(reward_weights=[1.0, 0.5], ...))
+    """
+
+    def __init__(self, reward_funcs, weights=None, group_size: int | None = None):
+        import torch
+
+        self.raw = list(reward_funcs)
+        for f in self.raw:
+            if isinstance(f, torch.nn.Module) or not callable(f):
+                raise UserError("GroupCV wraps reward functions (callables); pass reward models to TRL unwrapped")
+        self.weights = [1.0] * len(self.raw) if weights is None else [float(w) for w in weights]
+        if len(self.weights) != len(self.raw):
+            raise UserError(f"GroupCV: {len(self.weights)} weights for {len(self.raw)} reward functions")
+        self.group_size = group_size
+        self.last: dict = {}
+        self._batch, self._outs = None, {}
+        self.funcs = [self._wrap(i, f) for i, f in enumerate(self.raw)]
+
+    def _wrap(self, i: int, f):
+        @functools.wraps(f)
+        def scored(prompts=None, completions=None, **kwargs):
+            out = f(prompts=prompts, completions=completions, **kwargs)
+            if id(completions) != self._batch:  # TRL calls every function on the same list objects in turn
+                self._batch, self._outs = id(completions), {}
+            self._outs[i] = list(out)
+            if len(self._outs) == len(self.raw):
+                self._finish(list(prompts), kwargs.get("log_metric"))
+            return out
+
+        return scored
+
+    def _finish(self, prompts: list, log_metric) -> None:
+        n = len(prompts)
+        totals = []
+        for j in range(n):
+            vals = [(w, self._outs[i][j]) for i, w in enumerate(self.weights)]
+            vals = [(w, v) for w, v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
+            totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
+        self._outs = {}
+        try:
+            from accelerate import PartialState
+
+            if PartialState().num_processes > 1:
+                from accelerate.utils import gather_object
+
+                totals, prompts = gather_object(totals), gather_object(prompts)
+        except ImportError:  # pragma: no cover - accelerate comes with trl
+            pass
+        from mechdiag.integrations.readers import _contiguous_keys
+
+        keys = _contiguous_keys(len(totals), self.group_size,
+                                [p if isinstance(p, str) else repr(p) for p in prompts])
+        self.last = group_reward_stats(totals, keys)
+        if log_metric is not None:
+            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std")):
+                v = self.last.get(key)
+                if v is not None and math.isfinite(v):
+                    log_metric(name, v)
+
+
+# ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
+def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, list[float]]:
+    """(reward functions, weights): one TRL reward function per reward component of `task`, named after it (so
+    TRL logs rewards/<component>/mean), scoring `completions` against the example named by the dataset column
+    example_id. The components of one completion are computed once and shared by the functions."""
+    by_id = {ex.id: ex for ex in examples}
+    names = list(task.components("", examples[0]))
+    cache: dict = {"batch": None, "rows": {}}
+
+    def components(completions, example_id) -> list[dict]:
+        if cache["batch"] is not completions:
+            cache["batch"], cache["rows"] = completions, {}
+        rows = cache["rows"]
+        out = []
+        for j, (c, eid) in enumerate(zip(completions, example_id, strict=True)):
+            if j not in rows:
+                if eid not in by_id:
+                    raise UserError(f"reward: unknown example_id {eid!r} (the dataset must come from the task)")
+                text = c if isinstance(c, str) else c[-1]["content"]  # conversational: the last message
+                rows[j] = task.components(text, by_id[eid])
+            out.append(rows[j])
+        return out
+
+    def make(name):
+        def reward(prompts=None, completions=None, example_id=None, **_):
+            return [float(c.get(name, 0.0)) for c in components(completions, example_id)]
+
+        reward.__name__ = reward.__qualname__ = name
+        return reward
+
+    return [make(n) for n in names], [float(weights.get(n, 0.0)) for n in names]
+
+
+# ---- design lambda <-> GRPOConfig / LoraConfig --------------------------------------------------------------
+_SCHED = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
+    """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
+    num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
+    `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
+    import torch
+    from trl import GRPOConfig
+
+    n = n_processes or world_size()
+    micro = cfg.prompts_per_step * cfg.group_size
+    if micro % n:
+        raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
+                        f"{n} processes; pick sizes it divides")
+    cuda = torch.cuda.is_available()
+    updates = (cfg.max_steps or 0) * cfg.num_iterations
+    kw = dict(
+        output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
+        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
+        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.clip_high,
+        loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
+        lr_scheduler_type=_SCHED[cfg.lr_schedule],
+        warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
+        adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
+        logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
+        eval_strategy="no", report_to=[], bf16=cuda and cfg.model.dtype == "bfloat16",
+        fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=False, use_cpu=not cuda,
+        log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
+        dataloader_num_workers=0,
+        use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
+    )
+    if cfg.max_steps:
+        kw["max_steps"] = updates
+    else:
+        kw["num_train_epochs"] = cfg.epochs or 1.0
+    kw.update(overrides)
+    with warnings.catch_warnings():  # transformers 5 renames gradient_checkpointing; we set it False anyway
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            return GRPOConfig(**kw)
+        except (ValueError, TypeError, ImportError) as e:
+            raise UserError(f"GRPOConfig: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+
+
+def parse_trl_args(items) -> dict:
+    """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
+    import dataclasses
+
+    import yaml
+    from trl import GRPOConfig
+
+    fields = {f.name for f in dataclasses.fields(GRPOConfig)}
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UserError(f"--trl expects KEY=VALUE, got {item!r}")
+        if key not in fields:
+            import difflib
+
+            near = difflib.get_close_matches(key, sorted(fields), n=1)
+            raise UserError(f"--trl {key}: GRPOConfig has no such field" + (f" (did you mean {near[0]}?)"
+                                                                           if near else ""))
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError:
+            out[key] = value
+    return out
+
+
+def peft_lora_config(model, lora):
+    """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
+    from peft import LoraConfig as PeftLoraConfig
+
+    from mechdiag.train.lora import resolve
+
+    modules, layers = resolve(model, lora)
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                          target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
+
+
+def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
+    """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
+    (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
+    from mechdiag import config as C
+
+    n = max(1, int(getattr(args, "world_size", 1) or 1))
+    g = int(args.num_generations or 8)
+    sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
+    warm = args.warmup_steps
+    data = {
+        "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),
+        "grad_accum": args.gradient_accumulation_steps, "epsilon": args.epsilon,
+        "epsilon_high": None if args.epsilon_high in (None, args.epsilon) else args.epsilon_high,
+        "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
+        "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
+        "learning_rate": args.learning_rate, "lr_schedule": sched.get(str(getattr(args.lr_scheduler_type, "value",
+                                                                                  args.lr_scheduler_type))),
+        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else None,
+        "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2, "weight_decay": args.weight_decay,
+        "max_grad_norm": args.max_grad_norm, "temperature": args.temperature, "top_p": args.top_p,
+        "max_completion_tokens": args.max_completion_length, "seed": args.seed,
+        "max_steps": args.max_steps if args.max_steps and args.max_steps > 0 else None,
+        "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
+        else 0,
+    }
+    if reward_names:
+        w = args.reward_weights or [1.0] * len(reward_names)
+        data["rewards"] = {"weights": dict(zip(reward_names, [float(x) for x in w], strict=False))}
+    pc = getattr(model, "peft_config", None) or {}
+    lc = pc.get("default") if isinstance(pc, dict) else None
+    if lc is not None and getattr(lc, "r", None):
+        lora = {"r": lc.r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout, "use_rslora": lc.use_rslora}
+        if isinstance(lc.target_modules, (set, list)) and lc.target_modules:
+            lora["target_modules"] = sorted(lc.target_modules)
+        if lc.layers_to_transform is not None:
+            lora["layers"] = [lc.layers_to_transform] if isinstance(lc.layers_to_transform, int) \
+                else list(lc.layers_to_transform)
+        data["lora"] = lora
+    elif model is not None:
+        data["lora"] = {"enabled": False}
+    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
+    if name:
+        data["model"] = {"name_or_path": str(name)}
+    kept: dict = {}
+    for k, v in data.items():  # one key at a time, so one odd value costs only itself
+        if v is None:
+            continue
+        try:
+            C.from_dict({**kept, k: v})
+        except UserError:
+            continue
+        kept[k] = v
+    return C.from_dict(kept)
+
+
+# ---- the callback --------------------------------------------------------------------------------------------
+def _peft(model):
+    """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
+    for _ in range(4):
+        if hasattr(model, "peft_config"):
+            return model
+        model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
+        if model is None:
+            return None
+    return None
+
+
+def _timed(fn):
+    """Add the method's wall time to self.recorder_s (the recorder's own cost, reported in summary.json)."""
+
+    @functools.wraps(fn)
+    def inner(self, *a, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(self, *a, **kw)
+        finally:
+            self.recorder_s += time.perf_counter() - t0
+
+    return inner
+
+
+class MechdiagCallback(TrainerCallback):
+    """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
+
+    Every log: metrics.jsonl in canonical keys (reward_cv from a GroupCV wrapper's log, else from the completions
+    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps: displacement.jsonl
+    rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or every `eval_every`
+    steps of the callback's own schedule, and at the start and end when `evaluate` is given): eval.jsonl, with
+    `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, and shift.jsonl on `shift_prompts`.
+    Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
+    the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
+    """
+
+    def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
+                 shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
+                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None):
+        self.run_dir = run_dir
+        self.max_time_s, self._t0 = max_time_s, time.perf_counter()
+        self.displacement_every = displacement_every
+        self.shift_prompts = list(shift_prompts or [])[:shift_n]
+        self.shift_batch_size = shift_batch_size
+        self.config = config
+        self.evaluate = evaluate
+        self.eval_every = eval_every
+        self.reward_weights = reward_weights
+        self.run: RunDir | None = None
+        self.recorder_s = 0.0
+        self._pending: dict | None = None
+        self._last_eval_step = -1
+        self._evals: list[dict] = []
+        self._derived = False
+
+    # ---- helpers ------------------------------------------------------------------------------------
+    def _on(self, state) -> bool:
+        return self.run is not None and state.is_world_process_zero
+
+    def _flush(self, args) -> None:
+        """Write the pending train record; its step's completions parquet exists by now (TRL writes it after
+        on_log), so reward_cv and samples come from there when the wrapper did not log them."""
+        rec, self._pending = self._pending, None
+        if rec is None:
+            return
+        names = [k.split("/", 1)[1] for k in rec if k.startswith("reward/")]  # in reward_funcs order
+        if self.reward_weights is None and names:
+            w = args.reward_weights or [1.0] * len(names)
+            self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
+            if self._derived:  # now the reward function names are known: config.yaml gets them
+                from mechdiag import config as C
+
+                self.config = C.from_dict({**self.config.model_dump(mode="json"),
+                                           "rewards": {"weights": self.reward_weights}})
+                C.save(self.config, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        path = completion_files(Path(args.output_dir)).get(rec["step"])
+        if path is not None:
+            weights = self.reward_weights
+            stats, samples = completions_rows(path, names, weights, args.num_generations)
+            for k, v in stats.items():
+                rec.setdefault(k, v)
+            self.run.append("samples", samples)
+        self.run.append("metrics", rec)
+
+    def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
+        rec = {"step": step, **map_trl_log(metrics or {}, eval_=True)}
+        if self.evaluate is not None:
+            rec.update(self.evaluate(model, tokenizer, step))
+        self.run.append("eval", rec)
+        self._evals.append(rec)
+        self._last_eval_step = step
+        peft_model = _peft(model)
+        if self.shift_prompts and step > 0 and peft_model is not None:
+            from mechdiag.probes.shift import shift_inmemory
+
+            rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
+                                  step=step)
+            self.run.append("shift", [{**r, "step": step} for r in rows])
+
+    # ---- events -------------------------------------------------------------------------------------
+    @_timed
+    def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
+        self._t0 = time.perf_counter()
+        if not state.is_world_process_zero:
+            return
+        from mechdiag import config as C
+
+        self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
+        if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
+            warnings.warn(f"{self.run.path} held an earlier run; its records are replaced", stacklevel=2)
+        self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
+        cfg = self.config
+        self._derived = cfg is None
+        if cfg is None:
+            names = [k for k in (self.reward_weights or {})] or None
+            cfg = config_from_grpo(args, _peft(model) or model, names)
+        self.config = cfg
+        C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        if self.evaluate is not None and state.global_step == 0:
+            self._record_eval(0, model, processing_class)
+
+    @_timed
+    def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
+        if self.max_time_s is not None:  # config max_time_s; rank 0's clock decides so all ranks stop together
+            stop = time.perf_counter() - self._t0 > self.max_time_s
+            if args.world_size > 1:
+                from accelerate.utils import broadcast_object_list
+
+                stop = broadcast_object_list([stop])[0]
+            control.should_training_stop = control.should_training_stop or stop
+        if not self._on(state):
+            return
+        step = state.global_step
+        if self.displacement_every and step % self.displacement_every == 0:
+            peft_model = _peft(model)
+            if peft_model is not None:
+                from mechdiag.displacement import lora_rows
+
+                self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
+        if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
+            self._record_eval(step, model, processing_class)
+
+    @_timed
+    def on_log(self, args, state, control, logs=None, **kw):
+        if not self._on(state) or not logs:
+            return
+        if is_train_log(logs) and not is_eval_log(logs):
+            self._flush(args)
+            self._pending = {"step": state.global_step, **map_trl_log(logs)}
+        elif "train_runtime" in logs:
+            self._flush(args)
+
+    @_timed
+    def on_evaluate(self, args, state, control, metrics=None, model=None, processing_class=None, **kw):
+        if self._on(state):
+            self._record_eval(state.global_step, model, processing_class, metrics)
+
+    @_timed
+    def on_train_end(self, args, state, control, model=None, processing_class=None, **kw):
+        if not self._on(state):
+            return
+        self._flush(args)
+        if self.evaluate is not None and self._last_eval_step != state.global_step:
+            self._record_eval(state.global_step, model, processing_class)
+        evals = [e for e in self._evals if "accuracy" in e]
+        summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
+                   "recorder_s": self.recorder_s}
+        if len(evals) >= 1:
+            base = next((e for e in evals if e["step"] == 0), None)
+            summary.update({"final_accuracy": evals[-1]["accuracy"],
+                            "final_eval_reward": evals[-1].get("eval_reward")})
+            if base is not None:
+                summary.update({"base_accuracy": base["accuracy"], "base_eval_reward": base.get("eval_reward"),
+                                "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
+        self.run.write_summary(summary)
+
+
+
+# ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
+def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
+    """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
+    length, pass@k), so both backends report the same held-out numbers."""
+    from mechdiag.train.trainer import Trainer
+
+    def evaluate(model, tokenizer, step):
+        m = _peft(model) or model
+        ev = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, model=m, task=task, eval_examples=eval_examples,
+                                   eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
+                                   sampler=lambda: m)
+        ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
+        out = Trainer.evaluate(ev, step)
+        if cfg.eval_samples == 1:
+            out.update({f"pass@{k}": out["accuracy"] for k in cfg.pass_k if k == 1})
+        return out
+
+    return evaluate
+
+
+def build_trainer(cfg, out_dir, callbacks=None, **overrides):
+    """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
+    directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
+    import torch
+    from datasets import Dataset
+    from trl import GRPOTrainer
+
+    from mechdiag.train.trainer import get_task, load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    if cfg.task.mixture:
+        raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
+    torch.manual_seed(cfg.seed)
+    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
+    task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+    train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
+    eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
+    if not train_ex:
+        raise UserError(f"task {cfg.task.name} has no training examples")
+    data = Dataset.from_list([{"prompt": task.prompt(ex, tok), "example_id": ex.id} for ex in train_ex])
+    funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights)
+    cv = GroupCV(funcs, weights, group_size=cfg.group_size)
+    eval_prompts = [task.prompt(ex, tok) for ex in eval_ex]
+    args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
+    run = RunDir(out_dir, create=True)
+    rec = cfg.record
+    cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every if cfg.lora.enabled else 0,
+                          shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
+                          shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
+                          eval_every=cfg.eval_every * cfg.num_iterations,
+                          reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
+                          max_time_s=getattr(cfg, "max_time_s", None))
+    trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
+                          peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    return trainer, run, cb
+
+
+def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
+    """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
+    (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
+    from mechdiag import config as C
+
+    t0 = time.perf_counter()
+    run_path = Path(out_dir)
+    if not resume and (run_path / "metrics.jsonl").exists():
+        raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
+    trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
+    main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
+    if main:
+        C.save(cfg, run.config_path, header="mechdiag train --backend trl: resolved config")
+    last = None
+    if resume:
+        ckpts = sorted(run.path.glob("trl/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
+        last = str(ckpts[-1]) if ckpts else None
+    trainer.train(resume_from_checkpoint=last)
+    trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
+    if not main:
+        return run
+    trainer.processing_class.save_pretrained(str(run.final))
+    summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
+               "eval_n": cfg.eval_n, "backend": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+               "planned_steps": cfg.max_steps,
+               "wall_time_s": time.perf_counter() - t0}
+    run.write_summary(summary)
+    return run
