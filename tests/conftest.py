@@ -5,9 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from mechdiag.paths import shared_dir
 from tests.helpers import run_cli
+
+# CI runs the same examples every time (a failure found once is found again); locally set
+# HYPOTHESIS_PROFILE=explore for fresh random examples.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("explore")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def _need(path: Path) -> Path:
