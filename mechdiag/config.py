@@ -127,7 +127,7 @@ class Config(_Strict):
 
     # schedule
     seed: int = 42
-    max_steps: int | None = Field(100, ge=1)
+    max_steps: int | None = Field(40, ge=1)
     epochs: float | None = Field(None, gt=0)
     max_time_s: float | None = Field(240, gt=0)  # stop training after this many seconds (null = no limit)
     eval_every: int = Field(0, ge=0)  # 0 = only at start and end

@@ -15,13 +15,13 @@ from pathlib import Path
 from mechdiag.errors import UserError
 
 SEEDS = (42, 3407)
-MAX_STEPS = 40
+MAX_STEPS = 20
 
 
 def demo_overrides(max_steps: int) -> list[str]:
     """The embedded default, shortened: evals at start, middle and end, displacement 4 times, small eval sets."""
     every = max(1, max_steps // 4)
-    return [f"max_steps={max_steps}", f"eval_every={max(1, max_steps // 2)}", "eval_n=64",
+    return [f"max_steps={max_steps}", f"eval_every={max(1, max_steps // 2)}", "eval_n=200",
             f"record.displacement_every={every}", "record.shift_at_eval=true", "record.shift_n=32",
             f"record.samples_every={every}", f"save_every={max_steps}"]
 
