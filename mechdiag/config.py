@@ -129,6 +129,7 @@ class Config(_Strict):
     seed: int = 42
     max_steps: int | None = Field(60, ge=1)
     epochs: float | None = Field(None, gt=0)
+    max_time_s: float | None = Field(240, gt=0)  # stop training after this many seconds (null = no limit)
     eval_every: int = Field(0, ge=0)  # 0 = only at start and end
     eval_n: int = Field(500, ge=1)
     eval_samples: int = Field(1, ge=1)  # completions per eval problem for pass@k
@@ -155,7 +156,8 @@ class Config(_Strict):
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
 _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
            "lr_schedule": "cosine", "max_grad_norm": 0.1, "temperature": 0.8, "epsilon": 0.2,
-           "max_prompt_tokens": 256, "max_completion_tokens": 512, "eval_every": 100, "max_steps": None}
+           "max_prompt_tokens": 256, "max_completion_tokens": 512, "eval_every": 100, "max_steps": None,
+           "max_time_s": None}
 PRESETS: dict[str, dict[str, Any]] = {
     "math": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
              "beta": 0.005, "task": {"name": "gsm8k"},

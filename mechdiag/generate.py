@@ -77,13 +77,14 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 @torch.inference_mode()
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
                   eos: list[int], pad: int, temperature: float = 1.0, top_p: float = 1.0,
-                  gen: torch.Generator | None = None, entropy: list | None = None
+                  gen: torch.Generator | None = None, entropy: list | None = None, logprobs: list | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for each left-padded row.
 
     Returns (completion_ids (B, T) right-padded with `pad`, completion_mask (B, T) with the EOS counted,
     truncated (B,) bool). T is the longest completion in the batch. If `entropy` is a list, the (B, T)
-    per-token entropy of the sampling distribution (temperature 1 when greedy) is appended to it.
+    per-token entropy of the sampling distribution (temperature 1 when greedy) is appended to it; if
+    `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p).
     """
     from transformers import DynamicCache
 
@@ -98,13 +99,16 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=device)
     tokens, alive = [], []
-    ents = []
+    ents, lps = [], []
+    want = entropy is not None or logprobs is not None
     for step in range(max_new_tokens):
         logits = out.logits[:, -1, :]
-        if entropy is not None:
+        if want:
             logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
             ents.append(-(logp.exp() * logp).sum(-1))
         tok = _pick(logits, temperature, top_p, gen)
+        if want:
+            lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
         tok = torch.where(done, torch.full_like(tok, pad), tok)
         tokens.append(tok)
         alive.append(~done)
@@ -118,7 +122,9 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     ids = torch.stack(tokens, dim=1)
     mask = torch.stack(alive, dim=1).long()
     if entropy is not None:
-        entropy.append(torch.stack(ents, dim=1))
+        entropy.append(torch.stack(ents, dim=1) * mask)
+    if logprobs is not None:
+        logprobs.append(torch.stack(lps, dim=1) * mask)
     return ids, mask, ~done
 
 

@@ -177,3 +177,24 @@ def test_merged_sampler_equals_the_adapted_model(stories260k, tmp_path):
     g1 = generate(sampler, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
     g2 = generate(tr.model, tr.tokenizer, prompts, temperature=0, max_new_tokens=10)
     assert [g[0].token_ids for g in g1] == [g[0].token_ids for g in g2]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_zero_advantage_rows_skipped_exactly_when_beta_is_zero(stories260k, tmp_path, loss_type):
+    from mechdiag.train.rollout import collect, policy_logits
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "beta=0", f"loss_type={loss_type}", "group_size=2",
+                             "prompts_per_step=4", "task.name=tests.toy:Half"))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    assert 0 < int((roll.advantages == 0).sum()) < len(roll)  # some groups carry no signal
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
+    fast = torch.autograd.grad(loss, params)
+    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
+    full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask, loss_type=loss_type)
+    slow = torch.autograd.grad(full, params)
+    assert loss.item() == pytest.approx(full.item(), abs=1e-7)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)

@@ -44,3 +44,12 @@ class KillAt:
 
 def kill_at_3(trainer):
     return KillAt(3)
+
+
+class Half(Toy):
+    """Every other prompt gets a constant reward: its group has zero advantage."""
+
+    def components(self, completion, example):
+        if int(example.id.split("-")[1]) % 2:
+            return {"correctness": 0.5}
+        return super().components(completion, example)

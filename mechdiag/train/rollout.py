@@ -31,21 +31,25 @@ class Rollout:
     prompts: list[str]
     old_logp: torch.Tensor | None = None  # (B, T), only when num_iterations > 1
     ref_logp: torch.Tensor | None = None
+    sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
+    sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
     extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
 
-    def select(self, idx: slice) -> Rollout:
-        """A micro-batch (rows idx) with tensors sliced; completion width trimmed to its longest row."""
+    def select(self, idx: torch.Tensor) -> Rollout:
+        """The rows `idx` (a LongTensor), completion width trimmed to their longest completion."""
         cm = self.completion_mask[idx]
-        width = max(int(cm.sum(-1).max()), 1)
+        width = max(int(cm.sum(-1).max()), 1) if len(idx) else 1
         t = lambda x: None if x is None else x[idx][:, :width]  # noqa: E731
+        rows = idx.tolist()
+        pick = lambda xs: [xs[i] for i in rows]  # noqa: E731
         return Rollout(self.prompt_ids[idx], self.prompt_mask[idx], self.completion_ids[idx][:, :width],
                        cm[:, :width], self.truncated[idx], self.rewards[idx],
-                       {k: v[idx] for k, v in self.components.items()}, self.advantages[idx], self.texts[idx],
-                       self.example_ids[idx], self.group_ids[idx], self.prompts[idx], t(self.old_logp),
-                       t(self.ref_logp))
+                       {k: v[idx] for k, v in self.components.items()}, self.advantages[idx], pick(self.texts),
+                       pick(self.example_ids), pick(self.group_ids), pick(self.prompts), t(self.old_logp),
+                       t(self.ref_logp), t(self.sample_logp), t(self.sample_entropy))
 
 
 def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
@@ -85,9 +89,11 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
     was_training = model.training
     model.eval()
     try:
+        ent, lps = [], []
         c_ids, c_mask, trunc = sample_tokens(sampler or model, p_ids, p_mask, max_new_tokens=cfg.max_completion_tokens,
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
-                                             temperature=cfg.temperature, top_p=cfg.top_p, gen=gen)
+                                             temperature=cfg.temperature, top_p=cfg.top_p, gen=gen, entropy=ent,
+                                             logprobs=lps)
         c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd
         lengths = c_mask.sum(-1).tolist()
         texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
@@ -104,7 +110,8 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         r = Rollout(p_ids, p_mask, c_ids, c_mask, trunc.cpu(), rewards,
                     {k: torch.tensor(v) for k, v in comps.items()},
                     obj.group_advantages(rewards, g, cfg.scale_rewards).to(device), texts,
-                    [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows)
+                    [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
+                    sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
         if cfg.num_iterations > 1:
             r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
         ref, ctx = reference_context(model, ref_model)

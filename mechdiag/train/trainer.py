@@ -264,26 +264,23 @@ class Trainer:
         stats: dict[str, list[float]] = {}
         lr = self.sched.get_last_lr()[0]
         skipped = 0
+        n = len(roll)
         for _ in range(cfg.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             finite = True
-            for s in range(0, len(roll), micro):
-                mb = roll.select(slice(s, s + micro))
-                logits = policy_logits(model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
-                logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
-                loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                         epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
-                                         loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
-                with torch.no_grad():
-                    st["entropy"] = obj.masked_mean(obj.token_entropy(logits, cfg.temperature),
-                                                    mb.completion_mask).item()
+            for s in range(0, n, micro):
+                rows = torch.arange(s, min(s + micro, n))
+                loss, st = self._micro_loss(roll, rows)
                 st["loss"] = loss.item()
                 finite = finite and math.isfinite(st["loss"])
-                if finite:
+                if finite and loss.requires_grad:
                     (loss / cfg.grad_accum).backward()
                 for k, v in st.items():
                     stats.setdefault(k, []).append(v)
             params = [p for p in model.parameters() if p.requires_grad]
+            for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
             stats.setdefault("grad_norm", []).append(grad_norm)
             if finite and math.isfinite(grad_norm):
@@ -300,6 +297,9 @@ class Trainer:
             self.sched.step()
         dt = time.perf_counter() - t0
         n_tok = int(roll.completion_mask.sum())
+        m_all = roll.completion_mask
+        stats["entropy"] = [obj.masked_mean(roll.sample_entropy, m_all).item()]
+        stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
         g = obj.group_stats(roll.rewards, cfg.group_size)
         metrics = {"reward": roll.rewards.mean().item(), **g,
                    "completion_clipped_ratio": roll.truncated.float().mean().item(),
@@ -309,6 +309,30 @@ class Trainer:
                    "lr": lr, "step_time": dt, "rollout_time": t_roll, "tokens_per_s": n_tok / dt,
                    "skipped_updates": skipped}
         return metrics, roll
+
+    def _micro_loss(self, roll, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """The loss of micro-batch `rows`, as a share of the whole micro-batch's aggregate.
+
+        With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
+        the forward pass (often half the batch: groups with equal rewards) and the aggregate rescaled to match.
+        """
+        cfg = self.cfg
+        keep = rows
+        if cfg.beta == 0:
+            keep = rows[roll.advantages[rows].cpu() != 0]
+        tokens_all = roll.completion_mask[rows].sum().clamp(min=1)
+        if len(keep) == 0:
+            return torch.zeros(()), {"clip_low": 0.0, "clip_high": 0.0, "policy_clip_fraction": 0.0}
+        mb = roll.select(keep)
+        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+        logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
+                                 epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
+                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
+        token_share = (mb.completion_mask.sum() / tokens_all).item()
+        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(rows)
+        st = {k: v * token_share for k, v in st.items() if k != "kl"}
+        return loss * share, st
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
@@ -371,6 +395,7 @@ class Trainer:
         try:
             if self.base_eval is None:
                 self.base_eval = {"step": 0, **self._eval(0)}
+            t_train = time.perf_counter()
             for step in range(self.step + 1, self.total_steps + 1):
                 metrics, roll = self.train_step(step)
                 self.step = step
@@ -378,10 +403,15 @@ class Trainer:
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
                 self.checkpointer.on_step_end(self, step, metrics, roll)
-            last_eval = self._eval(self.total_steps)  # the final model, not the best checkpoint
+                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
+                        and step < self.total_steps:
+                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
+                                  f"{self.total_steps}", stacklevel=2)
+                    break
+            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
             self._save_weights(self.run.final)
             self.tokenizer.save_pretrained(self.run.final)
-            summary = {"steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
                        "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
