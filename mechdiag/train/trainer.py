@@ -349,10 +349,27 @@ class Trainer:
         torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
+        # durable before the marker: every record of steps <= N and every file of the checkpoint
+        from mechdiag.run import STREAMS
+
+        for p in [self.run.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
         os.replace(tmp, final)
-        (final / "COMPLETE").write_text("")
+        atomic.write_text(final / "COMPLETE", "")
+        atomic.fsync_file(self.run.checkpoints)
         H.call(getattr(self, "hooks", []), "on_save", self, step, final)
         return final
+
+    def _save_final(self) -> None:
+        """final/ appears whole or not at all: written beside it, then renamed over it."""
+        tmp = self.run.path / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._save_weights(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        for p in sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
+        shutil.rmtree(self.run.final, ignore_errors=True)
+        os.replace(tmp, self.run.final)
 
     def _load_weights(self, path: Path) -> None:
         from safetensors.torch import load_file
@@ -409,8 +426,7 @@ class Trainer:
                                   f"{self.total_steps}", stacklevel=2)
                     break
             last_eval = self._eval(self.step)  # the final model, not the best checkpoint
-            self._save_weights(self.run.final)
-            self.tokenizer.save_pretrained(self.run.final)
+            self._save_final()
             summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed, "model": cfg.model.name_or_path,
                        "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
