@@ -129,7 +129,6 @@ class Trainer:
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.run = RunDir(out_dir, create=True)
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
         self.device = next(self.model.parameters()).device
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
@@ -153,6 +152,10 @@ class Trainer:
                                      weight_decay=cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
+        for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
+            H.hook_factory(spec)
+        # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
+        self.run = RunDir(out_dir, create=True)
         if resume:
             self._resume()
         elif any(self.run.stream(s).exists() for s in ("metrics", "eval")):
@@ -392,13 +395,18 @@ class Trainer:
             return
         last = steps[-1]
         ck = self.run.checkpoints / f"step-{last}"
-        self._load_weights(ck)
-        self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
-        self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
-        rng = torch.load(ck / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        state = json.loads((ck / "trainer_state.json").read_text())
+        try:
+            self._load_weights(ck)
+            self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+            self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
+            rng = torch.load(ck / "rng.pt", weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            state = json.loads((ck / "trainer_state.json").read_text())
+        except Exception as e:  # a checkpoint damaged after it was written (COMPLETE is set only when whole)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first}); delete it to resume "
+                            "from the one before") from None
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
