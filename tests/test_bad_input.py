@@ -115,7 +115,6 @@ CASES: dict[str, tuple[list[str], str]] = {
     "report/empty-folder": (["report", "{bad}/empty_dir", "--out", "{out}.html"], ""),
     "report/file-not-folder": (["report", "{bad}/text.txt", "--out", "{out}.html"], ""),
     "report/corrupt-metrics": (["report", "{bad}/run_corrupt_metrics", "--out", "{out}.html"], ""),
-    "report/empty-metrics": (["report", "{bad}/run_empty_metrics", "--out", "{out}.html"], ""),
     "report/corrupt-summary": (["report", "{bad}/run_bad_summary", "--out", "{out}.html"], ""),
     "report/bad-config": (["report", "{bad}/run_bad_config", "--out", "{out}.html"], ""),
     "report/out-wrong-type": (["report", "{run}", "--out", "{out}.png"], "html"),

@@ -94,8 +94,6 @@ def load_run(path: str | Path, stack: contextlib.ExitStack) -> Run:
     summary = rundir.summary()
     if not any(streams.values()) and not summary and not config:
         raise UserError(f"{path} holds no run data (no config.yaml, summary.json or *.jsonl streams)")
-    if not any(streams.values()):
-        raise UserError(f"{path} holds no records: every *.jsonl stream is empty or missing")
     return Run(rundir=rundir, name=path.resolve().name, config=config, streams=streams, summary=summary,
                source=source)
 
