@@ -68,11 +68,50 @@ def append_jsonl(path: str | os.PathLike, records: list[dict], fsync: bool = Fal
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = "".join(dumps(r) + "\n" for r in records)
+    drop_partial_tail(path)
     with open(path, "a", encoding="utf-8") as f:
         f.write(data)
         f.flush()
         if fsync:
             os.fsync(f.fileno())
+
+
+def drop_partial_tail(path: str | os.PathLike) -> None:
+    """Cut a partial last line (a crash mid-append) so that the next append starts on a line of its own."""
+    try:
+        f = open(path, "r+b")
+    except FileNotFoundError:
+        return
+    with f:
+        end = f.seek(0, os.SEEK_END)
+        if end == 0:
+            return
+        f.seek(end - 1)
+        if f.read(1) == b"\n":
+            return
+        pos = end
+        while pos > 0:  # scan back for the last newline, 64 KiB at a time
+            start = max(0, pos - 65536)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            i = chunk.rfind(b"\n")
+            if i >= 0:
+                f.truncate(start + i + 1)
+                return
+            pos = start
+        f.truncate(0)
+
+
+def fsync_file(path: str | os.PathLike) -> None:
+    """Flush a file that exists to disk (checkpoints: records and weights are durable before the marker)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def read_jsonl(path: str | os.PathLike) -> list[dict]:

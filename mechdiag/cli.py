@@ -9,13 +9,33 @@ import click
 from mechdiag.errors import UserError
 
 
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _usage_error(e: click.ClickException):
+    """Click's usage errors as one line too (its default is a usage block), exit code 2 like every bad input."""
+    ctx = getattr(e, "ctx", None)
+    cmd = "mechdiag" if ctx is None or ctx.parent is None else f"mechdiag {ctx.info_name}"
+    click.echo(f"mechdiag: error: {_one_line(e.format_message())} (see {cmd} --help)", err=True)
+    sys.exit(2)
+
+
 class _Group(click.Group):
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except click.ClickException as e:
+            _usage_error(e)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
         except UserError as e:
-            click.echo(f"mechdiag: error: {e}", err=True)
+            click.echo(f"mechdiag: error: {_one_line(e)}", err=True)
             sys.exit(2)
+        except click.ClickException as e:
+            _usage_error(e)
         except KeyboardInterrupt:
             click.echo("mechdiag: interrupted", err=True)
             sys.exit(130)

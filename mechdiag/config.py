@@ -262,7 +262,7 @@ def from_dict(data: dict | None) -> Config:
     data = dict(data or {})
     preset = data.get("preset")
     if preset is not None:
-        if preset not in PRESETS:
+        if not isinstance(preset, str) or preset not in PRESETS:
             near = difflib.get_close_matches(str(preset), PRESETS, n=1)
             raise UserError(f"unknown preset {preset!r}" + (f" (did you mean {near[0]}?)" if near else ""))
         data = _deep_merge(PRESETS[preset], data)

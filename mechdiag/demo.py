@@ -43,6 +43,9 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
     from mechdiag.train.trainer import train
 
     out_dir = Path(out_dir)
+    rp = Path(report) if report is not None else None
+    if rp is not None and rp.suffix.lower() not in (".html", ".htm") and rp.suffix and not rp.is_dir():
+        raise UserError(f"--report must be an .html file or a folder, got {rp}")  # before minutes of training
     t0 = time.perf_counter()
     runs = []
     for seed in SEEDS:

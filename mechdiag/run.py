@@ -57,8 +57,12 @@ class RunDir:
 
     def drop_after(self, step: int) -> None:
         """On resume: forget every record past the last checkpointed step, so each step appears once."""
-        for name in STREAMS:
-            atomic.truncate_jsonl(self.stream(name), lambda r: r.get("step", -1) <= step)
+        kept = {}
+        for name in STREAMS:  # read (and check) every stream before rewriting any: a corrupt one changes nothing
+            if self.stream(name).exists():
+                kept[name] = [r for r in self.read(name) if r.get("step", -1) <= step]
+        for name, records in kept.items():
+            atomic.write_text(self.stream(name), "".join(atomic.dumps(r) + "\n" for r in records))
 
     # ---- files ---------------------------------------------------------------------------------------
     @property

@@ -35,6 +35,8 @@ def load_train_fn(target: str = DEFAULT_TRAINER) -> TrainFn:
         fn = getattr(importlib.import_module(mod_name), fn_name)
     except (ImportError, AttributeError) as e:
         raise UserError(f"cannot import trainer {target}: {e}") from None
+    if not callable(fn):
+        raise UserError(f"trainer {target} is not a function (a {type(fn).__name__})")
     return fn
 
 
@@ -56,13 +58,22 @@ def tune(cfg: Config, rounds: int, out_dir, train_fn: TrainFn | None = None, log
     out = Path(out_dir)
     if (out / "rounds.jsonl").exists():
         raise UserError(f"{out} already holds a tune (rounds.jsonl); choose another --out")
+    fresh = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    train_fn = train_fn or load_train_fn()
-    log = log or (lambda msg: None)
+    try:
+        return _rounds(cfg, rounds, out, train_fn or load_train_fn(), log or (lambda msg: None))
+    except UserError:
+        if fresh and not any(out.iterdir()):  # bad input found in round 0: leave no empty --out behind
+            out.rmdir()
+        raise
+
+
+def _rounds(cfg: Config, rounds: int, out: Path, train_fn: TrainFn, log) -> list[dict]:
     records, changes, best = [], [], None
     for k in range(rounds):
         run_dir = out / f"round-{k}"
-        log(f"round {k}: training {run_dir}" + (f" with {'; '.join(map(str, changes))}" if changes else ""))
+        if k:  # round 0 is named in its result line: a bad config then fails with one line on stderr
+            log(f"round {k}: training {run_dir}" + (f" with {'; '.join(map(str, changes))}" if changes else ""))
         result = train_fn(cfg, run_dir)
         run_dir = Path(getattr(result, "path", result) or run_dir)
         rec_next = recommend([run_dir])

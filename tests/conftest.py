@@ -43,3 +43,22 @@ def data_dir(shared) -> Path:
 @pytest.fixture
 def cli():
     return run_cli
+
+
+# The reliability tests' one small run of `mechdiag train` on the bundled default (tests/test_crash.py is the
+# uninterrupted reference; tests/test_bad_input.py reads its run directory and final adapter).
+TINY_TRAIN = ["max_steps=6", "save_every=2", "eval_every=3", "eval_n=8", "prompts_per_step=2", "group_size=2",
+              "threads=1", "max_time_s=null", "lora.dropout=0.1", "record.displacement_every=1",
+              "record.samples_every=1", "record.shift_n=4"]
+
+
+def tiny_train_flags(*extra: str) -> list[str]:
+    return [x for s in [*TINY_TRAIN, *extra] for x in ("--set", s)]
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    proc = run_cli("train", *tiny_train_flags(), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    return out

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from mechdiag.errors import UserError
 from mechdiag.probes.capture import Probe, n_layers_of
@@ -102,7 +103,7 @@ def load_model(path: Path, dtype: str = "float32", device: str | torch.device = 
 
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
-    except (OSError, ValueError, KeyError) as e:
+    except (OSError, ValueError, KeyError, SafetensorError) as e:
         raise UserError(f"cannot load model {path}: {str(e).splitlines()[0]}") from None
     return model.to(device).eval()
 
@@ -175,7 +176,7 @@ def _with_adapters(model, adapters: dict[str, Path]):
                     model_out.load_adapter(path, adapter_name=name)
                 else:
                     model_out = PeftModel.from_pretrained(model_out, path, adapter_name=name)
-        except (OSError, ValueError, KeyError, RuntimeError) as e:
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
             raise UserError(f"cannot load adapter {path}: {str(e).splitlines()[0]}") from None
     return model_out.eval()
 

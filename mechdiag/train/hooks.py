@@ -36,6 +36,11 @@ def call(hooks: list, event: str, *args) -> None:
 
 
 def load_user_hook(spec: str, trainer):
+    return hook_factory(spec)(trainer)
+
+
+def hook_factory(spec: str):
+    """The factory named by "package.module:factory" (a UserError when it cannot be found)."""
     if ":" not in spec:
         raise UserError(f"hook {spec!r}: use the form package.module:factory")
     mod_name, attr = spec.split(":", 1)
@@ -46,7 +51,7 @@ def load_user_hook(spec: str, trainer):
     factory = getattr(mod, attr, None)
     if factory is None:
         raise UserError(f"hook {spec!r}: {mod_name} has no attribute {attr}")
-    return factory(trainer)
+    return factory
 
 
 # ---- built-in hooks -------------------------------------------------------------------------------------

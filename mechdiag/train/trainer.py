@@ -129,7 +129,6 @@ class Trainer:
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.run = RunDir(out_dir, create=True)
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
         self.device = next(self.model.parameters()).device
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
@@ -153,6 +152,10 @@ class Trainer:
                                      weight_decay=cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
+        for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
+            H.hook_factory(spec)
+        # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
+        self.run = RunDir(out_dir, create=True)
         if resume:
             self._resume()
         elif any(self.run.stream(s).exists() for s in ("metrics", "eval")):
@@ -349,10 +352,27 @@ class Trainer:
         torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
+        # durable before the marker: every record of steps <= N and every file of the checkpoint
+        from mechdiag.run import STREAMS
+
+        for p in [self.run.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
         os.replace(tmp, final)
-        (final / "COMPLETE").write_text("")
+        atomic.write_text(final / "COMPLETE", "")
+        atomic.fsync_file(self.run.checkpoints)
         H.call(getattr(self, "hooks", []), "on_save", self, step, final)
         return final
+
+    def _save_final(self) -> None:
+        """final/ appears whole or not at all: written beside it, then renamed over it."""
+        tmp = self.run.path / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self._save_weights(tmp)
+        self.tokenizer.save_pretrained(tmp)
+        for p in sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
+        shutil.rmtree(self.run.final, ignore_errors=True)
+        os.replace(tmp, self.run.final)
 
     def _load_weights(self, path: Path) -> None:
         from safetensors.torch import load_file
@@ -375,13 +395,18 @@ class Trainer:
             return
         last = steps[-1]
         ck = self.run.checkpoints / f"step-{last}"
-        self._load_weights(ck)
-        self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
-        self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
-        rng = torch.load(ck / "rng.pt", weights_only=False)
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        state = json.loads((ck / "trainer_state.json").read_text())
+        try:
+            self._load_weights(ck)
+            self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
+            self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
+            rng = torch.load(ck / "rng.pt", weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
+            state = json.loads((ck / "trainer_state.json").read_text())
+        except Exception as e:  # a checkpoint damaged after it was written (COMPLETE is set only when whole)
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first}); delete it to resume "
+                            "from the one before") from None
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
@@ -409,8 +434,7 @@ class Trainer:
                                   f"{self.total_steps}", stacklevel=2)
                     break
             last_eval = self._eval(self.step)  # the final model, not the best checkpoint
-            self._save_weights(self.run.final)
-            self.tokenizer.save_pretrained(self.run.final)
+            self._save_final()
             summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
                        "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
