@@ -156,6 +156,60 @@ def test_sub_ulp_changes_counted_apart_from_unchanged(tmp_path):
     assert row.frac_sub_ulp == pytest.approx(10 / numel) and row.frac_unchanged == pytest.approx((numel - 25) / numel)
 
 
+def _counts_f64(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
+    """frac_unchanged, frac_sub_ulp from the definitions, in float64: one bf16 ULP of w is 2^(floor(log2|w|) - 7),
+    with floor(log2|w|) taken as -126 for zero and subnormal w."""
+    a64, b64 = a.to(F64).reshape(-1), b.to(F64).reshape(-1)
+    d = (b64 - a64).abs()
+    e = torch.frexp(a64)[1] - 1
+    e = torch.where(a64 == 0, torch.full_like(e, -126), e.clamp_min(-126))
+    ulp = torch.ldexp(torch.ones_like(a64), e - 7)
+    unchanged = d == 0
+    return unchanged.double().mean().item(), ((d < ulp) & ~unchanged).double().mean().item()
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                    (torch.bfloat16, torch.float32)])
+def test_change_counts_match_float64_definition(tmp_path, dtypes):
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(64, 96, generator=g) * 0.02
+    w.view(-1)[:64] = torch.ldexp(torch.ones(64), torch.arange(-70, -6).repeat(1)[:64])  # powers of two
+    w.view(-1)[64:80] = 0.0
+    w.view(-1)[80:96] = torch.tensor([2.0 ** -130, -(2.0 ** -140), 2.0 ** -149, 1e-39] * 4)  # f32 subnormals
+    w.view(-1)[96:100] = torch.tensor([2.0 ** -126, -(2.0 ** -126), 2.0 ** -125, 2.0 ** -120])
+    a = w.to(dtypes[0])
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(a.float())[1] - 8)
+    step = torch.randint(-3, 4, w.shape, generator=g).float() * 0.25 * ulp  # multiples of a quarter ULP
+    b = (a.float() + step)
+    b.view(-1)[:64] = a.float().view(-1)[:64] * (1 - 2.0 ** -9)  # just below a power of two: sub-ULP in bf16
+    b.view(-1)[64:68] = -0.0  # +0 -> -0: unchanged
+    b.view(-1)[68:72] = 2.0 ** -140  # zero -> subnormal: below one ULP (2^-133)
+    b.view(-1)[72:76] = 2.0 ** -133  # exactly one ULP of a zero weight: not below
+    b.view(-1)[100:116] = -a.float().view(-1)[100:116]  # sign flips
+    b.view(-1)[116:120] = a.float().view(-1)[116:120] + 2.0 ** -145  # sub-ULP on ordinary weights
+    b = b.to(dtypes[1])
+    n = "model.layers.0.mlp.up_proj.weight"
+    save_file({n: a.contiguous()}, tmp_path / "a.safetensors")
+    save_file({n: b.contiguous()}, tmp_path / "b.safetensors")
+    want_unchanged, want_sub_ulp = _counts_f64(a, b)
+    assert 0 < want_unchanged < 1 and want_sub_ulp > 0
+    for chunk in (None, 1000):  # one chunk, and chunks that split rows unevenly
+        row = mechdiag.displacement.tensor_row(*_one_tensor_files(tmp_path, n), chunk_elems=chunk)
+        assert row["frac_unchanged"] == want_unchanged and row["frac_sub_ulp"] == want_sub_ulp
+        d64 = b.to(F64) - a.to(F64)
+        assert _rel(row["delta_fro"], d64.norm().item()) < 1e-6  # float32 blocks of 256, summed in float64
+        assert _rel(row["ref_fro"], a.to(F64).norm().item()) < 1e-6
+
+
+def _one_tensor_files(tmp_path, name):
+    from mechdiag.weights import Entry, SafeFiles, TensorRef
+
+    files = SafeFiles()
+    ea = Entry(TensorRef(str(tmp_path / "a.safetensors"), name), [])
+    eb = Entry(TensorRef(str(tmp_path / "b.safetensors"), name), [])
+    return files, name, ea, eb
+
+
 def test_dense_spectral_matches_svd(tmp_path):
     a = save(build("llama"), tmp_path / "a")
     sd = _state(a)
