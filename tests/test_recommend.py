@@ -16,12 +16,16 @@ from tests.synth import ends_heavy, write_run
 FLAT = {"reward": (1.5, 1.6), "kl": 0.01}  # no reward rise and a low, flat KL: isolates the other rules
 
 
+# The synthetic runs start from the study's anchor (beta 0.005, lr 2e-3), not from the embedded default.
+STUDY = ["beta=0.005", "learning_rate=2e-3"]
+
+
 def cfg_with(*overrides):
-    return configlib.load(overrides=list(overrides))
+    return configlib.load(overrides=[*STUDY, *overrides])
 
 
 def rec(tmp_path, cfg=None, name="run", **kw):
-    write_run(tmp_path / name, cfg, **kw)
+    write_run(tmp_path / name, cfg or cfg_with(), **kw)
     return R.recommend([tmp_path / name])
 
 

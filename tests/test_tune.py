@@ -56,7 +56,7 @@ def test_tune_stops_at_round_budget(tmp_path):
 
 
 def test_healthy_config_trains_once(tmp_path):
-    records = tune(configlib.load(overrides=["temperature=1.0", "lora.layers=first2+last2"]), rounds=3,
+    records = tune(configlib.load(overrides=["temperature=1.0", "lora.layers=first2+last2", "beta=0.005"]), rounds=3,
                    out_dir=tmp_path, train_fn=sim_train)
     assert len(records) == 1 and records[0]["rules"] == [] and records[0]["stop"] == "no rule changes the config"
 
