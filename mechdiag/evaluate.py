@@ -259,8 +259,6 @@ def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: st
     from mechdiag import tasks as T
 
     def get_task(name: str):  # a registered name, or a user task class "package.module:Class"
-        if ":" in name and name not in T.REGISTRY:
-            T.register(name, name)
         try:
             return T.get_task(name, path, **dict(options or {}))
         except (ImportError, AttributeError) as e:

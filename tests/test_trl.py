@@ -225,7 +225,8 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
 def test_backend_trl_cli(stories260k, cli, tmp_path):
     out = tmp_path / "run"
     proc = cli("train", "--backend", "trl", "--out", str(out), "--max-steps", "3",
-               *[a for s in _small(stories260k, "record.displacement_every=3", "save_every=3", "eval_every=2")
+               *[a for s in _small(stories260k, "record.displacement_every=3", "save_every=3", "eval_every=2",
+                                         "beta=0.02")
                  for a in ("--set", s)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "base accuracy" in proc.stdout and str(out) in proc.stdout

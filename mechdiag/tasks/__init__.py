@@ -30,12 +30,17 @@ def register(name: str, target: str) -> None:
 def get_task(name: str, path: str | None = None, **options) -> Task:
     import importlib
 
-    if name not in REGISTRY:
+    target = REGISTRY.get(name) or (name if ":" in name else None)  # a user task class "package.module:Class"
+    if target is None:
         near = difflib.get_close_matches(name, REGISTRY, n=1)
         raise UserError(f"unknown task {name!r}" + (f" (did you mean {near[0]}?)" if near else "")
                         + f"; known: {', '.join(sorted(REGISTRY))}")
-    mod, cls = REGISTRY[name].split(":")
-    return getattr(importlib.import_module(mod), cls)(path=path, **options)
+    mod, cls = target.split(":", 1)
+    try:
+        task_cls = getattr(importlib.import_module(mod), cls)
+    except (ImportError, AttributeError) as e:
+        raise UserError(f"task {name!r}: cannot load it ({e})") from None
+    return task_cls(path=path, **options)
 
 
 __all__ = ["Example", "Task", "get_task", "register", "REGISTRY"]

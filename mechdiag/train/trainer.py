@@ -114,8 +114,6 @@ def get_task(name: str, path: str | None, options: dict):
     """A registered task by name, or a user task class by import path "package.module:Class"."""
     from mechdiag import tasks
 
-    if ":" in name and name not in tasks.REGISTRY:
-        tasks.register(name, name)
     try:
         return tasks.get_task(name, path, **options)
     except (ImportError, AttributeError) as e:
