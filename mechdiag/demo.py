@@ -15,7 +15,7 @@ from pathlib import Path
 from mechdiag.errors import UserError
 
 SEEDS = (42, 3407)
-MAX_STEPS = 20
+MAX_STEPS = 40
 
 
 def demo_overrides(max_steps: int) -> list[str]:
