@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import warnings
 
 import click
 
@@ -29,6 +30,10 @@ class _Group(click.Group):
             _usage_error(e)
 
     def invoke(self, ctx):
+        # Library deprecation chatter (transformers, peft) is not for our users, and it would break the
+        # one-line-on-stderr contract of bad input.
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
         try:
             return super().invoke(ctx)
         except UserError as e:
