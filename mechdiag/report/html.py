@@ -195,14 +195,7 @@ def section_summary(groups: list[Group], advice) -> str:
     return "".join(parts)
 
 
-def _num(v):
-    if v is None or isinstance(v, bool):
-        return None
-    try:
-        v = float(v)
-    except (TypeError, ValueError):
-        return None
-    return v if math.isfinite(v) else None
+_num = F._num  # one finite-number coercion for figures and tables
 
 
 def section_dynamics(groups: list[Group], figs: _Figures) -> str:
