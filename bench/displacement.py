@@ -154,7 +154,7 @@ def worker(kind: str, a: Path, b: Path) -> dict:
     from safetensors.torch import load_file
 
     sys.path.insert(0, str(ROOT))
-    from mechdiag.displacement import compare
+    from mechdiag.displacement import compare, kernel_enabled
 
     out: dict = {}
     with AnonPeak() as mem:
@@ -175,7 +175,9 @@ def worker(kind: str, a: Path, b: Path) -> dict:
 
                 with ThreadPoolExecutor(2) as pool:
                     out["bytes"] = sum(pool.map(read_all, [files_of(a), files_of(b)]))
-        elif kind == "mechdiag":
+        elif kind in ("mechdiag", "mechdiag_torch"):  # mechdiag_torch: the C kernel switched off
+            os.environ["MECHDIAG_KERNEL"] = "1" if kind == "mechdiag" else "0"
+            out["kernel"] = kernel_enabled()
             rows = compare(a, b)
             out["n_rows"] = len(rows)
             out["check"] = sum(r["delta_fro"] ** 2 for r in rows)
@@ -286,11 +288,11 @@ def main():
     results: dict[str, dict[str, list]] = {}
     for cache in ("cold", "warm"):
         for rep in range(args.repeats):
-            for kind in ("floor", "floor2", "mechdiag", "hand"):
+            for kind in ("floor", "floor2", "mechdiag", "mechdiag_torch", "hand"):
                 (evict if cache == "cold" else warm)(paths)
                 r = run_worker(kind, a, b)
                 results.setdefault(cache, {}).setdefault(kind, []).append(r)
-                print(f"  {cache} #{rep + 1} {kind:9s} {r['seconds']:7.2f} s  peak anon {r['peak_anon_mb']:7.0f} MB"
+                print(f"  {cache} #{rep + 1} {kind:14s} {r['seconds']:7.2f} s  peak anon {r['peak_anon_mb']:7.0f} MB"
                       f"  (after imports {r['anon_after_imports_mb']:.0f} MB)", flush=True)
     warm(paths)
     cli_s = min(run_cli(a, b) for _ in range(args.repeats))
@@ -307,7 +309,10 @@ def main():
         print(f"{cache}: floor {best['floor']:.2f} s, mechdiag {best['mechdiag']:.2f} s, hand {best['hand']:.2f} s | "
               f"mechdiag/floor {best['mechdiag'] / best['floor']:.2f}x (target <= 2), "
               f"mechdiag/hand {best['mechdiag'] / best['hand']:.2f}x (target <= 0.5) | peak anon MB: "
-              f"mechdiag {peak['mechdiag']:.0f}, hand {peak['hand']:.0f}, floor {peak['floor']:.0f}")
+              f"mechdiag {peak['mechdiag']:.0f}, hand {peak['hand']:.0f}, floor {peak['floor']:.0f} | without the C "
+              f"kernel (torch path) {best['mechdiag_torch']:.2f} s = "
+              f"{best['mechdiag_torch'] / best['floor']:.2f}x floor")
+    assert all(r["kernel"] for r in results["warm"]["mechdiag"]), "mechdiag ran without its C kernel"
     print(f"cli whole process (warm, imports included): {cli_s:.2f} s")
     lb = lora_bench()
     f, m = lb["factors_s"], lb["materialised_s"]

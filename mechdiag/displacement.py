@@ -37,6 +37,11 @@ from mechdiag.weights import (
     tensor_site,
 )
 
+try:
+    from mechdiag import _diffkernel
+except ImportError:  # built without a C compiler: the torch path below computes the same numbers
+    _diffkernel = None
+
 DELTA_W = 1e-12  # the study's delta_w: keeps wdisp finite for all-zero reference groups
 CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the passes stay in cache
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
@@ -88,13 +93,15 @@ def spectral_stats(s: torch.Tensor, sumsq: float) -> dict:
 # --- one tensor -------------------------------------------------------------------------------------------------
 
 
-def _sumsq(x: torch.Tensor, block: int = 256) -> float:
-    """sum(x^2) of a float32 tensor, exact to ~1e-9: float32 norms of 256-element blocks, summed in float64
-    (one float32 norm over millions of elements drifts by 1e-4)."""
-    flat = x.reshape(-1)
-    k = flat.numel() // block * block
-    total = torch.linalg.vector_norm(flat[:k].view(-1, block), dim=1).to(_F64).square().sum() if k else 0.0
-    return float(total) + float(torch.linalg.vector_norm(flat[k:].to(_F64))) ** 2
+def _sumsq(x: torch.Tensor) -> float:
+    """sum(x^2) of a float32 tensor in float64, where each square is exact (the C kernel's arithmetic; one float32
+    norm over millions of elements drifts by 1e-4). A float64 dot per 1M-element slice of a reused buffer."""
+    flat, total = x.reshape(-1), 0.0
+    for start in range(0, flat.numel(), CHUNK_ELEMS):
+        part = flat[start:start + CHUNK_ELEMS]
+        buf = _scratch(3, part.numel(), _F64).copy_(part)
+        total += float(torch.dot(buf, buf))
+    return total
 
 
 def _pow2_floor(w: torch.Tensor) -> torch.Tensor:
@@ -125,15 +132,15 @@ def _change_counts(d: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
 _TLS = threading.local()
 
 
-def _scratch(slot: int, n: int) -> torch.Tensor:
-    """A float32 buffer of n elements, one per (thread, slot), reused chunk after chunk: fresh allocations of
-    megabytes cost page faults on every chunk."""
+def _scratch(slot: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A buffer of n elements, one per (thread, slot), reused chunk after chunk: fresh allocations of megabytes
+    cost page faults on every chunk."""
     bufs = getattr(_TLS, "bufs", None)
     if bufs is None:
         bufs = _TLS.bufs = {}
     buf = bufs.get(slot)
     if buf is None or buf.numel() < n:
-        buf = bufs[slot] = torch.empty(max(n, CHUNK_ELEMS), dtype=torch.float32)
+        buf = bufs[slot] = torch.empty(max(n, CHUNK_ELEMS), dtype=dtype)
     return buf[:n]
 
 
@@ -141,6 +148,26 @@ def _as_f32(x: torch.Tensor, slot: int) -> torch.Tensor:
     if x.dtype == torch.float32:
         return x
     return _scratch(slot, x.numel()).view(x.shape).copy_(x)
+
+
+_KERNEL_DTYPES = {"F32": 0, "BF16": 1}
+
+
+def kernel_enabled() -> bool:
+    """The fused C kernel is used when it was built and MECHDIAG_KERNEL is not 0."""
+    return _diffkernel is not None and os.environ.get("MECHDIAG_KERNEL", "1") != "0"
+
+
+def fused_stats(files: SafeFiles, ref_a, ref_b=None) -> tuple[float, float, int, int] | None:
+    """(sum a^2, sum (b-a)^2, entries changed, entries with |b-a| below one bf16 ULP of a) in one pass over the
+    file pages (mechdiag/_diffkernel.c), or None when the kernel is off or takes neither dtype. ref_b None: a only."""
+    if not kernel_enabled():
+        return None
+    buf_a, off_a, dt_a, n = files.span(ref_a)
+    buf_b, off_b, dt_b = (None, 0, "F32") if ref_b is None else files.span(ref_b)[:3]
+    if dt_a not in _KERNEL_DTYPES or dt_b not in _KERNEL_DTYPES:
+        return None
+    return _diffkernel.stats(buf_a, off_a, _KERNEL_DTYPES[dt_a], buf_b, off_b, _KERNEL_DTYPES[dt_b], n)
 
 
 def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool = False,
@@ -165,29 +192,35 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     gram = None
     dense_chunks = []  # spectral on a wide dense delta: keep it (one tensor in float32) for D D^T
     need_dense_spectral = spectral and not same_dense and len(shape) == 2
-    for start in range(0, max(rows, 1), step):
-        stop = min(start + step, rows)
-        a = _as_f32(files.read(ea.dense, start, stop), 0)  # a view of the file when it is float32: read only
-        ref_sq += _sumsq(a)
-        if ref_cross is not None:
-            ref_cross += ref_lr[0][start:stop].T @ a.to(_F64)
-        if same_dense:
-            continue
-        b = files.read(eb.dense, start, stop)
-        d = _scratch(1, a.numel()).view(a.shape).copy_(b).sub_(a)  # float32: cast before subtracting
-        dense_sq += _sumsq(d)
-        if delta_cross is not None:
-            delta_cross += delta_lr[0][start:stop].T @ d.to(_F64)
-        if need_dense_spectral:
-            dd = d.to(_F64) if delta_lr is None else d.to(_F64) + delta_lr[0][start:stop] @ delta_lr[1]
-            if cols <= rows:
-                gram = dd.T @ dd if gram is None else gram.add_(dd.T @ dd)
-            else:
-                dense_chunks.append(dd.to(torch.float32))
-        if delta_lr is None:  # full fine-tune: unchanged entries, and changes below one bf16 ULP of the weight
-            changed, below = _change_counts(d, a)
-            n_changed += changed
-            n_below += below
+    fused = None  # one C pass when no LoRA cross term or dense spectrum needs the chunks themselves
+    if ref_lr is None and not need_dense_spectral and (same_dense or delta_lr is None):
+        fused = fused_stats(files, ea.dense, None if same_dense else eb.dense)
+    if fused is not None:
+        ref_sq, dense_sq, n_changed, n_below = fused
+    else:
+        for start in range(0, max(rows, 1), step):
+            stop = min(start + step, rows)
+            a = _as_f32(files.read(ea.dense, start, stop), 0)  # a view of the file when it is float32: read only
+            ref_sq += _sumsq(a)
+            if ref_cross is not None:
+                ref_cross += ref_lr[0][start:stop].T @ a.to(_F64)
+            if same_dense:
+                continue
+            b = files.read(eb.dense, start, stop)
+            d = _scratch(1, a.numel()).view(a.shape).copy_(b).sub_(a)  # float32: cast before subtracting
+            dense_sq += _sumsq(d)
+            if delta_cross is not None:
+                delta_cross += delta_lr[0][start:stop].T @ d.to(_F64)
+            if need_dense_spectral:
+                dd = d.to(_F64) if delta_lr is None else d.to(_F64) + delta_lr[0][start:stop] @ delta_lr[1]
+                if cols <= rows:
+                    gram = dd.T @ dd if gram is None else gram.add_(dd.T @ dd)
+                else:
+                    dense_chunks.append(dd.to(torch.float32))
+            if delta_lr is None:  # full fine-tune: unchanged entries, and changes below one bf16 ULP of the weight
+                changed, below = _change_counts(d, a)
+                n_changed += changed
+                n_below += below
 
     if ref_lr is not None:
         ref_sq += 2.0 * float((ref_cross * ref_lr[1]).sum()) + lowrank_sumsq(*ref_lr)

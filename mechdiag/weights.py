@@ -118,6 +118,11 @@ class SafeFiles:
     def dtype(self, ref: TensorRef) -> str:
         return self._info(ref)["dtype"]
 
+    def span(self, ref: TensorRef) -> tuple[object, int, str, int]:
+        """(buffer, byte offset, dtype, element count) of the whole tensor in its file's memory map."""
+        info, f = self._info(ref), self.file(ref.path)
+        return f.mm, f.data_start + info["data_offsets"][0], info["dtype"], math.prod(info["shape"])
+
     def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
         info, f = self._info(ref), self.file(ref.path)

@@ -169,8 +169,8 @@ def _counts_f64(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
-                                    (torch.bfloat16, torch.float32)])
-def test_change_counts_match_float64_definition(tmp_path, dtypes):
+                                    (torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16)])
+def test_change_counts_match_float64_definition(tmp_path, dtypes, monkeypatch):
     g = torch.Generator().manual_seed(5)
     w = torch.randn(64, 96, generator=g) * 0.02
     w.view(-1)[:64] = torch.ldexp(torch.ones(64), torch.arange(-70, -6).repeat(1)[:64])  # powers of two
@@ -193,12 +193,51 @@ def test_change_counts_match_float64_definition(tmp_path, dtypes):
     save_file({n: b.contiguous()}, tmp_path / "b.safetensors")
     want_unchanged, want_sub_ulp = _counts_f64(a, b)
     assert 0 < want_unchanged < 1 and want_sub_ulp > 0
-    for chunk in (None, 1000):  # one chunk, and chunks that split rows unevenly
+    # the C kernel, then the torch path in one chunk and in chunks that split rows unevenly
+    for kernel, chunk in (("1", None), ("0", None), ("0", 1000)):
+        monkeypatch.setenv("MECHDIAG_KERNEL", kernel)
         row = mechdiag.displacement.tensor_row(*_one_tensor_files(tmp_path, n), chunk_elems=chunk)
         assert row["frac_unchanged"] == want_unchanged and row["frac_sub_ulp"] == want_sub_ulp
         d64 = b.to(F64) - a.to(F64)
-        assert _rel(row["delta_fro"], d64.norm().item()) < 1e-6  # float32 blocks of 256, summed in float64
-        assert _rel(row["ref_fro"], a.to(F64).norm().item()) < 1e-6
+        # squares are exact in float64 on both paths; b - a is rounded to float32 when a has more bits than b
+        tol = 1e-6 if dtypes == (torch.float32, torch.bfloat16) else 1e-12
+        assert _rel(row["delta_fro"], d64.norm().item()) < tol
+        assert _rel(row["ref_fro"], a.to(F64).norm().item()) < 1e-12
+
+
+def test_fused_kernel_is_built():
+    """The C kernel ships with the package (setup.py); a build without a compiler would silently run 5x slower."""
+    assert mechdiag.displacement._diffkernel is not None, "mechdiag._diffkernel not built: install needs a C compiler"
+    assert mechdiag.displacement.kernel_enabled() or mechdiag.displacement.os.environ.get("MECHDIAG_KERNEL") == "0"
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                    (torch.float16, torch.float16)])
+@pytest.mark.parametrize("numel", [1, 7, 8, 4095, 4096 * 3 + 13])
+@pytest.mark.parametrize("poison", [None, math.nan, math.inf])
+def test_fused_kernel_equals_torch_path(tmp_path, monkeypatch, dtypes, numel, poison):
+    """Every length (vector tails, block edges), dtype pair (float16 has no kernel: the torch path runs) and
+    non-finite weight gives the same row from both paths: counts exactly, norms to 1e-12."""
+    g = torch.Generator().manual_seed(numel)
+    a = torch.randn(numel, generator=g).to(dtypes[0])
+    b = (a.float() + 1e-2 * torch.randn(numel, generator=g) * (torch.rand(numel, generator=g) < 0.5)).to(dtypes[1])
+    b[0] = a[0].float() + 1.0  # at least one real change
+    if poison is not None:
+        b[numel // 2] = poison
+    n = "model.layers.0.mlp.up_proj.weight"
+    save_file({n: a}, tmp_path / "a.safetensors")
+    save_file({n: b}, tmp_path / "b.safetensors")
+    rows = []
+    for kernel in ("1", "0"):
+        monkeypatch.setenv("MECHDIAG_KERNEL", kernel)
+        rows.append(mechdiag.displacement.tensor_row(*_one_tensor_files(tmp_path, n)))
+    fast, slow = rows
+    assert fast["nonfinite"] == slow["nonfinite"] == (poison is not None)
+    assert fast["frac_unchanged"] == slow["frac_unchanged"] and fast["frac_sub_ulp"] == slow["frac_sub_ulp"]
+    if poison is None:
+        assert fast["frac_unchanged"] < 1 and fast["delta_fro"] > 0
+        for col in ("ref_fro", "delta_fro", "rel_fro"):
+            assert _rel(fast[col], slow[col]) < 1e-12, col
 
 
 def _one_tensor_files(tmp_path, name):
