@@ -50,6 +50,8 @@ FORMAT_COMPONENTS = ("xml_count", "format", "numeric", "reasoning_nonempty", "an
                      "syntax")
 
 CLIPPED_HIGH = 0.20  # tail mean share of completions cut at max_completion_tokens above this
+LENGTH_NEAR_BUDGET = 0.80  # or: tail mean completion length above this share of the budget...
+CLIPPED_SOME = 0.01  # ...while some completions are still cut: the budget caps the length the policy wants
 COMPLETION_FACTOR = 1.5
 COMPLETION_TOKENS_MAX = 1024
 
@@ -420,20 +422,30 @@ def reward_misalignment(s: Signals):
                     accuracy_base=base, accuracy_final=final, correctness_share=share)
 
 
-@rule("truncation", "many completions hit the completion budget: their reward is cut with them")
+@rule("truncation", "many completions hit the completion budget, or their length presses against it")
 def truncation(s: Signals):
-    tail = s.window("completion_clipped_ratio", "tail")
-    if not tail or tail[0] <= CLIPPED_HIGH:
+    tail, length = s.window("completion_clipped_ratio", "tail"), s.window("completion_length", "tail")
+    if not tail:
         return None
     cur = s.cfg.max_completion_tokens
+    fill = length[0] / cur if length else 0.0
+    if tail[0] > CLIPPED_HIGH:
+        ev = f"completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_HIGH} over {tail[1]}"
+        margin = tail[0] / CLIPPED_HIGH - 1
+    elif fill > LENGTH_NEAR_BUDGET and tail[0] > CLIPPED_SOME:
+        ev = (f"completion_length {length[0]:.3g} = {fill:.0%} of the {cur}-token budget (> {LENGTH_NEAR_BUDGET:.0%})"
+              f" and completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_SOME} over {tail[1]}")
+        margin = (fill - LENGTH_NEAR_BUDGET) / (1 - LENGTH_NEAR_BUDGET)
+    else:
+        return None
     changes, reason = [], "longer budget so reasoning and answer fit"
     if cur < COMPLETION_TOKENS_MAX:
         new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
         changes = [Change("max_completion_tokens", cur, new)]
     else:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
-    return _finding(truncation, f"completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_HIGH} over {tail[1]}",
-                    changes, reason, confidence(tail[0] / CLIPPED_HIGH - 1, s.n_train), clipped_tail=tail[0])
+    return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
+                    length_fill=fill)
 
 
 def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:

@@ -22,7 +22,7 @@ def _curve(spec, t: float) -> float:
 
 
 def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0, reward=(1.0, 2.4),
-              reward_cv=0.3, frac_zero_std=0.1, kl=(0.0, 0.015, 0.02), clipped=0.02, entropy=(1.2, 0.9),
+              reward_cv=0.3, frac_zero_std=0.1, kl=(0.0, 0.015, 0.02), clipped=0.02, length=30.0, entropy=(1.2, 0.9),
               accuracy=(0.2, 0.5), n_evals: int = 3, n_layers: int = 8, layer_mass=None, module_mass=None,
               shift=None, components: dict | None = None, noise: float = 0.01, kl_recorded: bool = True,
               disp_layers: list[int] | None = None) -> RunDir:
@@ -39,8 +39,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
         rec = {"step": step, "reward": _curve(reward, t) + jit(), "reward_cv": max(0.0, _curve(reward_cv, t) + jit()),
                "frac_zero_std": min(1.0, max(0.0, _curve(frac_zero_std, t) + jit())),
                "completion_clipped_ratio": min(1.0, max(0.0, _curve(clipped, t) + jit())),
-               "entropy": max(0.0, _curve(entropy, t) + jit()), "completion_length": 30.0, "reward_std": 0.4,
-               "policy_clip_fraction": 0.0, "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
+               "entropy": max(0.0, _curve(entropy, t) + jit()), "completion_length": _curve(length, t),
+               "reward_std": 0.4, "policy_clip_fraction": 0.0, "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
         if kl_recorded:
             rec["kl"] = max(0.0, _curve(kl, t) + jit() * 0.1)
         for name, spec in (components or {}).items():

@@ -133,6 +133,18 @@ def test_high_clipped_ratio_raises_budget(tmp_path):
     assert changed(r) == {"max_completion_tokens": 72}
 
 
+def test_length_pressing_on_budget_raises_it(tmp_path):
+    """The bench/tune case: at a 24-token budget few completions are cut (2%), but their mean length sits at 85%
+    of the budget, so the policy cannot lengthen its reasoning; at 60% of the budget nothing fires."""
+    r = rec(tmp_path, cfg_with("max_completion_tokens=24"), clipped=0.02, length=20.5, **FLAT)
+    assert fired(r) == {"truncation"} and changed(r) == {"max_completion_tokens": 40}
+    assert "85% of the 24-token budget" in r.findings[0].evidence
+    assert rec(tmp_path, cfg_with("max_completion_tokens=34"), name="roomy", clipped=0.02, length=20.5,
+               **FLAT).findings == []
+    assert rec(tmp_path, cfg_with("max_completion_tokens=24"), name="uncut", clipped=0.0, length=20.5,
+               **FLAT).findings == []
+
+
 def test_clipped_ratio_at_budget_cap_is_advice(tmp_path):
     r = rec(tmp_path, cfg_with("max_completion_tokens=1024"), clipped=0.5, **FLAT)
     assert fired(r) == {"truncation"} and r.changes == []
