@@ -28,7 +28,8 @@ from mechdiag.compare import final_eval, load_run  # noqa: E402
 from mechdiag.config import ALL_MODULES  # noqa: E402
 from mechdiag.tune import DEFAULT_TRAINER, load_train_fn, tune  # noqa: E402
 
-POOR = {"temperature": 0.4, "beta": 0.0, "lora": {"layers": "all", "target_modules": list(ALL_MODULES)}}
+POOR = {"temperature": 0.4, "beta": 0.0, "max_completion_tokens": 16,
+        "lora": {"layers": "all", "target_modules": list(ALL_MODULES)}}
 
 # The ranges the rules move through from POOR (recommend.py's steps and caps), sampled uniformly.
 SPACE = {
@@ -36,7 +37,7 @@ SPACE = {
     "beta": [0.0, 0.005, 0.015, 0.045],
     "epsilon_high": [None, 0.3],
     "learning_rate": [2e-3, 1e-3],
-    "max_completion_tokens": [48, 72, 112],
+    "max_completion_tokens": [16, 24, 40],
     "lora.layers": ["all", "first2+last2"],
     "lora.target_modules": [list(ALL_MODULES), ["v_proj", "o_proj"], ["q_proj", "k_proj", "v_proj", "o_proj"],
                             ["gate_proj", "up_proj", "down_proj"]],
