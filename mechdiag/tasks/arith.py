@@ -13,8 +13,8 @@ import hashlib
 import random
 
 from mechdiag.errors import UserError
-from mechdiag.tasks.base import Example, Task, format_prompt
-from mechdiag.tasks.rewards import answer_number, math_components, numbers_equal, parse_number
+from mechdiag.tasks.base import Example, Task
+from mechdiag.tasks.rewards import NumericScoring
 
 NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Ola", "Pam"]
 ITEMS = ["apples", "pens", "coins", "cards", "books", "eggs", "toys", "shells", "stamps", "beads"]
@@ -61,9 +61,8 @@ def gold_completion(reasoning: str, answer) -> str:
     return f"<reasoning>{reasoning}</reasoning><answer>{answer}</answer>"
 
 
-class Arith(Task):
+class Arith(NumericScoring, Task):
     name = "arith"
-    domain = "math"
 
     def __init__(self, path: str | None = None, difficulty: int = 2, steps: list[int] | None = None,
                  max_number: int | None = None, seed: int = 0):
@@ -100,12 +99,3 @@ class Arith(Task):
             out.append(Example(id=f"{split}-{len(out)}", question=q, answer=str(ans),
                                meta={"reasoning": work, "gold_completion": gold_completion(work, ans)}))
         return out
-
-    def prompt(self, example: Example, tokenizer=None) -> str:
-        return format_prompt(example.question, tokenizer)
-
-    def components(self, completion: str, example: Example) -> dict[str, float]:
-        return math_components(completion, example.answer)
-
-    def correct(self, completion: str, example: Example) -> bool:
-        return numbers_equal(answer_number(completion), parse_number(example.answer))

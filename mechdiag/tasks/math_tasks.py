@@ -12,13 +12,12 @@ from mechdiag.tasks.base import Example, format_prompt
 from mechdiag.tasks.data import FileTask
 from mechdiag.tasks.mathnorm import equivalent, last_boxed, normalize, to_number
 from mechdiag.tasks.rewards import (
-    answer_number,
+    NumericScoring,
     extract_answer,
     extract_reasoning,
     format_ok,
     math_components,
     nonempty,
-    numbers_equal,
     parse_number,
     xml_count,
 )
@@ -46,19 +45,8 @@ def _clean_rationale(text: str) -> str:
     return re.sub(r"<<[^>]*>>", "", text.split("####")[0]).strip()
 
 
-class NumericTask(FileTask):
+class NumericTask(NumericScoring, FileTask):
     """A word problem with a numeric gold answer."""
-
-    domain = "math"
-
-    def prompt(self, example: Example, tokenizer=None) -> str:
-        return format_prompt(example.question, tokenizer)
-
-    def components(self, completion: str, example: Example) -> dict[str, float]:
-        return math_components(completion, example.answer)
-
-    def correct(self, completion: str, example: Example) -> bool:
-        return numbers_equal(answer_number(completion), parse_number(example.answer))
 
     def numeric_example(self, id_: str, question: str, answer, reasoning: str = "", **meta) -> Example:
         ans = canonical_number(answer)
