@@ -99,13 +99,9 @@ def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
 
 
 def load_model(path: Path, dtype: str = "float32", device: str | torch.device = "cpu"):
-    from transformers import AutoModelForCausalLM
+    from mechdiag import models
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True)
-    except (OSError, ValueError, KeyError, SafetensorError) as e:
-        raise UserError(f"cannot load model {path}: {str(e).splitlines()[0]}") from None
-    return model.to(device).eval()
+    return models.load_model(path, dtype).to(device).eval()
 
 
 def load_tokenizer(path: Path):

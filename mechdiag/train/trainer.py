@@ -25,6 +25,7 @@ import torch
 from mechdiag import atomic
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
+from mechdiag.evaluate import pass_at_k
 from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
 from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
@@ -101,13 +102,6 @@ def auto_threads() -> int:
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
 def get_task(name: str, path: str | None, options: dict):
