@@ -50,6 +50,7 @@ FORMAT_COMPONENTS = ("xml_count", "format", "numeric", "reasoning_nonempty", "an
                      "syntax")
 
 CLIPPED_HIGH = 0.20  # tail mean share of completions cut at max_completion_tokens above this
+LENGTH_SHRINK = 0.10  # or: clipped above CLIPPED_HIGH in the head and the length shrank by this share since
 LENGTH_NEAR_BUDGET = 0.80  # or: tail mean completion length above this share of the budget...
 CLIPPED_SOME = 0.01  # ...while some completions are still cut: the budget caps the length the policy wants
 COMPLETION_FACTOR = 1.5
@@ -425,13 +426,20 @@ def reward_misalignment(s: Signals):
 @rule("truncation", "many completions hit the completion budget, or their length presses against it")
 def truncation(s: Signals):
     tail, length = s.window("completion_clipped_ratio", "tail"), s.window("completion_length", "tail")
+    head, head_len = s.window("completion_clipped_ratio", "head"), s.window("completion_length", "head")
     if not tail:
         return None
     cur = s.cfg.max_completion_tokens
     fill = length[0] / cur if length else 0.0
+    shrink = 1 - length[0] / head_len[0] if length and head_len and head_len[0] > 0 else 0.0
     if tail[0] > CLIPPED_HIGH:
         ev = f"completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_HIGH} over {tail[1]}"
         margin = tail[0] / CLIPPED_HIGH - 1
+    elif head and head[0] > CLIPPED_HIGH and shrink > LENGTH_SHRINK:
+        ev = (f"completion_clipped_ratio {head[0]:.3g} > {CLIPPED_HIGH} over {head[1]}, then completion_length "
+              f"{head_len[0]:.3g} -> {length[0]:.3g} ({-shrink:.0%}) by {length[1]}: the policy shortened its "
+              f"completions to fit the budget")
+        margin = min(head[0] / CLIPPED_HIGH - 1, shrink / LENGTH_SHRINK - 1)
     elif fill > LENGTH_NEAR_BUDGET and tail[0] > CLIPPED_SOME:
         ev = (f"completion_length {length[0]:.3g} = {fill:.0%} of the {cur}-token budget (> {LENGTH_NEAR_BUDGET:.0%})"
               f" and completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_SOME} over {tail[1]}")
@@ -445,7 +453,7 @@ def truncation(s: Signals):
     else:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
-                    length_fill=fill)
+                    length_fill=fill, length_shrink=shrink)
 
 
 def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
@@ -542,14 +550,22 @@ def _set(data: dict, key: str, value) -> None:
     data[parts[-1]] = value
 
 
+# A rule whose treatment changes the config explains away the symptoms of the rules it confounds: a completion
+# cut at the budget scores as wrong, so falling accuracy (kl_drift) and reward rising on format alone
+# (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment")}
+
+
 def diagnose(signals: Signals) -> list[Finding]:
     """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
-    finding keeps the evidence and says which rule covered it)."""
+    finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait."""
+    found = [(name, f) for name, _, fn in RULES if (f := fn(signals)) is not None]
+    deferred = {r: name for name, f in found if f.changes for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}
-    for name, _, fn in RULES:
-        f = fn(signals)
-        if f is None:
-            continue
+    for name, f in found:
+        if name in deferred and f.changes:
+            f.reason += f" (deferred: {deferred[name]} explains this symptom; fix it first and re-check)"
+            f.changes = []
         kept = []
         for c in f.changes:
             if c.key in taken:

@@ -145,6 +145,25 @@ def test_length_pressing_on_budget_raises_it(tmp_path):
                **FLAT).findings == []
 
 
+def test_budget_pressure_fixes_the_budget_first(tmp_path):
+    """bench/tune's round 0 at 16 tokens: every completion cut at first, then the policy cut its reasoning short to
+    fit (length 16 -> 11.8, clipped 1.0 -> 0.15), reward rose on the tags while accuracy fell and KL grew. The
+    budget explains the other symptoms, so only it changes; kl_drift and reward_misalignment wait a round."""
+    r = rec(tmp_path, cfg_with("max_completion_tokens=16", "beta=0"), clipped=(1.0, 0.2, 0.15),
+            length=(16.0, 12.5, 11.8), accuracy=(0.094, 0.042), kl=(0.0, 0.15, 0.3), reward=(0.7, 1.8), reward_cv=0.3)
+    assert {"truncation", "kl_drift"} <= fired(r)
+    assert changed(r) == {"max_completion_tokens": 24}
+    trunc = next(f for f in r.findings if f.rule == "truncation")
+    assert "the policy shortened its completions to fit the budget" in trunc.evidence
+    assert re.search(r"completion_length 15\.\d+ -> 12 \(-21%\) by steps 31-40", trunc.evidence), trunc.evidence
+    kl = next(f for f in r.findings if f.rule == "kl_drift")
+    assert kl.changes == [] and "deferred: truncation" in kl.reason
+    # without the budget symptom the same KL rise is treated
+    r2 = rec(tmp_path, cfg_with("max_completion_tokens=16", "beta=0"), name="kl_only", clipped=0.0, length=11.8,
+             accuracy=(0.094, 0.042), kl=(0.0, 0.15, 0.3), reward=(0.7, 1.8), reward_cv=0.3)
+    assert "truncation" not in fired(r2) and "beta" in changed(r2)
+
+
 def test_clipped_ratio_at_budget_cap_is_advice(tmp_path):
     r = rec(tmp_path, cfg_with("max_completion_tokens=1024"), clipped=0.5, **FLAT)
     assert fired(r) == {"truncation"} and r.changes == []
