@@ -52,7 +52,7 @@ FORMAT_COMPONENTS = ("xml_count", "format", "numeric", "reasoning_nonempty", "an
 CLIPPED_HIGH = 0.20  # tail mean share of completions cut at max_completion_tokens above this
 LENGTH_SHRINK = 0.10  # or: clipped above CLIPPED_HIGH in the head and the length shrank by this share since
 LENGTH_NEAR_BUDGET = 0.80  # or: tail mean completion length above this share of the budget...
-CLIPPED_SOME = 0.01  # ...while some completions are still cut: the budget caps the length the policy wants
+CLIPPED_SOME = 0.01  # ...after head or tail cut some completions: the policy settled just under the cap
 COMPLETION_FACTOR = 1.5
 COMPLETION_TOKENS_MAX = 1024
 
@@ -440,9 +440,10 @@ def truncation(s: Signals):
               f"{head_len[0]:.3g} -> {length[0]:.3g} ({-shrink:.0%}) by {length[1]}: the policy shortened its "
               f"completions to fit the budget")
         margin = min(head[0] / CLIPPED_HIGH - 1, shrink / LENGTH_SHRINK - 1)
-    elif fill > LENGTH_NEAR_BUDGET and tail[0] > CLIPPED_SOME:
+    elif fill > LENGTH_NEAR_BUDGET and max(head[0], tail[0]) > CLIPPED_SOME:
+        cut = max((head, tail), key=lambda w: w[0])
         ev = (f"completion_length {length[0]:.3g} = {fill:.0%} of the {cur}-token budget (> {LENGTH_NEAR_BUDGET:.0%})"
-              f" and completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_SOME} over {tail[1]}")
+              f" over {length[1]}, and completion_clipped_ratio {cut[0]:.3g} > {CLIPPED_SOME} over {cut[1]}")
         margin = (fill - LENGTH_NEAR_BUDGET) / (1 - LENGTH_NEAR_BUDGET)
     else:
         return None

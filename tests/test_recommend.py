@@ -143,6 +143,10 @@ def test_length_pressing_on_budget_raises_it(tmp_path):
                **FLAT).findings == []
     assert rec(tmp_path, cfg_with("max_completion_tokens=24"), name="uncut", clipped=0.0, length=20.5,
                **FLAT).findings == []
+    # 40 steps at 24 tokens: 10% cut at first, none at the end, the length parked at 86% of the cap
+    r = rec(tmp_path, cfg_with("max_completion_tokens=24"), name="parked", clipped=(0.1, 0.0, 0.0), length=20.7,
+            **FLAT)
+    assert changed(r) == {"max_completion_tokens": 40} and "over steps 1-10" in r.findings[0].evidence
 
 
 def test_budget_pressure_fixes_the_budget_first(tmp_path):
