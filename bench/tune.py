@@ -1,12 +1,13 @@
 """Evidence that the rules help: `mechdiag tune` from a deliberately poor config against random search.
 
 For each seed, start the embedded default from a poor config (low temperature, beta 0, LoRA on every layer and
-module) and run the outer loop for --rounds trainings. The floor: --n-random configs drawn uniformly from the
-same ranges the rules can reach, each trained once with the same steps, so the same total training budget
-(tune may use less when it stops early). Pass = tune's last round beats its round 0 and the random mean,
-for every seed. Held-out accuracy = the final eval record of each run (the task's eval split).
+module, a 16-token completion budget where the task needs ~22) and run the outer loop for --rounds trainings.
+The floor: --n-random configs drawn uniformly from the same ranges the rules can reach, each trained once with
+the same steps, so the same total training budget (tune may use less when it stops early). Pass = tune's
+last round beats its round 0 and the random mean, for every seed. Held-out accuracy = the final eval record
+of each run (the task's eval split).
 
-    python bench/tune.py                      # mechdiag's trainer, seeds 42 and 3407, 3 rounds, 3 random
+    python bench/tune.py --set save_every=0 --set max_time_s=null   # seeds 42, 3407; 3 rounds; 3 random (~17 min)
     python bench/tune.py --trainer tests.synth:sim_train --out /tmp/bt   # the loop's plumbing, in seconds
 """
 
