@@ -147,7 +147,7 @@ static int get_span(PyObject *obj, Py_ssize_t off, int dt, Py_ssize_t n, Py_buff
     }
     if (PyObject_GetBuffer(obj, view, PyBUF_SIMPLE) < 0) return -1;
     Py_ssize_t size = dt == 0 ? 4 : 2;
-    if (off < 0 || n < 0 || n > (view->len - off) / size || off > view->len) {
+    if (off < 0 || off > view->len || n < 0 || n > (view->len - off) / size) {
         PyBuffer_Release(view);
         PyErr_SetString(PyExc_ValueError, "span outside the buffer");
         return -1;

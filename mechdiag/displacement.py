@@ -139,7 +139,7 @@ def _scratch(slot: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     if bufs is None:
         bufs = _TLS.bufs = {}
     buf = bufs.get(slot)
-    if buf is None or buf.numel() < n:
+    if buf is None or buf.numel() < n or buf.dtype != dtype:
         buf = bufs[slot] = torch.empty(max(n, CHUNK_ELEMS), dtype=dtype)
     return buf[:n]
 

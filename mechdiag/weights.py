@@ -125,7 +125,7 @@ class SafeFiles:
 
     def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
         """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
-        info, f = self._info(ref), self.file(ref.path)
+        info = self._info(ref)
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
             raise UserError(f"{ref.path}: tensor {ref.key} has unsupported dtype {info['dtype']}")
@@ -138,8 +138,9 @@ class SafeFiles:
         if count == 0:
             return torch.empty(out_shape, dtype=dtype)
         item = torch.empty((), dtype=dtype).element_size()
-        offset = f.data_start + info["data_offsets"][0] + start * row_elems * item
-        return torch.frombuffer(f.mm, dtype=dtype, count=count, offset=offset).view(out_shape)
+        buf, offset = self.span(ref)[:2]
+        offset += start * row_elems * item
+        return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(out_shape)
 
 
 def _short(e: Exception) -> str:

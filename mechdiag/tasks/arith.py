@@ -14,7 +14,7 @@ import random
 
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
-from mechdiag.tasks.rewards import NumericScoring
+from mechdiag.tasks.math_tasks import NumericScoring
 
 NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Ola", "Pam"]
 ITEMS = ["apples", "pens", "coins", "cards", "books", "eggs", "toys", "shells", "stamps", "beads"]

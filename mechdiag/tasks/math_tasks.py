@@ -12,12 +12,13 @@ from mechdiag.tasks.base import Example, format_prompt
 from mechdiag.tasks.data import FileTask
 from mechdiag.tasks.mathnorm import equivalent, last_boxed, normalize, to_number
 from mechdiag.tasks.rewards import (
-    NumericScoring,
+    answer_number,
     extract_answer,
     extract_reasoning,
     format_ok,
     math_components,
     nonempty,
+    numbers_equal,
     parse_number,
     xml_count,
 )
@@ -43,6 +44,21 @@ def gold_completion(reasoning: str, answer: str) -> str:
 
 def _clean_rationale(text: str) -> str:
     return re.sub(r"<<[^>]*>>", "", text.split("####")[0]).strip()
+
+
+class NumericScoring:
+    """Prompt, reward components and correctness of a task whose gold answer is one number (mixed into tasks)."""
+
+    domain = "math"
+
+    def prompt(self, example: Example, tokenizer=None) -> str:
+        return format_prompt(example.question, tokenizer)
+
+    def components(self, completion: str, example: Example) -> dict[str, float]:
+        return math_components(completion, example.answer)
+
+    def correct(self, completion: str, example: Example) -> bool:
+        return numbers_equal(answer_number(completion), parse_number(example.answer))
 
 
 class NumericTask(NumericScoring, FileTask):

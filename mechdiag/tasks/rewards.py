@@ -9,8 +9,6 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from mechdiag.tasks.base import Example, format_prompt
-
 REASONING_ALIASES = ("reasoning", "think")
 
 
@@ -113,18 +111,3 @@ def math_components(completion: str, gold, reasoning_tag: str = "reasoning", ans
         "reasoning_nonempty": nonempty(extract_reasoning(completion, reasoning_tag)),
         "answer_nonempty": nonempty(block),
     }
-
-
-class NumericScoring:
-    """Prompt, reward components and correctness of a task whose gold answer is one number (mixed into tasks)."""
-
-    domain = "math"
-
-    def prompt(self, example: Example, tokenizer=None) -> str:
-        return format_prompt(example.question, tokenizer)
-
-    def components(self, completion: str, example: Example) -> dict[str, float]:
-        return math_components(completion, example.answer)
-
-    def correct(self, completion: str, example: Example) -> bool:
-        return numbers_equal(answer_number(completion), parse_number(example.answer))
