@@ -67,6 +67,21 @@ def report(runs, out):
     click.echo(str(write_report(list(runs), out)))
 
 
+# ---- watch -------------------------------------------------------------------------------------------------
+@main.command("watch")
+@click.argument("run", type=click.Path(path_type=str))
+@click.option("--once", is_flag=True, help="Print the current state and exit.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="json: one line per alert with keys alert, step, evidence.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between reads of the run while it is written.")
+def watch_cmd(run, once, fmt, interval):
+    """Live view of RUN as it is written: the eight signals with trend lines, and alerts (docs/recommendations.md)."""
+    from mechdiag.watch import watch
+
+    watch(run, once=once, fmt=fmt, interval=interval, echo=click.echo)
+
+
 # ---- demo --------------------------------------------------------------------------------------------------
 @main.command()
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=str), default="runs/demo",

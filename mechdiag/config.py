@@ -89,6 +89,9 @@ class RecordConfig(_Strict):
     shift_at_eval: bool = True
     shift_n: int = Field(64, ge=1)
     samples_every: int = Field(10, ge=0)
+    forget_prompts: str | None = None  # a prompts file or a task name: forget_kl at each eval (docs/metrics.md)
+    forget_n: int = Field(64, ge=1)  # probe prompts kept
+    forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
 
 
 class Config(_Strict):

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import STREAMS, RunDir
 
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
@@ -37,6 +39,7 @@ TRL_TRAIN_KEYS = {
     "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
     "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high", "loss": "loss", "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
+    **{k: k for k in OUTCOME_KEYS},  # GroupCV's log
 }
 TRL_EVAL_KEYS = {
     "reward": "eval_reward", "accuracy": "accuracy", "entropy": "entropy", "completions/mean_length":
@@ -177,6 +180,8 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
     keys = _contiguous_keys(len(df), group_size, prompts)
     stats = group_reward_stats(total.tolist(), keys)
+    if CORRECTNESS in names:  # a reward function named correctness (task_reward_funcs) gives the outcomes
+        stats.update(group_outcomes(total.tolist(), comp[CORRECTNESS].tolist(), keys))
     first: dict = {}
     group_of = [first.setdefault(k, len(first)) for k in keys]
     steps = df["step"].tolist() if "step" in df.columns else [None] * len(df)
@@ -464,7 +469,10 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
         groups = [first.setdefault(k, len(first)) for k in keys]
         samples = [{"step": step, "split": "train", "group": g, "prompt": r["input"], "completion": r.get("output"),
                     "reward": float(r["score"])} for r, g in zip(rows, groups, strict=True)]
-        out[step] = (group_reward_stats([float(r["score"]) for r in rows], keys), samples)
+        stats = group_reward_stats([float(r["score"]) for r in rows], keys)
+        if rows and all(_num(r.get("acc")) for r in rows):  # verl dumps a reward function's "acc" beside score
+            stats.update(group_outcomes([float(r["score"]) for r in rows], [float(r["acc"]) for r in rows], keys))
+        out[step] = (stats, samples)
     return out
 
 

@@ -33,6 +33,8 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import RunDir
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
@@ -48,15 +50,17 @@ __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "pef
 class GroupCV:
     """Wrap TRL reward functions so that, once all of them have scored a batch, the weighted reward's CV within
     each group is logged as `reward_cv` (and the share of all-equal groups as `group_frac_zero_std`) via TRL's
-    log_metric. Weights are GRPOConfig.reward_weights (default 1 each); groups are contiguous blocks of
-    group_size (TRL's layout of a generation batch), else equal prompts. Under several processes the rewards are
-    gathered first, so a group split across processes is still one group.
+    log_metric, with the group outcomes frac_groups_all_correct / _all_wrong / _shaping_only (mechdiag.outcomes)
+    when one function gives correctness (`correctness`: its name or index; default the function named
+    "correctness", as task_reward_funcs names it). Weights are GRPOConfig.reward_weights (default 1 each);
+    groups are contiguous blocks of group_size (TRL's layout of a generation batch), else equal prompts. Under
+    several processes the rewards are gathered first, so a group split across processes is still one group.
 
         cv = GroupCV([f1, f2], weights=[1.0, 0.5], group_size=8)
         GRPOTrainer(..., reward_funcs=cv.funcs, args=GRPOConfig(reward_weights=[1.0, 0.5], ...))
     """
 
-    def __init__(self, reward_funcs, weights=None, group_size: int | None = None):
+    def __init__(self, reward_funcs, weights=None, group_size: int | None = None, correctness=None):
         import torch
 
         self.raw = list(reward_funcs)
@@ -67,6 +71,7 @@ class GroupCV:
         if len(self.weights) != len(self.raw):
             raise UserError(f"GroupCV: {len(self.weights)} weights for {len(self.raw)} reward functions")
         self.group_size = group_size
+        self.correct_idx = correctness_index(self.raw, correctness)
         self.last: dict = {}
         self._batch, self._outs = None, {}
         self.funcs = [self._wrap(i, f) for i, f in enumerate(self.raw)]
@@ -91,6 +96,8 @@ class GroupCV:
             vals = [(w, self._outs[i][j]) for i, w in enumerate(self.weights)]
             vals = [(w, v) for w, v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
             totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
+        correct = None if self.correct_idx is None else \
+            [math.nan if v is None else float(v) for v in self._outs[self.correct_idx]]
         self._outs = {}
         try:
             from accelerate import PartialState
@@ -99,6 +106,7 @@ class GroupCV:
                 from accelerate.utils import gather_object
 
                 totals, prompts = gather_object(totals), gather_object(prompts)
+                correct = None if correct is None else gather_object(correct)
         except ImportError:  # pragma: no cover - accelerate comes with trl
             pass
         from mechdiag.integrations.readers import _contiguous_keys
@@ -106,11 +114,27 @@ class GroupCV:
         keys = _contiguous_keys(len(totals), self.group_size,
                                 [p if isinstance(p, str) else repr(p) for p in prompts])
         self.last = group_reward_stats(totals, keys)
+        if correct is not None:
+            self.last.update(group_outcomes(totals, correct, keys))
         if log_metric is not None:
-            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std")):
+            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std"),
+                              *((k, k) for k in OUTCOME_KEYS)):
                 v = self.last.get(key)
                 if v is not None and math.isfinite(v):
                     log_metric(name, v)
+
+
+def correctness_index(funcs, correctness) -> int | None:
+    """Which reward function gives correctness: an index, a function name, or by default the one named
+    "correctness" (None when there is none)."""
+    names = [getattr(f, "__name__", "") for f in funcs]
+    if correctness is None:
+        return names.index(CORRECTNESS) if CORRECTNESS in names else None
+    if isinstance(correctness, int) and 0 <= correctness < len(funcs):
+        return correctness
+    if correctness in names:
+        return names.index(correctness)
+    raise UserError(f"GroupCV: correctness {correctness!r} names none of the reward functions {names}")
 
 
 # ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
@@ -324,15 +348,18 @@ class MechdiagCallback(TrainerCallback):
     parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps: displacement.jsonl
     rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or every `eval_every`
     steps of the callback's own schedule, and at the start and end when `evaluate` is given): eval.jsonl, with
-    `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, and shift.jsonl on `shift_prompts`.
+    `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on `forget_prompts` (LoRA
+    only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
     """
 
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
-                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None):
+                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None,
+                 forget_prompts: list[str] | None = None, forget_tokens: int = 32):
         self.run_dir = run_dir
+        self.forget_prompts, self.forget_tokens, self._forget = list(forget_prompts or []), forget_tokens, None
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
@@ -381,10 +408,16 @@ class MechdiagCallback(TrainerCallback):
         rec = {"step": step, **map_trl_log(metrics or {}, eval_=True)}
         if self.evaluate is not None:
             rec.update(self.evaluate(model, tokenizer, step))
+        peft_model = _peft(model)
+        if self.forget_prompts and peft_model is not None:  # the base is the model with its adapter disabled
+            if self._forget is None:
+                from mechdiag.probes.forget import ForgetProbe
+
+                self._forget = ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)
+            rec["forget_kl"] = self._forget.kl(peft_model)
         self.run.append("eval", rec)
         self._evals.append(rec)
         self._last_eval_step = step
-        peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
             from mechdiag.probes.shift import shift_inmemory
 
@@ -498,6 +531,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     from datasets import Dataset
     from trl import GRPOTrainer
 
+    from mechdiag.probes.forget import forget_prompts
     from mechdiag.train.trainer import get_task, load_model
 
     if cfg.threads:
@@ -524,7 +558,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
                           eval_every=cfg.eval_every * cfg.num_iterations,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
-                          max_time_s=getattr(cfg, "max_time_s", None))
+                          max_time_s=getattr(cfg, "max_time_s", None),
+                          forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
+                          if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     return trainer, run, cb

@@ -149,11 +149,15 @@ def training_dynamics(groups: list[Group]) -> go.Figure | None:
 OTHER_TRAIN = [("frac_zero_std", "groups with zero reward std"), ("entropy", "train entropy"),
                ("completion_length", "train completion length"), ("reward_std", "reward std"),
                ("policy_clip_fraction", "policy clip fraction"), ("grad_norm", "grad norm"), ("loss", "loss"),
-               ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+               ("lr", "learning rate"), ("tokens_per_s", "tokens / s"),
+               ("frac_groups_all_correct", "groups all correct"), ("frac_groups_all_wrong", "groups all wrong"),
+               ("frac_groups_shaping_only", "groups shaping only")]
+OTHER_EVAL = [("forget_kl", "forget KL to base (off-task)")]
 
 
 def other_signals(groups: list[Group]) -> go.Figure | None:
-    """Every other recorded train signal: reward components first, then the canonical extras that exist."""
+    """Every other recorded signal: reward components first, then the canonical extras that exist (forget_kl
+    from eval.jsonl last)."""
     keys: dict[str, None] = {}
     for g in groups:
         for r in g.runs:
@@ -161,7 +165,9 @@ def other_signals(groups: list[Group]) -> go.Figure | None:
                 keys.update((k, None) for k in rec)
     comps = [(k, f"reward: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward/")][:8]
     panels = [("metrics", k, t) for k, t in comps + [kt for kt in OTHER_TRAIN if kt[0] in keys]]
-    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)][:16]
+    evals = [("eval", k, t) for k, t in OTHER_EVAL if any(_series(r.read("eval"), k) for g in groups for r in g.runs)]
+    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)]
+    panels = panels[:16 - len(evals)] + evals
     if not panels:
         return None
     return _small_multiples(groups, panels, cols=4, height_per_row=190)

@@ -137,6 +137,24 @@ class ShiftRecorder(_Lazy):
         trainer.run.append("shift", [{**r, "step": step} for r in rows])
 
 
+class AlertPrinter(Hook):
+    """Prints each live alert (mechdiag.alerts) once, when it first fires; after the recorders of the step."""
+
+    def on_train_start(self, trainer):
+        from mechdiag.alerts import Watcher, reward_ceiling
+
+        self.watcher = Watcher(reward_ceiling(trainer.cfg.rewards.weights))
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        every = trainer.cfg.record.displacement_every
+        disp = [r for r in trainer.run.read("displacement") if r.get("step") == step] \
+            if every and step % every == 0 else []
+        self.watcher.update(metrics=[{"step": step, **metrics}], displacement=disp)
+
+    def on_eval(self, trainer, step, metrics):
+        self.watcher.update(evals=[{"step": step, **metrics}])
+
+
 class Checkpointer(Hook):
     """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states.
 

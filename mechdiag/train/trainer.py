@@ -27,6 +27,8 @@ from mechdiag.config import Config, save
 from mechdiag.errors import UserError
 from mechdiag.evaluate import pass_at_k
 from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
+from mechdiag.outcomes import outcomes_from
+from mechdiag.probes.forget import ForgetProbe
 from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
@@ -133,6 +135,7 @@ class Trainer:
             raise UserError(f"task {cfg.task.name} has no training examples")
         self.eval_examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
         self.eval_prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
+        self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -156,7 +159,7 @@ class Trainer:
         self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
         if cfg.record.shift_at_eval:
             self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
-        self.hooks.append(H.ProgressBar())
+        self.hooks += [H.AlertPrinter(), H.ProgressBar()]
         self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
         self.checkpointer = H.Checkpointer(cfg.save_every)
 
@@ -241,6 +244,8 @@ class Trainer:
 
     def _eval(self, step: int) -> dict:
         metrics = self.evaluate(step)
+        if self.forget is not None:
+            metrics["forget_kl"] = self.forget.kl(self.model, self.ref_model)
         if self.cfg.eval_samples == 1:
             metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
         H.call(self.hooks, "on_eval", self, step, metrics)
@@ -297,6 +302,7 @@ class Trainer:
         stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
         g = obj.group_stats(roll.rewards, cfg.group_size)
         metrics = {"reward": roll.rewards.mean().item(), **g,
+                   **outcomes_from(roll.rewards, roll.components, roll.group_ids),
                    "completion_clipped_ratio": roll.truncated.float().mean().item(),
                    "completion_length": n_tok / len(roll),
                    **{k: float(sum(v) / len(v)) for k, v in stats.items()},
