@@ -223,6 +223,25 @@ def test_each_alert_fires_on_its_fault(tmp_path, fault):
     assert fired[0].evidence
 
 
+def test_no_update_from_reward_and_loss():
+    """Without displacement records (full fine-tuning, a reader's run): reward 0 and loss 0 for N steps."""
+    recs = [{"step": s, "reward": 0.0, "loss": 0.0, "kl": 0.0} for s in range(1, A.NO_UPDATE_STEPS + 3)]
+    fired = A.check(recs)
+    assert [(a.alert, a.step) for a in fired] == [("no_update", A.NO_UPDATE_STEPS)]
+    recs[A.NO_UPDATE_STEPS - 2]["loss"] = 1e-3  # one step with a loss restarts the count
+    assert A.no_update(recs, []) is None
+
+
+def test_watch_live_mode_ends_with_the_run(tmp_path, cli):
+    """Without --once, watch follows the run until its summary.json appears (here: already there)."""
+    run = make_alert_run(tmp_path / "r", "truncation")
+    run.write_summary({"steps": 40})
+    proc = cli("watch", str(run.path), "--interval", "0.2")
+    assert proc.returncode == 0 and "(finished)" in proc.stdout and "truncation" in proc.stdout
+    proc = cli("watch", str(run.path), "--format", "json", "--interval", "0.2")
+    assert proc.returncode == 0 and [json.loads(x)["alert"] for x in proc.stdout.splitlines()] == ["truncation"]
+
+
 def test_watcher_prints_each_alert_once(tmp_path, capsys):
     run = make_alert_run(tmp_path / "z", "zero_std")
     w = A.Watcher(3.7)

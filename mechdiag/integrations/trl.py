@@ -21,6 +21,7 @@ import types
 import warnings
 from pathlib import Path
 
+from mechdiag.alerts import Watcher, reward_ceiling
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
     CALLBACK_DIR,
@@ -403,6 +404,7 @@ class MechdiagCallback(TrainerCallback):
                 rec.setdefault(k, v)
             self.run.append("samples", samples)
         self.run.append("metrics", rec)
+        self._alerts.update(metrics=[rec])
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
         rec = {"step": step, **map_trl_log(metrics or {}, eval_=True)}
@@ -416,6 +418,7 @@ class MechdiagCallback(TrainerCallback):
                 self._forget = ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)
             rec["forget_kl"] = self._forget.kl(peft_model)
         self.run.append("eval", rec)
+        self._alerts.update(evals=[rec])
         self._evals.append(rec)
         self._last_eval_step = step
         if self.shift_prompts and step > 0 and peft_model is not None:
@@ -444,6 +447,7 @@ class MechdiagCallback(TrainerCallback):
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        self._alerts = Watcher(reward_ceiling(cfg.rewards.weights))  # prints each live alert once
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
 
@@ -464,7 +468,9 @@ class MechdiagCallback(TrainerCallback):
             if peft_model is not None:
                 from mechdiag.displacement import lora_rows
 
-                self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
+                rows = [{"step": step, **r} for r in lora_rows(peft_model)]
+                self.run.append("displacement", rows)
+                self._alerts.update(displacement=rows)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
