@@ -184,15 +184,29 @@ class Watcher:
         self.fired: dict[str, Alert] = {}
         self.out = out
 
-    def update(self, metrics=(), evals=(), displacement=()) -> list[Alert]:
-        """Add records; print and return the alerts that fire for the first time."""
+    def update(self, metrics=(), evals=(), displacement=(), announce: bool = True) -> list[Alert]:
+        """Add records; print (unless `announce` is False: records of a resumed run) and return the alerts that
+        fire for the first time."""
         self.metrics += list(metrics)
         self.evals += list(evals)
-        self.displacement += list(displacement)
+        self.displacement += _per_step(displacement)
         new = [a for a in check(self.metrics, self.evals, self.displacement, self.max_reward)
                if a.alert not in self.fired]
         for a in new:
             self.fired[a.alert] = a
-            print(f"mechdiag: alert {a.alert} at step {a.step}: {a.evidence}", file=self.out or sys.stderr,
-                  flush=True)
+            if announce:
+                print(f"mechdiag: alert {a.alert} at step {a.step}: {a.evidence}", file=self.out or sys.stderr,
+                      flush=True)
         return new
+
+
+def _per_step(rows) -> list[dict]:
+    """Displacement rows summed per step into one row (sqrt of the summed squares), which is all no_update reads:
+    a long run's history stays a row per recorded step."""
+    sums: dict[int, list[float]] = {}
+    for r in rows:
+        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
+            d = sums.setdefault(r["step"], [0.0, 0.0])
+            d[0] += float(r["delta_fro"]) ** 2
+            d[1] += float(r["ref_fro"]) ** 2
+    return [{"step": s, "delta_fro": math.sqrt(d), "ref_fro": math.sqrt(ref)} for s, (d, ref) in sums.items()]

@@ -249,6 +249,15 @@ def test_watcher_prints_each_alert_once(tmp_path, capsys):
         w.update(metrics=[m])
     err = capsys.readouterr().err
     assert err.count("mechdiag: alert zero_std at step 22") == 1 and err.count("alert") == 1
+    run = make_alert_run(tmp_path / "n", "no_update")  # displacement kept per step: the same alert as check()
+    w = A.Watcher(3.7)
+    for m in run.read("metrics"):
+        w.update(metrics=[m], displacement=[r for r in run.read("displacement") if r["step"] == m["step"]])
+    assert list(w.fired.values()) == _check(run) and len(w.displacement) == 4
+    quiet = A.Watcher(3.7)  # a resumed run's history: remembered, not announced
+    quiet.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
+    assert "no_update" in quiet.fired and quiet.update(metrics=[{"step": 41, "reward": 1.0}]) == []
+    assert "alert" not in capsys.readouterr().err.replace("mechdiag: alert no_update", "", 1)
 
 
 def test_watch_cli_synthetic(tmp_path, cli):

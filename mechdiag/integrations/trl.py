@@ -361,6 +361,7 @@ class MechdiagCallback(TrainerCallback):
                  forget_prompts: list[str] | None = None, forget_tokens: int = 32):
         self.run_dir = run_dir
         self.forget_prompts, self.forget_tokens, self._forget = list(forget_prompts or []), forget_tokens, None
+        self._alerts = Watcher()
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]

@@ -144,6 +144,8 @@ class AlertPrinter(Hook):
         from mechdiag.alerts import Watcher, reward_ceiling
 
         self.watcher = Watcher(reward_ceiling(trainer.cfg.rewards.weights))
+        run = trainer.run  # a resumed run's records: history for the alerts, already announced
+        self.watcher.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
 
     def on_step_end(self, trainer, step, metrics, rollout):
         every = trainer.cfg.record.displacement_every
