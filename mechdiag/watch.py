@@ -17,6 +17,7 @@ from mechdiag.run import RunDir
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 30
+FLAT = 1e-8
 EXTRA = [("metrics", "frac_zero_std", "groups with zero std"), ("metrics", "frac_groups_all_correct", "  all correct"),
          ("metrics", "frac_groups_all_wrong", "  all wrong"),
          ("metrics", "frac_groups_shaping_only", "groups shaping only"), ("eval", "forget_kl", "forget KL to base")]
@@ -58,7 +59,7 @@ def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
     if not vals:
         return ""
     lo, hi = min(vals), max(vals)
-    if hi - lo <= 1e-12 * max(1.0, abs(hi)):
+    if hi - lo <= FLAT * max(1.0, abs(hi)):  # float noise around a constant (a KL of +-1e-9) draws flat
         return SPARK[0] * len(vals)
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in vals)
 

@@ -273,6 +273,15 @@ def test_watch_cli_synthetic(tmp_path, cli):
     assert proc.returncode == 0 and proc.stdout == ""
 
 
+def test_sparkline():
+    from mechdiag.watch import sparkline
+
+    assert sparkline([0, 1, 2, 3, 4, 5, 6, 7]) == "▁▂▃▄▅▆▇█"
+    assert sparkline([1e-9, -3e-9, 2e-9]) == "▁▁▁"  # float noise around 0 is flat
+    assert sparkline([float("nan"), 2.0, 1.0]) == "█▁" and sparkline([]) == ""
+    assert len(sparkline(list(range(100)))) == 30
+
+
 def test_watch_bad_input(tmp_path, cli):
     assert_bad_input(cli("watch", str(tmp_path / "missing"), "--once"))
     assert_bad_input(cli("watch", str(tmp_path), "--once"))  # an empty folder is no run
