@@ -80,7 +80,7 @@ def bench_trl(args, out: Path) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from mechdiag.tasks import get_task
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model_and_tokenizer as load_model
 
     cfg = C.load(None, common(args))
     model, tok = load_model(args.model)

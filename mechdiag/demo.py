@@ -7,7 +7,6 @@ findings, and writes one HTML report of both seeds. Budget: at most 8 minutes on
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -39,7 +38,7 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
              echo=print) -> Path:
     from mechdiag import atomic, config
     from mechdiag.report import advise, write_report
-    from mechdiag.report.load import group_runs, load_run
+    from mechdiag.run import group_runs, load_run
     from mechdiag.train.trainer import train
 
     out_dir = Path(out_dir)
@@ -59,8 +58,8 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
         for stream in ("displacement", "shift"):
             if not run.read(stream):
                 echo(f"note: {run.path.name} recorded no {stream}; the report says so")
-    with contextlib.ExitStack() as stack:
-        advice = advise(group_runs([load_run(r.path, stack) for r in runs]))
+    loaded = [load_run(r.path) for r in runs]
+    advice = advise(group_runs(loaded))
     for f in advice.findings[:3]:
         echo(f"recommend: {f.change}  ({f.symptom})")
     if not advice.findings:
@@ -68,7 +67,7 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
     if advice.refined_yaml:
         atomic.write_text(out_dir / "refined.yaml", advice.refined_yaml)
         echo(f"refined config -> {out_dir / 'refined.yaml'}")
-    path = write_report([r.path for r in runs], report if report is not None else Path("reports") / "demo.html",
+    path = write_report(loaded, report if report is not None else Path("reports") / "demo.html",
                         findings=advice)
     echo(f"demo done in {time.perf_counter() - t0:.0f}s")
     return path

@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ import pandas as pd
 import torch
 
 from mechdiag.errors import UserError
+from mechdiag.metrics import update_mass
 from mechdiag.weights import (
     Entry,
     SafeFiles,
@@ -354,7 +353,8 @@ def _keys(df: pd.DataFrame, by: str) -> list[str]:
 
 def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELTA_W) -> pd.DataFrame:
     """The study's WDisp per group (per step too when rows carry a step column).
-    Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass. Non-finite rows are left out."""
+    Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass, update_mass_size_normalised
+    (mechdiag.metrics.update_mass). Non-finite rows are left out."""
     df = rows_df.copy()
     if "nonfinite" in df.columns:
         df = df[~df["nonfinite"].astype(bool)]
@@ -369,21 +369,20 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
         g = pd.DataFrame({"n_tensors": [len(df)], "ref_sq": [df["ref_sq"].sum()], "delta_sq": [df["delta_sq"].sum()]})
     if by == "all":
         g.insert(len(keys), "all", "all")
-    total = g.groupby("step")["delta_sq"].transform("sum") if "step" in g.columns else g["delta_sq"] * 0 + g[
-        "delta_sq"].sum()
     g["ref_fro"] = g["ref_sq"] ** 0.5
     g["delta_fro"] = g["delta_sq"] ** 0.5
     g["wdisp"] = g["delta_fro"] / (g["ref_sq"] + delta_w) ** 0.5
-    g["update_mass"] = (g["delta_sq"] / total).where(total > 0, 0.0)
+    parts = [part for _, part in g.groupby("step")] if "step" in g.columns else [g]
+    for col, normalised in (("update_mass", False), ("update_mass_size_normalised", True)):
+        shares = {}
+        for part in parts:  # shares within each recorded step
+            rows = [{"group": i, "delta_fro": d, "ref_fro": r} for i, d, r in
+                    zip(part.index, part["delta_fro"], part["ref_fro"], strict=True)]
+            shares.update(update_mass(rows, "group", size_normalised=normalised))
+        g[col] = [shares.get(i, 0.0) for i in g.index]
     if by == "layer":
         g["layer"] = g["layer"].astype("Int64")
     return g.drop(columns=["ref_sq", "delta_sq"])
-
-
-def update_mass(rows_df: pd.DataFrame, by: str = "module") -> pd.DataFrame:
-    """Each group's share of the total squared displacement (sums to 1 per step)."""
-    g = group_wdisp(rows_df, by=by)
-    return g[[c for c in g.columns if c in ("step", by)] + ["update_mass"]]
 
 
 def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False) -> pd.DataFrame:
@@ -454,14 +453,3 @@ def _lora_rows(model) -> list[dict]:
         rows.append({"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
                      "rel_fro": delta_fro / ref_fro if ref_fro > 0 else math.nan})
     return rows
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module sets the attribute mechdiag.displacement to it, over the API function of the same
-    name; calling the module keeps `mechdiag.displacement(a, b)` working either way."""
-
-    def __call__(self, *args, **kwargs):
-        return displacement(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

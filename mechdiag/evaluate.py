@@ -23,83 +23,19 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import math
 import os
-import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mechdiag import atomic
+from mechdiag import atomic, models
 from mechdiag.errors import UserError
+from mechdiag.metrics import direction, is_score, maj_at_k, mean_std, metric_order, pass_at_k
 
 BASE = "base"
-# Which way is better, per metric family: +1 higher, -1 lower, 0 neither (reported, never coloured or counted).
-DIRECTION = {"accuracy": 1, "eval_reward": 1, "pass@": 1, "maj@": 1, "format_rate": 1, "truncation_rate": -1,
-             "completion_length": 0, "entropy": 0}
-SCORES = ("accuracy", "pass@", "maj@")  # the metrics the summary line counts (the study counts pass@k cells)
-
-
-def direction(metric: str) -> int:
-    for prefix, d in DIRECTION.items():
-        if metric == prefix or (prefix.endswith("@") and metric.startswith(prefix)):
-            return d
-    return 0
-
-
-def is_score(metric: str) -> bool:
-    return any(metric == s or (s.endswith("@") and metric.startswith(s)) for s in SCORES)
-
-
-# ---- estimators ---------------------------------------------------------------------------------------------
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
-
-    Computed as a product, which stays exact in floating point for any n (the binomials overflow first).
-    """
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def maj_at_k(keys: list, correct: list[bool], k: int, max_subsets: int = 2000, seed: int = 0) -> float:
-    """Expected accuracy of a plurality vote over k of the n samples.
-
-    keys[i] is the answer sample i gave (None: no answer, no vote). The expectation is over all k-subsets of the n
-    samples (a seeded random 2000 of them when there are more), ties broken uniformly at random; the winning answer
-    scores the fraction of its samples that are correct (one answer, one verdict, whatever its spelling).
-    """
-    n = len(keys)
-    if len(correct) != n or not 1 <= k <= n:
-        raise ValueError(f"maj@k needs 1 <= k <= n = len(keys) = len(correct), got k={k}, {n}, {len(correct)}")
-    right: dict = {}
-    for key, ok in zip(keys, correct, strict=True):
-        if key is not None:
-            right.setdefault(key, []).append(bool(ok))
-    if not right:
-        return 0.0
-    score = {key: sum(v) / len(v) for key, v in right.items()}
-    if math.comb(n, k) <= max_subsets:
-        subsets: Iterable = itertools.combinations(range(n), k)
-        count = math.comb(n, k)
-    else:
-        rng = random.Random(seed)
-        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
-        count = max_subsets
-    total = 0.0
-    for sub in subsets:
-        votes = Counter(keys[i] for i in sub if keys[i] is not None)
-        if votes:
-            top = max(votes.values())
-            winners = [key for key, v in votes.items() if v == top]
-            total += sum(score[w] for w in winners) / len(winners)
-    return total / count
 
 
 def answer_key(task, completion: str, example):
@@ -178,15 +114,6 @@ class Tally:
         out = {name: v / self.n for name, v in self.sums.items()}
         out["entropy"] = self.entropy_sum / self.tokens if self.tokens else math.nan
         return out
-
-
-def metric_order(metric: str) -> tuple:
-    """accuracy, pass@k by k, maj@k by k, then the quality metrics."""
-    fixed = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
-    if metric.startswith(("pass@", "maj@")):
-        fam, _, k = metric.partition("@")
-        return (1 if fam == "pass" else 2, int(k) if k.isdigit() else 0, metric)
-    return (0 if metric == "accuracy" else 3, fixed.index(metric) if metric in fixed else 99, metric)
 
 
 # ---- what to evaluate --------------------------------------------------------------------------------------
@@ -292,24 +219,16 @@ class Tuned:
 
 
 def resolve_adapter(path: str) -> tuple[Path, str]:
-    """(folder, kind) for an adapter folder, a full checkpoint, or a mechdiag run directory (its final/)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"--adapter {path}: no such folder")
-    if not p.is_dir():
-        raise UserError(f"--adapter {path}: is a file; give the folder holding adapter_config.json")
-    cands = [p, p / "final"]
-    ck = p / "checkpoints"
-    if ck.is_dir():
-        steps = sorted((int(c.name[5:]), c) for c in ck.iterdir()
-                       if c.name.startswith("step-") and c.name[5:].isdigit() and (c / "COMPLETE").exists())
-        cands += [c for _, c in reversed(steps)]
-    for c in cands:
-        if (c / "adapter_config.json").is_file():
-            return c, "peft"
-    for c in cands:
-        if (c / "config.json").is_file() and any(c.glob("*.safetensors")):
-            return c, "full"
+    """(folder, kind) for --adapter: a PEFT adapter folder ("peft"), a full model folder ("full") or a run
+    directory (its final/)."""
+    folder = models.checkpoint_folder(path)
+    if not folder.is_dir():
+        raise UserError(f"--adapter {path}: no such folder" if not folder.exists() else
+                        f"--adapter {path}: is a file; give the folder holding adapter_config.json")
+    if models.is_adapter(folder):
+        return folder, "peft"
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder, "full"
     raise UserError(f"--adapter {path}: not a PEFT adapter folder (no adapter_config.json), a model folder or a "
                     "mechdiag run directory")
 
@@ -345,29 +264,13 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
     return out
 
 
-def resolve_device(device: str | None) -> str:
-    """None/"auto": the GPU when there is one, else the CPU; otherwise checked as given ("cpu", "cuda:1", "mps")."""
-    import torch
-
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device {device}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
-                        ) from None
-    return device
-
-
 class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
 
     def __init__(self, model_name: str, tuned: list[Tuned], dtype: str = "float32", device: str | None = None):
-        from mechdiag.train.trainer import load_model
-
         self.model_name = model_name
-        self.device = resolve_device(device)
-        self.base, self.tokenizer = load_model(model_name, dtype)
+        self.device = models.device(device)
+        self.base, self.tokenizer = models.load_model_and_tokenizer(model_name, dtype)
         self.base.to(self.device).eval()  # before the adapters: peft puts their factors beside the base weights
         self.tuned = tuned
         self.dtype = dtype
@@ -381,20 +284,10 @@ class Models:
             self.peft.eval()
 
     def _load_adapter(self, t: Tuned, name: str) -> None:
-        import warnings
-
-        from peft import PeftModel
-
         try:
-            with warnings.catch_warnings():  # transformers deprecation notices that peft triggers on load
-                warnings.simplefilter("ignore", FutureWarning)
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.base, str(t.path), adapter_name=name)
-                else:
-                    self.peft.load_adapter(str(t.path), adapter_name=name)
-        except Exception as e:  # wrong base (shape mismatch), corrupt files: one line for the user
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {msg[:300]}") from None
+            self.peft = models.load_adapters(self.peft or self.base, {name: t.path})
+        except UserError as e:  # wrong base (shape mismatch), corrupt files: one line for the user
+            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {e}") from None
 
     def labels(self) -> list[str]:
         return [BASE] + [t.label for t in self.tuned]
@@ -414,9 +307,7 @@ class Models:
             self.peft.set_adapter(self._names[label], inference_mode=True)
             yield self.peft
             return
-        from mechdiag.train.trainer import load_model
-
-        full, _ = load_model(str(t.path), self.dtype)  # a full fine-tune shares nothing; hold it only while used
+        full = models.load_model(t.path, self.dtype)  # a full fine-tune shares nothing; hold it only while used
         try:
             yield full.to(self.device).eval()
         finally:
@@ -500,14 +391,6 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
 
 
 # ---- comparison --------------------------------------------------------------------------------------------
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return math.nan, None
-    m = math.fsum(vals) / len(vals)
-    return m, (statistics.stdev(vals) if len(vals) > 1 else None)
-
-
 def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
     """Group per-model rows (benchmark, metric, model, value, n) into the comparison rows.
 
@@ -537,6 +420,7 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                 if not vals:
                     continue
                 mean, std = mean_std(vals)
+                mean = math.nan if mean is None else mean
                 row = {"step": 0, "benchmark": b, "metric": m, "model": g, "value": mean, "std": std, "n": ns[b],
                        "seeds": len(vals), "members": ",".join(members), "delta": None, "status": None}
                 if g != BASE:

@@ -1,4 +1,7 @@
-"""Load models and tokenizers: the bundled arith base, a local Hugging Face folder, or a hub name.
+"""Model I/O, the one home for it: every model form a command accepts, tokenizers, PEFT adapters, devices.
+
+A model argument is `bundled`, a Hugging Face model folder (or hub name), a PEFT adapter folder, or a mechdiag
+run directory (its final/; a checkpoint with `checkpoint=N`); `checkpoint_folder` turns any of them into a folder.
 
 "bundled" is the tiny Llama shipped in mechdiag/assets/arith-base (made by scripts/make_base.py), so the
 default run works offline. Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on
@@ -10,11 +13,17 @@ and masks the pad positions, so the choice never changes what the model sees.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import warnings
 from pathlib import Path
+
+import torch
 
 from mechdiag.errors import UserError
 from mechdiag.paths import ASSETS
+from mechdiag.run import find_checkpoint
 
 BUNDLED = "bundled"
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
@@ -60,6 +69,98 @@ def _check_weights(folder: Path) -> None:
                         "with `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
                         "safe_serialization=True)` in a trusted environment")
     raise UserError(f"model folder {folder} has no model.safetensors")
+
+
+def is_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file()
+
+
+def is_run_dir(folder: Path) -> bool:
+    return (folder / "config.yaml").is_file() and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
+
+
+def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
+    """The folder behind a model argument: `bundled`, a model or adapter folder, or a run directory (its final/,
+    else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths pass through."""
+    if str(arg) == BUNDLED:
+        return Path(resolve(BUNDLED))
+    path = Path(arg).expanduser()
+    if not path.is_dir() or not is_run_dir(path):
+        if checkpoint is not None:
+            raise UserError(f"{arg}: --checkpoint needs a run directory")
+        return path
+    return find_checkpoint(path, checkpoint)
+
+
+def adapter_base(adapter: Path) -> Path | None:
+    """The local base folder named by an adapter's base_model_name_or_path (absolute or relative), else None."""
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"unreadable {adapter / 'adapter_config.json'}: {e}") from None
+    name = cfg.get("base_model_name_or_path")
+    if name and Path(name).is_dir():
+        return Path(name)
+    if name and (adapter / name).is_dir():
+        return adapter / name
+    return None
+
+
+def load_adapters(model, adapters: dict[str, Path]):
+    """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter)."""
+    from peft import PeftModel
+    from safetensors import SafetensorError
+
+    out = model
+    for name, path in adapters.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers attribute
+                if hasattr(out, "peft_config"):
+                    out.load_adapter(str(path), adapter_name=name)
+                else:
+                    out = PeftModel.from_pretrained(out, str(path), adapter_name=name)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise UserError(f"cannot load adapter {path}: {msg[:300]}") from None
+    return out.eval()
+
+
+def adapter_context(model, name: str | None):
+    """A context factory that runs `model` as the plain base (name None) or with adapter `name` active."""
+    if not hasattr(model, "peft_config"):
+        return contextlib.nullcontext
+    if name is None:
+        return model.disable_adapter
+
+    @contextlib.contextmanager
+    def ctx():
+        prev = model.active_adapter
+        model.base_model.set_adapter(name)
+        try:
+            yield
+        finally:
+            model.base_model.set_adapter(prev)
+
+    return ctx
+
+
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def device(spec: str | None = "auto") -> str:
+    """auto (the GPU when there is one, else the CPU), cpu, cuda, cuda:N or mps, checked to exist here."""
+    spec = spec or "auto"
+    if not _DEVICE.fullmatch(spec):
+        raise UserError(f"--device {spec}: use auto, cpu, cuda, cuda:N or mps")
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=spec)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device {spec}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
+                        ) from None
+    return spec
 
 
 def word_list() -> list[str]:
@@ -110,10 +211,14 @@ def ensure_pad(tokenizer):
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | Path = BUNDLED):
+def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = None):
+    """The tokenizer of any model form; an adapter folder without one uses its base's."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    src = resolve(name_or_path, need="tokenizer_config.json")
+    folder = checkpoint_folder(name_or_path, checkpoint)
+    if is_adapter(folder) and not (folder / "tokenizer_config.json").exists():
+        folder = _base_of(folder)
+    src = resolve(folder if folder.exists() else name_or_path, need="tokenizer_config.json")
     try:
         if Path(src).is_dir() and (Path(src) / "tokenizer.json").exists():
             cls = _tokenizer_class(Path(src))
@@ -135,11 +240,23 @@ def _tokenizer_class(folder: Path) -> str | None:
         return None
 
 
-def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
-    import torch
-    from transformers import AutoModelForCausalLM
+def _base_of(adapter: Path) -> Path:
+    base = adapter_base(adapter)
+    if base is None:
+        raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
+    return base
 
-    src = resolve(name_or_path)
+
+def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):
+    """Any model form in eval mode; a PEFT adapter (or a LoRA run's final/) comes merged into its base."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    folder = checkpoint_folder(name_or_path, checkpoint)
+    if is_adapter(folder):
+        return load_adapters(load_model(_base_of(folder), dtype), {"default": folder}).merge_and_unload().eval()
+    src = resolve(folder if folder.exists() else name_or_path)
     if Path(src).is_dir():
         _check_weights(Path(src))
     torch_dtype = getattr(torch, dtype, None)
@@ -154,9 +271,10 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
     return model
 
 
-def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
-    tok = load_tokenizer(name_or_path)
-    model = load_model(name_or_path, dtype)
+def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32",
+                             checkpoint: int | None = None):
+    tok = load_tokenizer(name_or_path, checkpoint)
+    model = load_model(name_or_path, dtype, checkpoint)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
@@ -167,8 +285,6 @@ def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "f
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,
              temperature: float = 1.0, batch_size: int = 256, generator_seed: int | None = None) -> list[str]:
     """Completions (special tokens dropped) for plain-text prompts, batched with left padding and a KV cache."""
-    import torch
-
     out = []
     if generator_seed is not None:
         torch.manual_seed(generator_seed)

@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import mechdiag
+import mechdiag.displacement
 from mechdiag.displacement import displacement as disp
-from mechdiag.displacement import group_wdisp, lora_rows, update_mass
+from mechdiag.displacement import group_wdisp, lora_rows
 from mechdiag.errors import UserError
 from tests.helpers import assert_bad_input
 from tests.tiny_models import FAMILIES, build, save
@@ -84,12 +84,12 @@ def test_grouped_wdisp_is_the_study_formula(tmp_path):
             expect = math.sqrt((sel.delta_fro ** 2).sum()) / math.sqrt((sel.ref_fro ** 2).sum() + 1e-12)
             assert _rel(r.wdisp, expect) < 1e-12 or (expect == 0 and r.wdisp == 0)
         assert abs(g.update_mass.sum() - 1.0) < 1e-12
-    mass = update_mass(rows, by="module").set_index("module")["update_mass"]
+    mass = group_wdisp(rows, by="module").set_index("module")["update_mass"]
     assert set(mass[mass > 0].index) == {"q_proj", "down_proj"}
     one = group_wdisp(rows, by="all")
     overall = math.sqrt((rows.delta_fro ** 2).sum() / (rows.ref_fro ** 2).sum())
     assert len(one) == 1 and _rel(one.wdisp[0], overall) < 1e-9
-    assert mechdiag.displacement(a, b, by="module").equals(group_wdisp(rows, by="module"))
+    assert mechdiag.displacement.displacement(a, b, by="module").equals(group_wdisp(rows, by="module"))
 
 
 def test_group_functions_on_jsonl_rows_group_per_step():
@@ -97,8 +97,7 @@ def test_group_functions_on_jsonl_rows_group_per_step():
         {"step": s, "name": f"model.layers.{l}.self_attn.{m}.weight", "layer": l, "module": m, "ref_fro": 2.0,
          "delta_fro": float(s * (1 + l) * (2 if m == "v_proj" else 1)), "rel_fro": 0.0}
         for s in (1, 2) for l in (0, 1) for m in ("q_proj", "v_proj")])
-    mass = update_mass(rows, by="module")
-    assert list(mass.columns) == ["step", "module", "update_mass"]
+    mass = group_wdisp(rows, by="module")
     for s in (1, 2):
         m = mass[mass.step == s].set_index("module")["update_mass"]
         assert m["v_proj"] == pytest.approx(0.8) and m["q_proj"] == pytest.approx(0.2)
@@ -526,7 +525,7 @@ def test_cli_bad_input_one_line_exit_2_no_output(pair, tmp_path, cli, stories260
 def test_api_errors_are_user_errors(pair):
     with pytest.raises(UserError, match="by must be"):
         disp(*pair, by="row")
-    assert isinstance(mechdiag.displacement(*pair), pd.DataFrame)
+    assert isinstance(mechdiag.displacement.displacement(*pair), pd.DataFrame)
 
 
 def test_progress_and_workers_do_not_change_rows(pair):

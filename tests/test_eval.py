@@ -278,7 +278,7 @@ def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
 
 def test_streams_chunk_by_chunk_and_full_models(stories260k, tmp_path):
     """Completions leave in chunks of batch_size // samples problems; a full model folder is a tuned column too."""
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model_and_tokenizer as load_model
 
     model, tok = load_model(str(stories260k))
     bench = E.load_benchmarks([("arith", "ood_numbers")], 6)[0]

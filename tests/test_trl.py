@@ -240,7 +240,7 @@ def test_backend_trl_cli(stories260k, cli, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").exists()
     assert C.load(run.config_path).max_steps == 3
     s = run.summary()
-    assert s["backend"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
+    assert s["source"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
     proc = cli("recommend", str(out), "--format", "json")
     assert proc.returncode == 0, proc.stderr
 

@@ -22,11 +22,13 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from mechdiag import atomic
 from mechdiag.errors import UserError
-from mechdiag.run import STREAMS, RunDir
+from mechdiag.run import STREAMS, Run, RunDir, load_run
 
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 
@@ -306,7 +308,6 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     Streams the MechdiagCallback recorded (output_dir/mechdiag/) are taken as they are; what it did not record is
     rebuilt from TRL's own files: metrics and eval from log_history, samples and reward_cv from the completions
     parquet, displacement from the checkpoint-N adapters."""
-    from mechdiag import atomic
     from mechdiag import config as C
 
     output_dir = Path(output_dir)
@@ -363,7 +364,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
                "steps": summary.get("steps", state.get("global_step", metrics[-1]["step"] if metrics else 0))}
     if evals and "final_accuracy" not in summary and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -447,7 +448,6 @@ def map_verl(data: dict) -> tuple[dict, dict]:
 
 def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
     """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
-    from mechdiag import atomic
 
     out = {}
     for p in rollout_dir.glob("*.jsonl"):
@@ -472,7 +472,6 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
     directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
     validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
-    from mechdiag import atomic
     from mechdiag import config as C
 
     path = Path(jsonl_path)
@@ -512,7 +511,7 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     summary = {"source": "verl", "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0}
     if evals and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -538,3 +537,14 @@ def read_foreign(path, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(path, into=into)
     raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
+
+
+def read_any_run(path) -> Run:
+    """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""
+    kind = foreign_kind(path)
+    if kind is None:
+        return load_run(path)
+    with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
+        run = load_run(read_foreign(path, Path(tmp) / Path(path).name).path, source=kind)
+    run.path = Path(path)
+    return run

@@ -553,7 +553,7 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
         return run
     trainer.processing_class.save_pretrained(str(run.final))
     summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n, "backend": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+               "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
                "planned_steps": cfg.max_steps,
                "wall_time_s": time.perf_counter() - t0}
     run.write_summary(summary)

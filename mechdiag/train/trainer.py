@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
-from mechdiag import atomic
+from mechdiag import atomic, models
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
-from mechdiag.evaluate import pass_at_k
 from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
+from mechdiag.metrics import pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
@@ -34,30 +34,6 @@ from mechdiag.train.rollout import collect, policy_logits
 
 
 # ---- model ------------------------------------------------------------------------------------------------
-def load_model(name_or_path: str, dtype: str = "float32"):
-    """(model, tokenizer): through mechdiag.models when present (it knows "bundled"), else a local HF dir."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        from mechdiag.models import load_model_and_tokenizer
-    except ImportError:
-        load_model_and_tokenizer = None
-    if load_model_and_tokenizer is not None:
-        model, tok = load_model_and_tokenizer(name_or_path)
-    else:
-        if name_or_path == "bundled" or not Path(name_or_path).is_dir():
-            raise UserError(f"model {name_or_path!r} not found (give a local Hugging Face model directory)")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path)
-    model = model.to(getattr(torch, dtype))
-    if tok.pad_token_id is None:
-        tok.pad_token_id = pad_id(tok)
-    return model, tok
-
-
 def frozen_copy(model):
     out = copy.deepcopy(model).eval()
     for p in out.parameters():
@@ -75,7 +51,7 @@ def prepare_model(cfg: Config):
     """
     from mechdiag.train.lora import apply_lora
 
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model, tok = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     if cfg.lora.enabled:
         sampler = frozen_copy(model) if cfg.merged_sampler else None
         return apply_lora(model, cfg.lora), tok, None, sampler
