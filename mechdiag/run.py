@@ -249,18 +249,17 @@ def _eval_rows(run: Run) -> list[dict]:
 
 
 def final_eval(run: Run) -> dict[str, float]:
-    """The last eval record's numbers (summary.json's final_* where the eval stream is empty)."""
+    """The final model's held-out numbers: the last eval record, with summary.json's final_* over it."""
     rows = _eval_rows(run)
-    rec = rows[-1] if rows else _summary_eval(run.summary, "final")
+    rec = {**(rows[-1] if rows else {}), **_summary_eval(run.summary, "final")}
     return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
 
 
 def base_eval(run: Run) -> dict[str, float]:
-    """Metrics of the untrained model: summary.json's base_*, else the eval record at the first step."""
-    rec = _summary_eval(run.summary, "base")
-    if not rec:
-        rows = _eval_rows(run)
-        rec = rows[0] if len(rows) > 1 else {}
+    """The untrained model's numbers: the first eval record (when there is a later one), with summary.json's
+    base_* over it."""
+    rows = _eval_rows(run)
+    rec = {**(rows[0] if len(rows) > 1 else {}), **_summary_eval(run.summary, "base")}
     return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
 
 

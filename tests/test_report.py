@@ -79,7 +79,7 @@ def test_browser_renders_every_figure_without_console_messages(page):
     for k in range(1, n + 1):  # plotly took over every figure div and drew an svg into it
         div = re.search(rf'<div class="fig js-plotly-plot" id="fig-{k}"(.*?)<script', p.dom, re.S)
         assert div and 'class="main-svg"' in div.group(1), k
-    assert p.title == "mechdiag report: demo, beta"
+    assert p.title == "mechdiag report: beta=0.0, beta=0.01"
 
 
 def test_hostile_completion_is_text_and_never_runs(page):

@@ -161,7 +161,7 @@ def section_runs(groups: list[Group]) -> str:
             cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in RUN_COLUMNS)
             src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
-                        f"<td class=path title='{esc(r.rundir.path)}'>{esc(r.name)}{src}</td>"
+                        f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
     return (f"<table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
             + "".join(rows) + "</table>")
