@@ -11,7 +11,11 @@ import shutil
 import time
 from pathlib import Path
 
+from mechdiag import atomic, config
 from mechdiag.errors import UserError
+from mechdiag.report import advise, write_report
+from mechdiag.run import group_runs, load_run
+from mechdiag.train.trainer import train
 
 SEEDS = (42, 3407)
 MAX_STEPS = 40
@@ -24,7 +28,6 @@ def demo_overrides(max_steps: int) -> list[str]:
             f"record.displacement_every={every}", "record.shift_at_eval=true", "record.shift_n=32",
             f"record.samples_every={every}", f"save_every={max_steps}"]
 
-
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
@@ -33,13 +36,8 @@ def _fresh(path: Path) -> Path:
         shutil.rmtree(path)
     return path
 
-
 def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
              echo=print) -> Path:
-    from mechdiag import atomic, config
-    from mechdiag.report import advise, write_report
-    from mechdiag.run import group_runs, load_run
-    from mechdiag.train.trainer import train
 
     out_dir = Path(out_dir)
     rp = Path(report) if report is not None else None

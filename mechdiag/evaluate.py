@@ -31,9 +31,20 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import click
+import torch
+
 from mechdiag import atomic, models
+from mechdiag import tasks as T
+from mechdiag.config import REWARD_WEIGHTS
 from mechdiag.errors import UserError
+from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 from mechdiag.metrics import direction, is_score, maj_at_k, mean_std, metric_order, pass_at_k
+from mechdiag.run import RunDir
+from mechdiag.tasks.math_tasks import latex_answer
+from mechdiag.tasks.mathnorm import normalize
+from mechdiag.tasks.mcq import pick_option
+from mechdiag.tasks.rewards import answer_number, extract_answer, format_ok
 
 BASE = "base"
 
@@ -46,18 +57,14 @@ def answer_key(task, completion: str, example):
     own = getattr(task, "answer_key", None)
     if callable(own):
         return own(completion, example)
-    from mechdiag.tasks.rewards import answer_number, extract_answer
 
     if task.domain == "code":
         return None
     block = extract_answer(completion)
     if task.domain == "mcq":
-        from mechdiag.tasks.mcq import pick_option
 
         return pick_option(block, example.meta["labels"], example.meta["options"])
     if getattr(task, "name", "") == "math500":
-        from mechdiag.tasks.math_tasks import latex_answer
-        from mechdiag.tasks.mathnorm import normalize
 
         got = latex_answer(completion)
         return normalize(got) if got else None
@@ -66,7 +73,6 @@ def answer_key(task, completion: str, example):
         return num
     text = " ".join((block or "").lower().split()).rstrip(".")
     return text or None
-
 
 # ---- per-benchmark tallies ---------------------------------------------------------------------------------
 @dataclass
@@ -115,7 +121,6 @@ class Tally:
         out["entropy"] = self.entropy_sum / self.tokens if self.tokens else math.nan
         return out
 
-
 # ---- what to evaluate --------------------------------------------------------------------------------------
 @dataclass
 class Settings:
@@ -151,7 +156,6 @@ class Settings:
             raise UserError(f"--n must be >= 1, got {self.n}")
         return self
 
-
 @dataclass
 class Benchmark:
     task_name: str
@@ -162,7 +166,6 @@ class Benchmark:
     @property
     def name(self) -> str:
         return f"{self.task_name}/{self.split}"
-
 
 def parse_tasks(specs: Iterable[str], splits: Iterable[str] = ()) -> list[tuple[str, str | None]]:
     """`--task` values ("gsm8k", "arith/ood_steps", "a,b") -> [(task, split or None)], with --split as default."""
@@ -179,11 +182,9 @@ def parse_tasks(specs: Iterable[str], splits: Iterable[str] = ()) -> list[tuple[
                 out.append(p)
     return out
 
-
 def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: str | None = None,
                     options: dict | None = None) -> list[Benchmark]:
     """Tasks and their examples, read before any model loads (a bad file fails in a second, not after loading)."""
-    from mechdiag import tasks as T
 
     def get_task(name: str):  # a registered name, or a user task class "package.module:Class"
         try:
@@ -208,7 +209,6 @@ def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: st
         out.append(Benchmark(name, split, task, examples))
     return out
 
-
 # ---- models ------------------------------------------------------------------------------------------------
 @dataclass
 class Tuned:
@@ -216,7 +216,6 @@ class Tuned:
     group: str
     path: Path
     kind: str  # "peft" (an adapter on the base) or "full" (a whole fine-tuned model)
-
 
 def resolve_adapter(path: str) -> tuple[Path, str]:
     """(folder, kind) for --adapter: a PEFT adapter folder ("peft"), a full model folder ("full") or a run
@@ -232,7 +231,6 @@ def resolve_adapter(path: str) -> tuple[Path, str]:
     raise UserError(f"--adapter {path}: not a PEFT adapter folder (no adapter_config.json), a model folder or a "
                     "mechdiag run directory")
 
-
 def default_label(folder: Path, given: str) -> str:
     """The run's name for RUN/final and RUN/checkpoints/step-N ('run:step-N'), else the folder's name."""
     if folder.name == "final":
@@ -240,7 +238,6 @@ def default_label(folder: Path, given: str) -> str:
     if folder.name.startswith("step-") and folder.parent.name == "checkpoints":
         return f"{folder.parent.parent.name}:{folder.name}"
     return folder.name or Path(given).resolve().name
-
 
 def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned]:
     """`--adapter [LABEL=]DIR` values -> Tuned models with their group.
@@ -262,7 +259,6 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
         grp = label.partition("@")[0] if "@" in label else (group or label)
         out.append(Tuned(label, grp, folder, kind))
     return out
-
 
 class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
@@ -313,19 +309,16 @@ class Models:
         finally:
             del full
 
-
 # ---- the scoring loop --------------------------------------------------------------------------------------
 def chunk_seed(seed: int, benchmark: str, start: int) -> int:
     h = hashlib.sha256(f"{seed}/{benchmark}/{start}".encode()).digest()
     return int.from_bytes(h[:8], "little") % (2**63 - 1)
-
 
 def score_problems(task, examples: list, greedy: list, sampled: list[list], tally: Tally, weights: dict) -> list:
     """Score one chunk; update `tally`; return the sample records (greedy as sample -1).
 
     greedy: one generate.Sample per example; sampled: `tally.samples` Samples per example (may be empty lists).
     """
-    from mechdiag.tasks.rewards import format_ok
 
     flat = [s for row in sampled for s in row]
     flat_ex = [e for e, row in zip(examples, sampled, strict=True) for _ in row]
@@ -352,11 +345,8 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
                             "truncated": s.truncated})
     return records
 
-
 def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write=None) -> dict[str, float]:
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
-    from mechdiag.config import REWARD_WEIGHTS
-    from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 
     task, s = bench.task, settings
     weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
@@ -388,7 +378,6 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
         if write is not None:
             write(records)
     return tally.metrics()
-
 
 # ---- comparison --------------------------------------------------------------------------------------------
 def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
@@ -433,7 +422,6 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                 rows.append(row)
     return rows
 
-
 def summary(rows: list[dict]) -> list[dict]:
     """Per tuned group: how many benchmark x score-metric configurations improve / regress on the base."""
     out: dict[str, dict] = {}
@@ -445,21 +433,17 @@ def summary(rows: list[dict]) -> list[dict]:
         s["total"] += 1
     return list(out.values())
 
-
 def summary_line(s: dict) -> str:
     return (f"{s['model']}: {s['improve']} of {s['total']} benchmark-metric configurations improve on the base "
             f"({s['regress']} regress, {s['same']} equal)")
-
 
 def _fmt(v: float | None, metric: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.1f}" if metric == "completion_length" else f"{v:.3f}"
 
-
 def render_table(rows: list[dict], color: bool = False) -> str:
     """The study's table: benchmark x metric rows, base and tuned columns, Δ marked (+ green, - red)."""
-    import click
 
     cols = list(dict.fromkeys(r["model"] for r in rows))
     cols = [BASE] + [c for c in cols if c != BASE] if BASE in cols else cols
@@ -501,7 +485,6 @@ def render_table(rows: list[dict], color: bool = False) -> str:
         out.append(summary_line(s))
     return "\n".join(out)
 
-
 # ---- the whole evaluation ----------------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -510,11 +493,9 @@ class Result:
     out_dir: Path
     samples_path: Path
 
-
 def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
     old = [r for r in atomic.read_jsonl(path) if keep(r)] if path.exists() else []
     atomic.write_text(path, "".join(atomic.dumps(r) + "\n" for r in old + new_records))
-
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,
              dtype: str = "float32", progress=None, report_samples: int = 8, device: str | None = None) -> Result:
@@ -523,7 +504,6 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     Besides the eval_* files, the first `report_samples` greedy completions per benchmark and model go to the run's
     samples.jsonl (kind "eval", source "mechdiag eval"), where the report pairs base and tuned answers.
     """
-    from mechdiag.run import RunDir
 
     settings.check()
     models = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
@@ -581,12 +561,10 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
         _merge_jsonl(run.stream("samples"), lambda r: not (r.get("source") == "mechdiag eval" and redone(r)), shown)
     return Result(rows, per_model, run.path, samples_path)
 
-
 SHOWN = ("example_id", "prompt", "completion", "correct", "reward", "answer", "length", "truncated")
 
 
 def set_threads(n: int | None) -> None:
     if n:
-        import torch
 
         torch.set_num_threads(n)

@@ -10,9 +10,11 @@ Greedy when temperature == 0. Groups are contiguous: sample j of prompt i is row
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
 
 @dataclass
@@ -22,20 +24,17 @@ class Sample:
     truncated: bool  # hit max_new_tokens without an EOS
     length: int
 
-
 def pad_id(tokenizer) -> int:
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
         if tid is not None:
             return int(tid)
     return 0
 
-
 def eos_ids(model, tokenizer) -> list[int]:
     ids = getattr(model.config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
     ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
     return sorted(set(int(i) for i in ids))
-
 
 def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
     """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
@@ -51,14 +50,11 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None 
         mask[i, width - len(r):] = 1
     return ids, mask
 
-
 def cache_kw(model) -> str:
     """transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`."""
-    import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
-
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     if temperature == 0:
@@ -73,7 +69,6 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return (probs / noise).argmax(-1)
 
-
 @torch.inference_mode()
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
                   eos: list[int], pad: int, temperature: float = 1.0, top_p: float = 1.0,
@@ -87,7 +82,6 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p).
     With `repeat` = n, each prompt row is prefilled once and decoded n times (rows i*n .. i*n+n-1).
     """
-    from transformers import DynamicCache
 
     b = prompt_ids.size(0) * repeat
     device = prompt_ids.device
@@ -134,7 +128,6 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         logprobs.append(torch.stack(lps, dim=1) * mask)
     return ids, mask, ~done
 
-
 def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 64, seed: int | None = None, batch_size: int | None = None,
              max_prompt_tokens: int | None = None) -> list[list[Sample]]:
@@ -158,7 +151,6 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: floa
     finally:
         model.train(was_training)
     return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
-
 
 def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torch.Tensor) -> list[Sample]:
     lengths = cmask.sum(-1).tolist()

@@ -20,26 +20,21 @@ import warnings
 from pathlib import Path
 
 import torch
+from peft import PeftModel
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 from mechdiag.errors import UserError
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint
 
 BUNDLED = "bundled"
-TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-CHARS = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-         " \n.,:;?!+-*/=()$%'\"<>")
-# Whole-word tokens for the arith vocabulary (bare and with a leading space): prompts shrink ~3x, which makes
-# pre-training and GRPO rollouts faster. Everything else, digits included, stays one token per character.
-TEMPLATE_WORDS = ["has", "gets", "finds", "more", "gives", "away", "loses", "ends", "up", "with", "twice", "three",
-                  "times", "as", "many", "How", "does", "have"]
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 
 
 def bundled_path() -> Path:
     return ASSETS / "arith-base"
-
 
 def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
     """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
@@ -59,7 +54,6 @@ def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
         raise UserError(f"model folder {name_or_path} does not exist")
     return str(name_or_path)  # hub name (needs network or the local HF cache)
 
-
 def _check_weights(folder: Path) -> None:
     if any(folder.glob("*.safetensors")):
         return
@@ -70,14 +64,11 @@ def _check_weights(folder: Path) -> None:
                         "safe_serialization=True)` in a trusted environment")
     raise UserError(f"model folder {folder} has no model.safetensors")
 
-
 def is_adapter(folder: Path) -> bool:
     return (folder / "adapter_config.json").is_file()
 
-
 def is_run_dir(folder: Path) -> bool:
     return (folder / "config.yaml").is_file() and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
-
 
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
     """The folder behind a model argument: `bundled`, a model or adapter folder, or a run directory (its final/,
@@ -90,7 +81,6 @@ def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
             raise UserError(f"{arg}: --checkpoint needs a run directory")
         return path
     return find_checkpoint(path, checkpoint)
-
 
 def adapter_base(adapter: Path) -> Path | None:
     """The local base folder named by an adapter's base_model_name_or_path (absolute or relative), else None."""
@@ -105,11 +95,8 @@ def adapter_base(adapter: Path) -> Path | None:
         return adapter / name
     return None
 
-
 def load_adapters(model, adapters: dict[str, Path]):
     """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter)."""
-    from peft import PeftModel
-    from safetensors import SafetensorError
 
     out = model
     for name, path in adapters.items():
@@ -124,7 +111,6 @@ def load_adapters(model, adapters: dict[str, Path]):
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"cannot load adapter {path}: {msg[:300]}") from None
     return out.eval()
-
 
 def adapter_context(model, name: str | None):
     """A context factory that runs `model` as the plain base (name None) or with adapter `name` active."""
@@ -144,7 +130,6 @@ def adapter_context(model, name: str | None):
 
     return ctx
 
-
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -162,42 +147,6 @@ def device(spec: str | None = "auto") -> str:
                         ) from None
     return spec
 
-
-def word_list() -> list[str]:
-    from mechdiag.tasks.arith import ITEMS, NAMES
-
-    return list(dict.fromkeys(TEMPLATE_WORDS + NAMES + ITEMS))
-
-
-def build_char_tokenizer():
-    """The bundled tokenizer: one token per character, the four tags and the arith words as single tokens.
-
-    BOS is added in front of every encoded text (training and inference alike); EOS ends a completion.
-
-    Built with the `tokenizers` library and wrapped in PreTrainedTokenizerFast, which reloads with identical ids
-    (AutoTokenizer for some model types swaps the pre-tokenizer on reload).
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    words = sorted(word_list(), key=len, reverse=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    for t in [*CHARS, *words, *(" " + w for w in words)]:
-        vocab.setdefault(t, len(vocab))
-    # Pre-tokens: a known whole word (with its leading space), else a single character; unknown -> <unk>.
-    pattern = r" ?(?<![A-Za-z])(?:" + "|".join(words) + r")(?![A-Za-z])|[\s\S]"
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False, single_word=False) for t in TAGS])
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", padding_side="left", clean_up_tokenization_spaces=False,
-                                   model_max_length=512)
-
-
 def ensure_pad(tokenizer):
     """Give a tokenizer without a pad token one (EOS, else UNK, else BOS); pad on the left for generation."""
     if tokenizer.pad_token is None:
@@ -210,10 +159,8 @@ def ensure_pad(tokenizer):
     tokenizer.padding_side = "left"
     return tokenizer
 
-
 def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = None):
     """The tokenizer of any model form; an adapter folder without one uses its base's."""
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     folder = checkpoint_folder(name_or_path, checkpoint)
     if is_adapter(folder) and not (folder / "tokenizer_config.json").exists():
@@ -232,13 +179,11 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
                         ) from e
     return ensure_pad(tok)
 
-
 def _tokenizer_class(folder: Path) -> str | None:
     try:
         return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         return None
-
 
 def _base_of(adapter: Path) -> Path:
     base = adapter_base(adapter)
@@ -246,11 +191,8 @@ def _base_of(adapter: Path) -> Path:
         raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
     return base
 
-
 def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):
     """Any model form in eval mode; a PEFT adapter (or a LoRA run's final/) comes merged into its base."""
-    from transformers import AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     folder = checkpoint_folder(name_or_path, checkpoint)
@@ -270,7 +212,6 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", check
     model.eval()
     return model
 
-
 def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32",
                              checkpoint: int | None = None):
     tok = load_tokenizer(name_or_path, checkpoint)
@@ -280,7 +221,6 @@ def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "f
     if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
-
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,
              temperature: float = 1.0, batch_size: int = 256, generator_seed: int | None = None) -> list[str]:

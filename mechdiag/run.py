@@ -68,7 +68,7 @@ class RunDir:
             raise UserError(f"corrupt {self.stream(name)}: {e}") from None
 
     def frame(self, name: str):
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
         return pd.DataFrame(self.read(name))
 

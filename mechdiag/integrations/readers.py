@@ -27,8 +27,11 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from mechdiag import atomic
+from mechdiag import config as C
+from mechdiag.displacement import compare
 from mechdiag.errors import UserError
 from mechdiag.run import STREAMS, Run, RunDir, load_run
+from mechdiag.weights import adapter_base, is_adapter
 
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 
@@ -74,7 +77,6 @@ _BEST_AT = re.compile(r"^best@(\d+)/mean$")
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-
 def map_trl_log(logs: dict, eval_: bool = False) -> dict:
     """One TRL log dict -> canonical keys (eval_: the eval_-prefixed record of an evaluation).
 
@@ -106,14 +108,11 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
         out["frac_zero_std"] = out.pop("trl/group_frac_zero_std")
     return out
 
-
 def is_train_log(logs: dict) -> bool:
     return any(k in logs for k in ("loss", "reward", "grad_norm")) and "train_runtime" not in logs
 
-
 def is_eval_log(logs: dict) -> bool:
     return any(k.startswith("eval_") for k in logs)
-
 
 # ---- per-group reward statistics ---------------------------------------------------------------------------
 def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, float]:
@@ -138,13 +137,11 @@ def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, fl
         return {}
     return {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan, "frac_zero_std": zero / n}
 
-
 def _contiguous_keys(n: int, group_size: int | None, prompts: list) -> list:
     """Group ids: contiguous blocks of group_size (how TRL lays out a generation batch), else the prompt text."""
     if group_size and n % group_size == 0:
         return [i // group_size for i in range(n)]
     return [str(p) for p in prompts]
-
 
 # ---- TRL completions parquet --------------------------------------------------------------------------------
 def completion_files(output_dir: Path) -> dict[int, Path]:
@@ -157,13 +154,12 @@ def completion_files(output_dir: Path) -> dict[int, Path]:
                 out[int(m.group(1))] = p
     return dict(sorted(out.items()))
 
-
 def completions_rows(path: Path, reward_names: list[str], weights: dict[str, float] | None = None,
                      group_size: int | None = None) -> tuple[dict, list[dict]]:
     """(group stats, samples records) of one completions parquet. The weighted reward is sum_f w_f * r_f over the
     reward-function columns (weights default to 1, TRL's default reward_weights); groups are contiguous blocks
     of group_size when it is known, else equal prompts."""
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
     try:
         df = pd.read_parquet(path)
@@ -194,11 +190,9 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
         samples.append(rec)
     return stats, samples
 
-
 def _none_nan(v):
     v = float(v)
     return v if math.isfinite(v) else None
-
 
 # ---- TRL output_dir -----------------------------------------------------------------------------------------
 def _checkpoints(output_dir: Path) -> dict[int, Path]:
@@ -208,7 +202,6 @@ def _checkpoints(output_dir: Path) -> dict[int, Path]:
         if m and p.is_dir():
             out[int(m.group(1))] = p
     return dict(sorted(out.items()))
-
 
 def trainer_state(output_dir: Path) -> dict:
     """trainer_state.json of the output_dir (written by trainer.save_state()), else of its latest checkpoint."""
@@ -227,7 +220,6 @@ def trainer_state(output_dir: Path) -> dict:
                 best = state
     return best or {}
 
-
 def is_trl_dir(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_dir() or any((path / f"{s}.jsonl").exists() for s in STREAMS) or (path / "config.yaml").exists():
@@ -235,11 +227,9 @@ def is_trl_dir(path: str | Path) -> bool:
     return (path / "trainer_state.json").exists() or any(path.glob("checkpoint-*/trainer_state.json")) \
         or (path / CALLBACK_DIR / "config.yaml").exists()
 
-
 def _callback_run(output_dir: Path) -> RunDir | None:
     p = output_dir / CALLBACK_DIR
     return RunDir(p) if p.is_dir() and (p / "config.yaml").exists() else None
-
 
 def _fresh(into) -> RunDir:
     rd = into if isinstance(into, RunDir) else RunDir(into, create=True)
@@ -249,12 +239,10 @@ def _fresh(into) -> RunDir:
         raise UserError(f"{rd.path} already holds a run ({', '.join(held) or 'config.yaml'}); give an empty folder")
     return rd
 
-
 def _config_from_adapter(output_dir: Path):
     """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
     adapter. Everything else stays at mechdiag's defaults (the TRL arguments are only in training_args.bin, a
     pickle we do not load)."""
-    from mechdiag import config as C
 
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
@@ -280,11 +268,8 @@ def _config_from_adapter(output_dir: Path):
             break
     return C.from_dict(data)
 
-
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
     """Per-tensor LoRA displacement of every checkpoint-N adapter against its base (when the base is local)."""
-    from mechdiag.displacement import compare
-    from mechdiag.weights import adapter_base, is_adapter
 
     rows = []
     for step, ck in _checkpoints(output_dir).items():
@@ -300,7 +285,6 @@ def _checkpoint_displacement(output_dir: Path) -> list[dict]:
                          "ref_fro": r["ref_fro"], "delta_fro": r["delta_fro"], "rel_fro": r["rel_fro"]})
     return rows
 
-
 def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = None,
                  group_size: int | None = None) -> RunDir:
     """Read a TRL GRPOTrainer output_dir into the empty run directory `into` (a RunDir or a path) and return it.
@@ -308,7 +292,6 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     Streams the MechdiagCallback recorded (output_dir/mechdiag/) are taken as they are; what it did not record is
     rebuilt from TRL's own files: metrics and eval from log_history, samples and reward_cv from the completions
     parquet, displacement from the checkpoint-N adapters."""
-    from mechdiag import config as C
 
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -367,7 +350,6 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     rd.write_summary(summary)
     return rd
 
-
 # ---- verl ---------------------------------------------------------------------------------------------------
 def _verl_lines(path: Path) -> list[dict]:
     lines = []
@@ -389,7 +371,6 @@ def _verl_lines(path: Path) -> list[dict]:
         lines.append(rec)
     return lines
 
-
 def is_verl_file(path: str | Path) -> bool:
     path = Path(path)
     if not (path.is_file() and path.suffix == ".jsonl"):
@@ -401,7 +382,6 @@ def is_verl_file(path: str | Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError):
         return False
     return isinstance(rec, dict) and isinstance(rec.get("data"), dict) and "step" in rec
-
 
 def map_verl(data: dict) -> tuple[dict, dict]:
     """One verl data dict -> (train record, eval record) in canonical keys; datasets averaged, kept per dataset."""
@@ -445,7 +425,6 @@ def map_verl(data: dict) -> tuple[dict, dict]:
         evrec.update({f"{metric}/{ds}": v for (metric, ds), (_, v) in per_ds.items()})
     return train, evrec
 
-
 def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
     """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
 
@@ -467,12 +446,10 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
         out[step] = (group_reward_stats([float(r["score"]) for r in rows], keys), samples)
     return out
 
-
 def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
     directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
     validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
-    from mechdiag import config as C
 
     path = Path(jsonl_path)
     if path.is_dir():
@@ -514,7 +491,6 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     rd.write_summary(summary)
     return rd
 
-
 # ---- any foreign run ----------------------------------------------------------------------------------------
 def foreign_kind(path) -> str | None:
     """"trl" for a TRL output_dir, "verl" for a verl metrics .jsonl (or a folder holding exactly one), else None."""
@@ -529,7 +505,6 @@ def foreign_kind(path) -> str | None:
             return "verl"
     return None
 
-
 def read_foreign(path, into) -> RunDir:
     kind = foreign_kind(path)
     if kind == "trl":
@@ -537,7 +512,6 @@ def read_foreign(path, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(path, into=into)
     raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
-
 
 def read_any_run(path) -> Run:
     """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""

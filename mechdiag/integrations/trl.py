@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -21,9 +23,12 @@ import types
 import warnings
 from pathlib import Path
 
+from mechdiag import config as C
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
     CALLBACK_DIR,
+    _contiguous_keys,
     completion_files,
     completions_rows,
     group_reward_stats,
@@ -33,7 +38,11 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.models import load_model_and_tokenizer
+from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
+from mechdiag.train.lora import resolve
+from mechdiag.train.trainer import Trainer, get_task
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -42,7 +51,6 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 
 __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "peft_lora_config", "config_from_grpo",
            "train_trl", "read_trl_run", "read_verl_run"]
-
 
 # ---- per-group reward CV through a reward-function wrapper -------------------------------------------------
 class GroupCV:
@@ -57,7 +65,7 @@ class GroupCV:
     """
 
     def __init__(self, reward_funcs, weights=None, group_size: int | None = None):
-        import torch
+        import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
 
         self.raw = list(reward_funcs)
         for f in self.raw:
@@ -93,15 +101,14 @@ class GroupCV:
             totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
         self._outs = {}
         try:
-            from accelerate import PartialState
+            from accelerate import PartialState  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
             if PartialState().num_processes > 1:
-                from accelerate.utils import gather_object
+                from accelerate.utils import gather_object  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 totals, prompts = gather_object(totals), gather_object(prompts)
         except ImportError:  # pragma: no cover - accelerate comes with trl
             pass
-        from mechdiag.integrations.readers import _contiguous_keys
 
         keys = _contiguous_keys(len(totals), self.group_size,
                                 [p if isinstance(p, str) else repr(p) for p in prompts])
@@ -111,7 +118,6 @@ class GroupCV:
                 v = self.last.get(key)
                 if v is not None and math.isfinite(v):
                     log_metric(name, v)
-
 
 # ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
 def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, list[float]]:
@@ -145,7 +151,6 @@ def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, 
 
     return [make(n) for n in names], [float(weights.get(n, 0.0)) for n in names]
 
-
 # ---- design lambda <-> GRPOConfig / LoraConfig --------------------------------------------------------------
 _SCHED = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
@@ -153,13 +158,12 @@ _SCHED = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_war
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
-
 def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
-    import torch
-    from trl import GRPOConfig
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     n = n_processes or world_size()
     micro = cfg.prompts_per_step * cfg.group_size
@@ -197,13 +201,11 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         except (ValueError, TypeError, ImportError) as e:
             raise UserError(f"GRPOConfig: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
 
-
 def parse_trl_args(items) -> dict:
     """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
-    import dataclasses
 
-    import yaml
-    from trl import GRPOConfig
+    import yaml  # noqa: PLC0415 - only when writing the GRPOConfig
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     out = {}
@@ -213,7 +215,6 @@ def parse_trl_args(items) -> dict:
         if not sep or not key:
             raise UserError(f"--trl expects KEY=VALUE, got {item!r}")
         if key not in fields:
-            import difflib
 
             near = difflib.get_close_matches(key, sorted(fields), n=1)
             raise UserError(f"--trl {key}: GRPOConfig has no such field" + (f" (did you mean {near[0]}?)"
@@ -224,22 +225,17 @@ def parse_trl_args(items) -> dict:
             out[key] = value
     return out
 
-
 def peft_lora_config(model, lora):
     """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    from mechdiag.train.lora import resolve
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - peft is loaded only for LoRA runs
 
     modules, layers = resolve(model, lora)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
 
-
 def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
     (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-    from mechdiag import config as C
 
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     g = int(args.num_generations or 8)
@@ -290,7 +286,6 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
         kept[k] = v
     return C.from_dict(kept)
 
-
 # ---- the callback --------------------------------------------------------------------------------------------
 def _peft(model):
     """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
@@ -301,7 +296,6 @@ def _peft(model):
         if model is None:
             return None
     return None
-
 
 def _timed(fn):
     """Add the method's wall time to self.recorder_s (the recorder's own cost, reported in summary.json)."""
@@ -315,7 +309,6 @@ def _timed(fn):
             self.recorder_s += time.perf_counter() - t0
 
     return inner
-
 
 class MechdiagCallback(TrainerCallback):
     """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
@@ -363,7 +356,6 @@ class MechdiagCallback(TrainerCallback):
             w = args.reward_weights or [1.0] * len(names)
             self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
             if self._derived:  # now the reward function names are known: config.yaml gets them
-                from mechdiag import config as C
 
                 self.config = C.from_dict({**self.config.model_dump(mode="json"),
                                            "rewards": {"weights": self.reward_weights}})
@@ -386,7 +378,6 @@ class MechdiagCallback(TrainerCallback):
         self._last_eval_step = step
         peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
-            from mechdiag.probes.shift import shift_inmemory
 
             rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
                                   step=step)
@@ -398,7 +389,6 @@ class MechdiagCallback(TrainerCallback):
         self._t0 = time.perf_counter()
         if not state.is_world_process_zero:
             return
-        from mechdiag import config as C
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
         if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
@@ -419,7 +409,7 @@ class MechdiagCallback(TrainerCallback):
         if self.max_time_s is not None:  # config max_time_s; rank 0's clock decides so all ranks stop together
             stop = time.perf_counter() - self._t0 > self.max_time_s
             if args.world_size > 1:
-                from accelerate.utils import broadcast_object_list
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
@@ -429,7 +419,6 @@ class MechdiagCallback(TrainerCallback):
         if self.displacement_every and step % self.displacement_every == 0:
             peft_model = _peft(model)
             if peft_model is not None:
-                from mechdiag.displacement import lora_rows
 
                 self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
@@ -469,13 +458,10 @@ class MechdiagCallback(TrainerCallback):
                                 "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
         self.run.write_summary(summary)
 
-
-
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
     length, pass@k), so both backends report the same held-out numbers."""
-    from mechdiag.train.trainer import Trainer
 
     def evaluate(model, tokenizer, step):
         m = _peft(model) or model
@@ -490,22 +476,19 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
 
     return evaluate
 
-
 def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
     directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
-    import torch
-    from datasets import Dataset
-    from trl import GRPOTrainer
-
-    from mechdiag.train.trainer import get_task, load_model
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+    from datasets import Dataset  # noqa: PLC0415 - datasets is loaded only for hf: task paths
+    from trl import GRPOTrainer  # noqa: PLC0415 - trl is an optional extra
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
     torch.manual_seed(cfg.seed)
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
     task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
@@ -529,11 +512,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     return trainer, run, cb
 
-
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
-    from mechdiag import config as C
 
     t0 = time.perf_counter()
     run_path = Path(out_dir)

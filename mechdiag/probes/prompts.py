@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.tasks import get_task
 
 NO_LIMIT = 1_000_000  # tokenizers without a limit report model_max_length ~1e30
 
@@ -36,17 +37,14 @@ def read_prompts(path: str | Path, n: int | None = None) -> list[str]:
         prompts = lines
     return prompts[:n] if n else prompts
 
-
 def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None) -> list[str]:
     """Prompts of a registered task, formatted exactly as in training (task.prompt, chat template included)."""
-    from mechdiag.tasks import get_task
 
     task = get_task(name)
     examples = task.examples(split, n)
     if not examples:
         raise UserError(f"task {name!r} split {split!r} has no examples")
     return [task.prompt(ex, tokenizer) for ex in examples]
-
 
 def pad_id_of(tokenizer) -> int:
     """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
@@ -55,12 +53,10 @@ def pad_id_of(tokenizer) -> int:
             return int(tid)
     return 0
 
-
 def max_length_of(tokenizer, config) -> int:
     limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     limits = [int(x) for x in limits if isinstance(x, (int, float)) and 0 < x < NO_LIMIT]
     return min(limits) if limits else 2048
-
 
 def encode(tokenizer, prompts: list[str], max_length: int) -> tuple[list[list[int]], int]:
     """Token ids per prompt, cut to max_length; returns (ids, number truncated).

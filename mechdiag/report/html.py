@@ -460,7 +460,7 @@ def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) 
     if advice is None:
         advice = Advice(note="Recommendations not requested.")
     if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+        from plotly.offline import get_plotlyjs  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
         plotly_js = get_plotlyjs()
     if "</script" in plotly_js.lower():

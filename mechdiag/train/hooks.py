@@ -159,8 +159,8 @@ class ProgressBar(Hook):
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.console import Console  # noqa: PLC0415 - rich progress only when training on a terminal
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415 - rich progress only when training on a terminal
 
         self.console = Console(stderr=True)
         if not self.console.is_terminal:

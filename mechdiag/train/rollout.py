@@ -10,8 +10,9 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens
+from mechdiag.generate import cache_kw, encode_prompts, eos_ids, pad_id, sample_tokens
 from mechdiag.train import objective as obj
 
 
@@ -51,7 +52,6 @@ class Rollout:
                        pick(self.example_ids), pick(self.group_ids), pick(self.prompts), t(self.old_logp),
                        t(self.ref_logp), t(self.sample_logp), t(self.sample_entropy))
 
-
 def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -62,14 +62,10 @@ def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mas
                    logits_to_keep=t + 1).logits
     return logits[:, :-1, :]
 
-
 @torch.inference_mode()
 def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
     """Token log-probs of the completions under `model` (no grad). Rows come in groups of `group_size` sharing
     one prompt, so each prompt is run once and its KV cache serves the group's completions."""
-    from transformers import DynamicCache
-
-    from mechdiag.generate import cache_kw
 
     g, t = group_size, r.completion_ids.size(1)
     if g == 1 or t == 1:
@@ -88,13 +84,11 @@ def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1
                  **kv).logits
     return obj.token_logprobs(torch.cat([first, rest], dim=1), r.completion_ids, temperature)
 
-
 def reference_context(model, ref_model):
     """The reference policy: the frozen copy if there is one, else the model with its adapter disabled."""
     if ref_model is not None:
         return ref_model, contextlib.nullcontext()
     return model, model.disable_adapter()
-
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
     """Sample cfg.group_size completions per example and score them (paper-notes §2).

@@ -21,15 +21,19 @@ import warnings
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import get_scheduler
 
-from mechdiag import atomic, models
+from mechdiag import atomic, models, tasks
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
+from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 from mechdiag.metrics import pass_at_k
-from mechdiag.run import RunDir
+from mechdiag.run import STREAMS, RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
+from mechdiag.train.lora import apply_lora, merge_into
 from mechdiag.train.rollout import collect, policy_logits
 
 
@@ -40,7 +44,6 @@ def frozen_copy(model):
         p.requires_grad_(False)
     return out
 
-
 def prepare_model(cfg: Config):
     """(model, tokenizer, ref_model, sampler).
 
@@ -49,7 +52,6 @@ def prepare_model(cfg: Config):
     base into which the effective weights are written before each rollout and eval, because plain layers decode
     faster; it is None otherwise and the model samples itself.
     """
-    from mechdiag.train.lora import apply_lora
 
     model, tok = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     if cfg.lora.enabled:
@@ -57,14 +59,11 @@ def prepare_model(cfg: Config):
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
-
 def make_scheduler(opt, cfg: Config, total_updates: int):
-    from transformers import get_scheduler
 
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
                          num_training_steps=total_updates)
-
 
 def auto_threads() -> int:
     """All cores, less those other processes keep busy: oversubscribed OpenMP threads spin and run 10x slower."""
@@ -75,20 +74,16 @@ def auto_threads() -> int:
         busy = 0
     return max(1, min(n, n - busy))
 
-
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
 
-
 def get_task(name: str, path: str | None, options: dict):
     """A registered task by name, or a user task class by import path "package.module:Class"."""
-    from mechdiag import tasks
 
     try:
         return tasks.get_task(name, path, **options)
     except (ImportError, AttributeError) as e:
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
-
 
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
@@ -140,7 +135,6 @@ class Trainer:
         """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
         if self._sampler is None:
             return self.model
-        from mechdiag.train.lora import merge_into
 
         merge_into(self.model, self._sampler)
         return self._sampler
@@ -205,7 +199,6 @@ class Trainer:
         n = cfg.eval_samples
         if n == 1:  # greedy accuracy stands for pass@1
             return {}
-        from mechdiag.generate import generate
 
         k_list = [k for k in cfg.pass_k if k <= n]
         groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
@@ -321,7 +314,6 @@ class Trainer:
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
         # durable before the marker: every record of steps <= N and every file of the checkpoint
-        from mechdiag.run import STREAMS
 
         for p in [self.run.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
             atomic.fsync_file(p)
@@ -343,10 +335,8 @@ class Trainer:
         os.replace(tmp, self.run.final)
 
     def _load_weights(self, path: Path) -> None:
-        from safetensors.torch import load_file
 
         if self.cfg.lora.enabled:
-            from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.model, load_file(path / "adapter_model.safetensors"))
         else:
@@ -417,7 +407,6 @@ class Trainer:
                     h.progress.stop()
             raise
         return self.run
-
 
 def train(cfg: Config, out_dir, resume: bool = False, hooks: list | None = None) -> RunDir:
     """Train with GRPO under `cfg` into the run directory `out_dir` (resume: continue from its last checkpoint)."""
