@@ -142,10 +142,6 @@ class Config(_Strict):
             raise ValueError("pass_k values must be >= 1")
         return self
 
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
 _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
            "lr_schedule": "cosine", "max_grad_norm": 0.1, "temperature": 0.8, "epsilon": 0.2,

@@ -245,7 +245,7 @@ def _raise_temperature(cfg: Config) -> Change | None:
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
-    if cfg.clip_high >= EPSILON_HIGH_TARGET - 1e-9:
+    if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
 

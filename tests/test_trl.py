@@ -215,7 +215,7 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
         logp = objective.token_logprobs(policy_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask), completion_ids, cfg.temperature)
         ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, epsilon=cfg.epsilon,
-                                          epsilon_high=cfg.clip_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                          epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                           max_completion_tokens=cfg.max_completion_tokens)
     assert stats["policy_clip_fraction"] > 0 and stats["kl"] > 0
     assert abs(trl_loss - float(ours)) <= 1e-5 * max(1.0, abs(float(ours))), (trl_loss, float(ours))

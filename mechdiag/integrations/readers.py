@@ -40,7 +40,8 @@ TRL_TRAIN_KEYS = {
     "reward": "reward", "reward_std": "reward_std", "reward_cv": "reward_cv", "frac_reward_zero_std": "frac_zero_std",
     "kl": "kl", "entropy": "entropy", "completions/clipped_ratio": "completion_clipped_ratio",
     "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
-    "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high", "loss": "loss", "grad_norm": "grad_norm",
+    "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
+    "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
 }
 TRL_EVAL_KEYS = {
@@ -59,7 +60,7 @@ VERL_TRAIN_KEYS = {
     "entropy": ("actor/entropy", "actor/entropy_loss"),
     "kl": ("actor/kl_loss", "actor/reward_kl_penalty"),
     "policy_clip_fraction": ("actor/pg_clipfrac",),
-    "clip_low": ("actor/pg_clipfrac_lower",),
+    "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
     "grad_norm": ("actor/grad_norm",),
     "lr": ("actor/lr",),

@@ -175,7 +175,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
         gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
-        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.clip_high,
+        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=_SCHED[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,

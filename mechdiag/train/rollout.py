@@ -7,7 +7,7 @@ under full fine-tuning. Each of the old and reference log-probs is one batched f
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -34,7 +34,6 @@ class Rollout:
     ref_logp: torch.Tensor | None = None
     sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
     sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)

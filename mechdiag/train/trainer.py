@@ -15,7 +15,6 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ from mechdiag.config import Config, save
 from mechdiag.errors import UserError
 from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 from mechdiag.metrics import pass_at_k
-from mechdiag.run import STREAMS, RunDir
+from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
@@ -275,64 +274,47 @@ class Trainer:
         return metrics, roll
 
     def _micro_loss(self, roll, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The loss of micro-batch `rows`, as a share of the whole micro-batch's aggregate.
+        """The loss of micro-batch `rows` (mechdiag.train.objective.grpo_loss weighs it).
 
         With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
-        the forward pass (often half the batch: groups with equal rewards) and the aggregate rescaled to match.
+        the forward pass (often half the batch: groups with equal rewards); the objective is told the counts.
         """
         cfg = self.cfg
-        keep = rows
-        if cfg.beta == 0:
-            keep = rows[roll.advantages[rows].cpu() != 0]
-        tokens_all = roll.completion_mask[rows].sum().clamp(min=1)
+        keep = rows[roll.advantages[rows].cpu() != 0] if cfg.beta == 0 else rows
         if len(keep) == 0:
-            return torch.zeros(()), {"clip_low": 0.0, "clip_high": 0.0, "policy_clip_fraction": 0.0}
+            return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
         logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
         logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                 epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
-                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
-        token_share = (mb.completion_mask.sum() / tokens_all).item()
-        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(rows)
-        st = {k: v * token_share for k, v in st.items() if k != "kl"}
-        return loss * share, st
+                                 epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
+                                 n_rows=len(rows), n_tokens=int(roll.completion_mask[rows].sum()))
+        st.pop("kl", None)  # logged once per step over the whole rollout (train_step)
+        return loss, st
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
         self.model.save_pretrained(path)
 
     def save_checkpoint(self, step: int) -> Path:
-        final = self.run.checkpoints / f"step-{step}"
-        tmp = self.run.checkpoints / f".step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self._save_weights(tmp)
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-        atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
-        # durable before the marker: every record of steps <= N and every file of the checkpoint
+        def save(folder: Path) -> None:
+            self._save_weights(folder)
+            torch.save(self.opt.state_dict(), folder / "optimizer.pt")
+            torch.save(self.sched.state_dict(), folder / "scheduler.pt")
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
+            atomic.write_json(folder / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
 
-        for p in [self.run.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
-            atomic.fsync_file(p)
-        os.replace(tmp, final)
-        atomic.write_text(final / "COMPLETE", "")
-        atomic.fsync_file(self.run.checkpoints)
+        final = self.run.write_checkpoint(step, save)
         H.call(getattr(self, "hooks", []), "on_save", self, step, final)
         return final
 
     def _save_final(self) -> None:
-        """final/ appears whole or not at all: written beside it, then renamed over it."""
-        tmp = self.run.path / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self._save_weights(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        for p in sorted(tmp.iterdir()) + [tmp]:
-            atomic.fsync_file(p)
-        shutil.rmtree(self.run.final, ignore_errors=True)
-        os.replace(tmp, self.run.final)
+        def save(folder: Path) -> None:
+            self._save_weights(folder)
+            self.tokenizer.save_pretrained(folder)
+
+        self.run.write_final(save)
 
     def _load_weights(self, path: Path) -> None:
 
@@ -352,7 +334,7 @@ class Trainer:
             self.run.drop_after(-1)
             return
         last = steps[-1]
-        ck = self.run.checkpoints / f"step-{last}"
+        ck = self.run.checkpoint(last)
         try:
             self._load_weights(ck)
             self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
