@@ -38,7 +38,7 @@ from mechdiag import atomic, models
 from mechdiag import tasks as T
 from mechdiag.config import REWARD_WEIGHTS
 from mechdiag.errors import UserError
-from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
+from mechdiag.generate import generate, greedy
 from mechdiag.metrics import direction, is_score, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.tasks.math_tasks import latex_answer
@@ -352,8 +352,6 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
     tally = Tally(s.ks, s.samples, votable=task.domain != "code" or callable(getattr(task, "answer_key", None)))
     model.eval()  # no LoRA dropout
-    device = next(model.parameters()).device
-    eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_prompt = s.max_prompt_tokens
     if max_pos:  # keep prompt + completion inside the positions the model was trained on
@@ -363,16 +361,12 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     for start in range(0, len(bench.examples), per_chunk):
         chunk = bench.examples[start:start + per_chunk]
         prompts = [task.prompt(e, tokenizer) for e in chunk]
-        ids, mask = encode_prompts(tokenizer, prompts, max_prompt)
-        ent: list = []
-        comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device), max_new_tokens=s.max_new_tokens,
-                                           eos=eos, pad=pad, temperature=0.0, entropy=ent)
-        tally.add_entropy(float((ent[0].double() * cmask).sum()), int(cmask.sum()))
-        greedy = samples_from(tokenizer, comp, cmask, trunc)
+        greedy_done, ent_sum, ent_n = greedy(model, tokenizer, prompts, s.max_new_tokens, max_prompt, len(prompts))
+        tally.add_entropy(ent_sum, ent_n)
         sampled = generate(model, tokenizer, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                            max_new_tokens=s.max_new_tokens, seed=chunk_seed(s.seed, bench.name, start),
                            max_prompt_tokens=max_prompt)
-        records = score_problems(task, chunk, greedy, sampled, tally, weights)
+        records = score_problems(task, chunk, greedy_done, sampled, tally, weights)
         for r, p in zip((r for r in records if r["sample"] == -1), prompts, strict=True):
             r["prompt"] = p
         if write is not None:

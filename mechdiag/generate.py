@@ -161,3 +161,22 @@ def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torc
         out.append(Sample(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
                           truncated=bool(trunc[i]), length=n_tok))
     return out
+
+
+@torch.inference_mode()
+def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int | None = None,
+           batch_size: int = 256) -> tuple[list[Sample], float, int]:
+    """The one greedy evaluation pass (trainer, `mechdiag eval`, the TRL evaluator): completions of `prompts`,
+    and the summed entropy (float64) over their completion tokens with the token count."""
+    device = next(model.parameters()).device
+    eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
+    out, ent_sum, ent_n = [], 0.0, 0
+    for s in range(0, len(prompts), batch_size):
+        ids, mask = encode_prompts(tokenizer, prompts[s:s + batch_size], max_prompt_tokens)
+        ent: list = []
+        comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                                           eos=eos, pad=pad, temperature=0.0, entropy=ent)
+        ent_sum += float((ent[0].double() * cmask).sum())
+        ent_n += int(cmask.sum())
+        out += samples_from(tokenizer, comp, cmask, trunc)
+    return out, ent_sum, ent_n

@@ -68,7 +68,9 @@ def is_adapter(folder: Path) -> bool:
     return (folder / "adapter_config.json").is_file()
 
 def is_run_dir(folder: Path) -> bool:
-    return (folder / "config.yaml").is_file() and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
+    """A folder holding a run's final/ or checkpoints/ (and no model of its own)."""
+    own = (folder / "config.json").is_file() or is_adapter(folder)
+    return not own and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
 
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
     """The folder behind a model argument: `bundled`, a model or adapter folder, or a run directory (its final/,

@@ -27,7 +27,7 @@ from transformers import get_scheduler
 from mechdiag import atomic, models, tasks
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
-from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
+from mechdiag.generate import generate, greedy
 from mechdiag.metrics import pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
@@ -161,32 +161,23 @@ class Trainer:
     @torch.inference_mode()
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
         """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, tok, model = self.cfg, self.tokenizer, self.sampler()
+        cfg, model = self.cfg, self.sampler()
         was = model.training
         model.eval()
-        eos, pad = eos_ids(model, tok), pad_id(tok)
-        correct, rewards, lengths, ent_sum, ent_n, samples = [], [], [], 0.0, 0, []
+        correct, rewards, samples = [], [], []
         try:
-            for s in range(0, len(self.eval_prompts), batch_size):
-                ids, mask = encode_prompts(tok, self.eval_prompts[s:s + batch_size], cfg.max_prompt_tokens)
-                ent: list = []
-                comp, cmask, trunc = sample_tokens(model, ids.to(self.device), mask.to(self.device),
-                                                   max_new_tokens=cfg.max_completion_tokens, eos=eos, pad=pad,
-                                                   temperature=0.0, entropy=ent)
-                ent_sum += float((ent[0] * cmask).sum())
-                ent_n += int(cmask.sum())
-                for j, smp in enumerate(samples_from(tok, comp, cmask, trunc)):
-                    ex = self.eval_examples[s + j]
-                    r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
-                    ok = bool(self.task.correct(smp.text, ex))
-                    correct.append(ok)
-                    rewards.append(r)
-                    lengths.append(smp.length)
-                    if len(samples) < 16:
-                        samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
-                                        "correct": ok, "reward": r})
+            done, ent_sum, ent_n = greedy(model, self.tokenizer, self.eval_prompts, cfg.max_completion_tokens,
+                                          cfg.max_prompt_tokens, batch_size)
+            for smp, ex in zip(done, self.eval_examples, strict=True):
+                r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
+                ok = bool(self.task.correct(smp.text, ex))
+                correct.append(ok)
+                rewards.append(r)
+                if len(samples) < 16:
+                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
+                                    "correct": ok, "reward": r})
             out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
-                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(lengths) / len(lengths)}
+                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / len(done)}
             out.update(self._pass_at_k(step))
         finally:
             model.train(was)
