@@ -41,38 +41,10 @@ from mechdiag.errors import UserError
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import direction, is_score, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
-from mechdiag.tasks.math_tasks import latex_answer
-from mechdiag.tasks.mathnorm import normalize
-from mechdiag.tasks.mcq import pick_option
-from mechdiag.tasks.rewards import answer_number, extract_answer, format_ok
+from mechdiag.tasks.rewards import format_ok
 
 BASE = "base"
 
-
-def answer_key(task, completion: str, example):
-    """The answer a completion gives, in a form where equal answers compare equal (for maj@k); None if none.
-
-    A task may define `answer_key(completion, example)`; code has no votable answer (maj@k is not reported).
-    """
-    own = getattr(task, "answer_key", None)
-    if callable(own):
-        return own(completion, example)
-
-    if task.domain == "code":
-        return None
-    block = extract_answer(completion)
-    if task.domain == "mcq":
-
-        return pick_option(block, example.meta["labels"], example.meta["options"])
-    if getattr(task, "name", "") == "math500":
-
-        got = latex_answer(completion)
-        return normalize(got) if got else None
-    num = answer_number(completion)
-    if num is not None:
-        return num
-    text = " ".join((block or "").lower().split()).rstrip(".")
-    return text or None
 
 # ---- per-benchmark tallies ---------------------------------------------------------------------------------
 @dataclass
@@ -329,13 +301,13 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
     records, j = [], 0
     for i, ex in enumerate(examples):
         row = sampled[i]
-        ok_i, keys_i = [bool(x) for x in s_ok[j:j + len(row)]], [answer_key(task, s.text, ex) for s in row]
+        ok_i, keys_i = [bool(x) for x in s_ok[j:j + len(row)]], [task.answer_key(s.text, ex) for s in row]
         j += len(row)
         reward = sum(weights.get(k, 0.0) * v for k, v in g_comp[i].items())
         g = greedy[i]
         per = tally.add(correct=bool(g_ok[i]), reward=reward, fmt=format_ok(g.text), length=g.length,
                         truncated=g.truncated, sample_correct=ok_i, sample_keys=keys_i)
-        gkey = answer_key(task, g.text, ex)
+        gkey = task.answer_key(g.text, ex)
         records.append({"example_id": ex.id, "sample": -1, "completion": g.text, "correct": bool(g_ok[i]),
                         "reward": reward, "answer": None if gkey is None else str(gkey), "length": g.length,
                         "truncated": g.truncated, **per})
@@ -350,7 +322,7 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
 
     task, s = bench.task, settings
     weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
-    tally = Tally(s.ks, s.samples, votable=task.domain != "code" or callable(getattr(task, "answer_key", None)))
+    tally = Tally(s.ks, s.samples, votable=task.votable)
     model.eval()  # no LoRA dropout
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_prompt = s.max_prompt_tokens

@@ -118,7 +118,7 @@ def test_eval_scoring_gold_full_shuffled_zero(data_dir, name, split):
         assert m["maj@3"] == 1.0 and all(r["answer"] is not None for r in recs)
     else:
         assert "maj@3" not in m
-    key = lambda e: E.answer_key(task, e.meta["gold_completion"], e) or e.answer  # noqa: E731  ('x=5' is '5')
+    key = lambda e: task.answer_key(e.meta["gold_completion"], e) or e.answer  # noqa: E731  ('x=5' is '5')
     pairs = [(e, o) for e, o in zip(exs, exs[1:] + exs[:1], strict=True) if key(o) != key(e)]
     assert len(pairs) >= len(exs) // 2  # GSM-Plus perturbations of one problem often share the answer
     wrong = [o.meta["gold_completion"] for _, o in pairs]

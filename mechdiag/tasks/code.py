@@ -173,6 +173,10 @@ class CodeTask(FileTask):
     """Shared by MBPP and HumanEval: a program is `program(code, example)`, run against example.answer (tests)."""
 
     domain = "code"
+    votable = False  # programs have no answer to vote on
+
+    def answer_key(self, completion: str, example: Example):
+        return None
     timeout_s = 5.0
     memory_mb = 512
     workers = 2
