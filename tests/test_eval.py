@@ -323,7 +323,7 @@ def test_cli_json_and_bad_input(stories260k, adapters, tmp_path, cli):
                          (["--task", "arith", "--adapter", str(tmp_path)], "not a PEFT adapter"),
                          (["--task", "arith", "--k", "1,x"], "comma-separated integers"),
                          (["--task", "arith/nope"], "arith has splits"),
-                         (["--task", "arith", "--device", "nonsense"], "--device nonsense: not usable"),
+                         (["--task", "arith", "--device", "nonsense"], "--device nonsense: use auto, cpu, cuda"),
                          (["--task", "arith", "--adapter", str(adapters[0]), "--model", "bundled"],
                           "cannot load it onto bundled")]:
         model = extra[extra.index("--model") + 1] if "--model" in extra else str(stories260k)
