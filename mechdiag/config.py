@@ -33,15 +33,18 @@ REWARD_WEIGHTS = {
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+
 class ModelConfig(_Strict):
     name_or_path: str = "bundled"  # "bundled" = the tiny arith Llama shipped in mechdiag/assets
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
 
 class DataSource(_Strict):
     name: str = "arith"
     path: str | None = None  # local file; None = the task's default (shared data or a dataset name)
     weight: float = Field(1.0, gt=0)
     options: dict[str, Any] = Field(default_factory=dict)  # task-specific knobs, e.g. arith difficulty
+
 
 class TaskConfig(_Strict):
     name: str = "arith"
@@ -51,6 +54,7 @@ class TaskConfig(_Strict):
     eval_split: str = "test"
     n_train: int | None = Field(None, gt=0)
     mixture: list[DataSource] = Field(default_factory=list)  # extra sources mixed into training by weight
+
 
 class LoraConfig(_Strict):
     enabled: bool = True
@@ -74,16 +78,19 @@ class LoraConfig(_Strict):
         parse_layers(v, n_layers=None)  # syntax check; bounds are checked against the model later
         return v
 
+
 class RewardConfig(_Strict):
     weights: dict[str, float] = Field(default_factory=lambda: dict(REWARD_WEIGHTS["math"]))
     reasoning_tag: str = "reasoning"
     answer_tag: str = "answer"
+
 
 class RecordConfig(_Strict):
     displacement_every: int = Field(10, ge=0)  # steps; 0 = off
     shift_at_eval: bool = True
     shift_n: int = Field(64, ge=1)
     samples_every: int = Field(10, ge=0)
+
 
 class Config(_Strict):
     preset: Literal["math", "code", "mcq"] | None = None
@@ -141,6 +148,7 @@ class Config(_Strict):
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
         return self
+
 
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
 _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
@@ -211,6 +219,7 @@ def parse_layers(spec: str | list[int], n_layers: int | None) -> list[int] | Non
         raise UserError("lora.layers selects no layer")
     return sorted(out)
 
+
 # ---- loading -----------------------------------------------------------------------------------------------
 def _deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
@@ -221,6 +230,7 @@ def _deep_merge(base: dict, over: dict) -> dict:
             out[k] = copy.deepcopy(v)
     return out
 
+
 def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
     for p in path:
         f = model.model_fields.get(p)
@@ -229,6 +239,7 @@ def _field_names(model: type[BaseModel], path: list[str]) -> list[str]:
             return []
         model = ann
     return list(model.model_fields)
+
 
 def _explain(err: ValidationError) -> str:
     e = err.errors()[0]
@@ -243,6 +254,7 @@ def _explain(err: ValidationError) -> str:
     msg = e["msg"].removeprefix("Value error, ")
     return f"invalid config value for {where}: {msg} (got {e.get('input')!r})"
 
+
 def from_dict(data: dict | None) -> Config:
     data = dict(data or {})
     preset = data.get("preset")
@@ -256,11 +268,13 @@ def from_dict(data: dict | None) -> Config:
     except ValidationError as err:
         raise UserError(_explain(err)) from None
 
+
 def _parse_value(text: str) -> Any:
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply `key.sub=value` strings (values parsed as YAML) to a raw config dict."""
@@ -278,6 +292,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         node[parts[-1]] = _parse_value(value)
     return data
 
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -293,15 +308,18 @@ def read_yaml(path: str | Path) -> dict:
         raise UserError(f"config {path} must be a mapping of keys to values")
     return data
 
+
 def load(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
     data = read_yaml(path) if path else {}
     return from_dict(apply_overrides(data, overrides or []))
+
 
 def to_yaml(cfg: Config, header: str = "") -> str:
     body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     if header:
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body
+
 
 def save(cfg: Config, path: str | Path, header: str = "") -> None:
 

@@ -28,6 +28,7 @@ def demo_overrides(max_steps: int) -> list[str]:
             f"record.displacement_every={every}", "record.shift_at_eval=true", "record.shift_n=32",
             f"record.samples_every={every}", f"save_every={max_steps}"]
 
+
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
@@ -35,6 +36,7 @@ def _fresh(path: Path) -> Path:
             raise UserError(f"{path} exists and is not a previous demo run; pass --out to another folder")
         shutil.rmtree(path)
     return path
+
 
 def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
              echo=print) -> Path:

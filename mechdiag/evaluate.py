@@ -93,6 +93,7 @@ class Tally:
         out["entropy"] = self.entropy_sum / self.tokens if self.tokens else math.nan
         return out
 
+
 # ---- what to evaluate --------------------------------------------------------------------------------------
 @dataclass
 class Settings:
@@ -128,6 +129,7 @@ class Settings:
             raise UserError(f"--n must be >= 1, got {self.n}")
         return self
 
+
 @dataclass
 class Benchmark:
     task_name: str
@@ -138,6 +140,7 @@ class Benchmark:
     @property
     def name(self) -> str:
         return f"{self.task_name}/{self.split}"
+
 
 def parse_tasks(specs: Iterable[str], splits: Iterable[str] = ()) -> list[tuple[str, str | None]]:
     """`--task` values ("gsm8k", "arith/ood_steps", "a,b") -> [(task, split or None)], with --split as default."""
@@ -154,23 +157,17 @@ def parse_tasks(specs: Iterable[str], splits: Iterable[str] = ()) -> list[tuple[
                 out.append(p)
     return out
 
+
 def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: str | None = None,
                     options: dict | None = None) -> list[Benchmark]:
     """Tasks and their examples, read before any model loads (a bad file fails in a second, not after loading)."""
-
-    def get_task(name: str):  # a registered name, or a user task class "package.module:Class"
-        try:
-            return T.get_task(name, path, **dict(options or {}))
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"task {name!r}: cannot load it ({e})") from None
-
     if path is not None and len({t for t, _ in specs}) > 1:
         raise UserError("--path applies to one task; evaluate tasks with their own files in separate calls")
     tasks: dict[str, object] = {}
     out = []
     for name, split in specs:
         if name not in tasks:
-            tasks[name] = get_task(name)
+            tasks[name] = T.get_task(name, path, **dict(options or {}))
         task = tasks[name]
         if split is None:
             known = tuple(getattr(task, "splits", ()) or ("test",))
@@ -181,6 +178,7 @@ def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: st
         out.append(Benchmark(name, split, task, examples))
     return out
 
+
 # ---- models ------------------------------------------------------------------------------------------------
 @dataclass
 class Tuned:
@@ -188,6 +186,7 @@ class Tuned:
     group: str
     path: Path
     kind: str  # "peft" (an adapter on the base) or "full" (a whole fine-tuned model)
+
 
 def resolve_adapter(path: str) -> tuple[Path, str]:
     """(folder, kind) for --adapter: a PEFT adapter folder ("peft"), a full model folder ("full") or a run
@@ -203,6 +202,7 @@ def resolve_adapter(path: str) -> tuple[Path, str]:
     raise UserError(f"--adapter {path}: not a PEFT adapter folder (no adapter_config.json), a model folder or a "
                     "mechdiag run directory")
 
+
 def default_label(folder: Path, given: str) -> str:
     """The run's name for RUN/final and RUN/checkpoints/step-N ('run:step-N'), else the folder's name."""
     if folder.name == "final":
@@ -210,6 +210,7 @@ def default_label(folder: Path, given: str) -> str:
     if folder.name.startswith("step-") and folder.parent.name == "checkpoints":
         return f"{folder.parent.parent.name}:{folder.name}"
     return folder.name or Path(given).resolve().name
+
 
 def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned]:
     """`--adapter [LABEL=]DIR` values -> Tuned models with their group.
@@ -231,6 +232,7 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
         grp = label.partition("@")[0] if "@" in label else (group or label)
         out.append(Tuned(label, grp, folder, kind))
     return out
+
 
 class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
@@ -281,10 +283,12 @@ class Models:
         finally:
             del full
 
+
 # ---- the scoring loop --------------------------------------------------------------------------------------
 def chunk_seed(seed: int, benchmark: str, start: int) -> int:
     h = hashlib.sha256(f"{seed}/{benchmark}/{start}".encode()).digest()
     return int.from_bytes(h[:8], "little") % (2**63 - 1)
+
 
 def score_problems(task, examples: list, greedy: list, sampled: list[list], tally: Tally, weights: dict) -> list:
     """Score one chunk; update `tally`; return the sample records (greedy as sample -1).
@@ -317,6 +321,7 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
                             "truncated": s.truncated})
     return records
 
+
 def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write=None) -> dict[str, float]:
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
 
@@ -344,6 +349,7 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
         if write is not None:
             write(records)
     return tally.metrics()
+
 
 # ---- comparison --------------------------------------------------------------------------------------------
 def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
@@ -388,6 +394,7 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                 rows.append(row)
     return rows
 
+
 def summary(rows: list[dict]) -> list[dict]:
     """Per tuned group: how many benchmark x score-metric configurations improve / regress on the base."""
     out: dict[str, dict] = {}
@@ -399,14 +406,17 @@ def summary(rows: list[dict]) -> list[dict]:
         s["total"] += 1
     return list(out.values())
 
+
 def summary_line(s: dict) -> str:
     return (f"{s['model']}: {s['improve']} of {s['total']} benchmark-metric configurations improve on the base "
             f"({s['regress']} regress, {s['same']} equal)")
+
 
 def _fmt(v: float | None, metric: str) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     return f"{v:.1f}" if metric == "completion_length" else f"{v:.3f}"
+
 
 def render_table(rows: list[dict], color: bool = False) -> str:
     """The study's table: benchmark x metric rows, base and tuned columns, Δ marked (+ green, - red)."""
@@ -451,6 +461,7 @@ def render_table(rows: list[dict], color: bool = False) -> str:
         out.append(summary_line(s))
     return "\n".join(out)
 
+
 # ---- the whole evaluation ----------------------------------------------------------------------------------
 @dataclass
 class Result:
@@ -459,9 +470,11 @@ class Result:
     out_dir: Path
     samples_path: Path
 
+
 def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
     old = [r for r in atomic.read_jsonl(path) if keep(r)] if path.exists() else []
     atomic.write_text(path, "".join(atomic.dumps(r) + "\n" for r in old + new_records))
+
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,
              dtype: str = "float32", progress=None, report_samples: int = 8, device: str | None = None) -> Result:
@@ -526,6 +539,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     if shown:
         _merge_jsonl(run.stream("samples"), lambda r: not (r.get("source") == "mechdiag eval" and redone(r)), shown)
     return Result(rows, per_model, run.path, samples_path)
+
 
 SHOWN = ("example_id", "prompt", "completion", "correct", "reward", "answer", "length", "truncated")
 

@@ -24,17 +24,20 @@ class Sample:
     truncated: bool  # hit max_new_tokens without an EOS
     length: int
 
+
 def pad_id(tokenizer) -> int:
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
         if tid is not None:
             return int(tid)
     return 0
 
+
 def eos_ids(model, tokenizer) -> list[int]:
     ids = getattr(model.config, "eos_token_id", None)
     ids = ids if isinstance(ids, list) else [ids]
     ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
     return sorted(set(int(i) for i in ids))
+
 
 def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
     """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
@@ -50,11 +53,13 @@ def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None 
         mask[i, width - len(r):] = 1
     return ids, mask
 
+
 def cache_kw(model) -> str:
     """transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`."""
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
     if temperature == 0:
@@ -68,6 +73,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     # argmax(p / E), E ~ Exp(1), is an exact draw from p and cheaper than torch.multinomial on small batches
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return (probs / noise).argmax(-1)
+
 
 @torch.inference_mode()
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
@@ -128,6 +134,7 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         logprobs.append(torch.stack(lps, dim=1) * mask)
     return ids, mask, ~done
 
+
 def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: float = 1.0, top_p: float = 1.0,
              max_new_tokens: int = 64, seed: int | None = None, batch_size: int | None = None,
              max_prompt_tokens: int | None = None) -> list[list[Sample]]:
@@ -151,6 +158,7 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: floa
     finally:
         model.train(was_training)
     return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
+
 
 def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torch.Tensor) -> list[Sample]:
     lengths = cmask.sum(-1).tolist()

@@ -36,6 +36,7 @@ PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt",
 def bundled_path() -> Path:
     return ASSETS / "arith-base"
 
+
 def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
     """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
     if str(name_or_path) == BUNDLED:
@@ -54,6 +55,7 @@ def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
         raise UserError(f"model folder {name_or_path} does not exist")
     return str(name_or_path)  # hub name (needs network or the local HF cache)
 
+
 def _check_weights(folder: Path) -> None:
     if any(folder.glob("*.safetensors")):
         return
@@ -64,13 +66,16 @@ def _check_weights(folder: Path) -> None:
                         "safe_serialization=True)` in a trusted environment")
     raise UserError(f"model folder {folder} has no model.safetensors")
 
+
 def is_adapter(folder: Path) -> bool:
     return (folder / "adapter_config.json").is_file()
+
 
 def is_run_dir(folder: Path) -> bool:
     """A folder holding a run's final/ or checkpoints/ (and no model of its own)."""
     own = (folder / "config.json").is_file() or is_adapter(folder)
     return not own and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
+
 
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
     """The folder behind a model argument: `bundled`, a model or adapter folder, or a run directory (its final/,
@@ -84,6 +89,7 @@ def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
         return path
     return find_checkpoint(path, checkpoint)
 
+
 def adapter_base(adapter: Path) -> Path | None:
     """The local base folder named by an adapter's base_model_name_or_path (absolute or relative), else None."""
     try:
@@ -96,6 +102,7 @@ def adapter_base(adapter: Path) -> Path | None:
     if name and (adapter / name).is_dir():
         return adapter / name
     return None
+
 
 def load_adapters(model, adapters: dict[str, Path]):
     """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter)."""
@@ -113,6 +120,7 @@ def load_adapters(model, adapters: dict[str, Path]):
             msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
             raise UserError(f"cannot load adapter {path}: {msg[:300]}") from None
     return out.eval()
+
 
 def adapter_context(model, name: str | None):
     """A context factory that runs `model` as the plain base (name None) or with adapter `name` active."""
@@ -132,6 +140,7 @@ def adapter_context(model, name: str | None):
 
     return ctx
 
+
 _DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 
 
@@ -149,6 +158,7 @@ def device(spec: str | None = "auto") -> str:
                         ) from None
     return spec
 
+
 def ensure_pad(tokenizer):
     """Give a tokenizer without a pad token one (EOS, else UNK, else BOS); pad on the left for generation."""
     if tokenizer.pad_token is None:
@@ -160,6 +170,7 @@ def ensure_pad(tokenizer):
             raise UserError("tokenizer has no pad, eos, unk or bos token to pad with")
     tokenizer.padding_side = "left"
     return tokenizer
+
 
 def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = None):
     """The tokenizer of any model form; an adapter folder without one uses its base's."""
@@ -181,17 +192,20 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
                         ) from e
     return ensure_pad(tok)
 
+
 def _tokenizer_class(folder: Path) -> str | None:
     try:
         return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
     except (OSError, ValueError):
         return None
 
+
 def _base_of(adapter: Path) -> Path:
     base = adapter_base(adapter)
     if base is None:
         raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
     return base
+
 
 def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):
     """Any model form in eval mode; a PEFT adapter (or a LoRA run's final/) comes merged into its base."""
@@ -214,6 +228,7 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", check
     model.eval()
     return model
 
+
 def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32",
                              checkpoint: int | None = None):
     tok = load_tokenizer(name_or_path, checkpoint)
@@ -223,6 +238,7 @@ def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "f
     if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
         model.generation_config.pad_token_id = tok.pad_token_id
     return model, tok
+
 
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,
              temperature: float = 1.0, batch_size: int = 256, generator_seed: int | None = None) -> list[str]:

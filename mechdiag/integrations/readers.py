@@ -78,6 +78,7 @@ _BEST_AT = re.compile(r"^best@(\d+)/mean$")
 def _num(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
+
 def map_trl_log(logs: dict, eval_: bool = False) -> dict:
     """One TRL log dict -> canonical keys (eval_: the eval_-prefixed record of an evaluation).
 
@@ -109,11 +110,14 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
         out["frac_zero_std"] = out.pop("trl/group_frac_zero_std")
     return out
 
+
 def is_train_log(logs: dict) -> bool:
     return any(k in logs for k in ("loss", "reward", "grad_norm")) and "train_runtime" not in logs
 
+
 def is_eval_log(logs: dict) -> bool:
     return any(k.startswith("eval_") for k in logs)
+
 
 # ---- per-group reward statistics ---------------------------------------------------------------------------
 def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, float]:
@@ -138,11 +142,13 @@ def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, fl
         return {}
     return {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan, "frac_zero_std": zero / n}
 
+
 def _contiguous_keys(n: int, group_size: int | None, prompts: list) -> list:
     """Group ids: contiguous blocks of group_size (how TRL lays out a generation batch), else the prompt text."""
     if group_size and n % group_size == 0:
         return [i // group_size for i in range(n)]
     return [str(p) for p in prompts]
+
 
 # ---- TRL completions parquet --------------------------------------------------------------------------------
 def completion_files(output_dir: Path) -> dict[int, Path]:
@@ -154,6 +160,7 @@ def completion_files(output_dir: Path) -> dict[int, Path]:
             if m:
                 out[int(m.group(1))] = p
     return dict(sorted(out.items()))
+
 
 def completions_rows(path: Path, reward_names: list[str], weights: dict[str, float] | None = None,
                      group_size: int | None = None) -> tuple[dict, list[dict]]:
@@ -191,9 +198,11 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
         samples.append(rec)
     return stats, samples
 
+
 def _none_nan(v):
     v = float(v)
     return v if math.isfinite(v) else None
+
 
 # ---- TRL output_dir -----------------------------------------------------------------------------------------
 def _checkpoints(output_dir: Path) -> dict[int, Path]:
@@ -203,6 +212,7 @@ def _checkpoints(output_dir: Path) -> dict[int, Path]:
         if m and p.is_dir():
             out[int(m.group(1))] = p
     return dict(sorted(out.items()))
+
 
 def trainer_state(output_dir: Path) -> dict:
     """trainer_state.json of the output_dir (written by trainer.save_state()), else of its latest checkpoint."""
@@ -221,6 +231,7 @@ def trainer_state(output_dir: Path) -> dict:
                 best = state
     return best or {}
 
+
 def is_trl_dir(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_dir() or any((path / f"{s}.jsonl").exists() for s in STREAMS) or (path / "config.yaml").exists():
@@ -228,9 +239,11 @@ def is_trl_dir(path: str | Path) -> bool:
     return (path / "trainer_state.json").exists() or any(path.glob("checkpoint-*/trainer_state.json")) \
         or (path / CALLBACK_DIR / "config.yaml").exists()
 
+
 def _callback_run(output_dir: Path) -> RunDir | None:
     p = output_dir / CALLBACK_DIR
     return RunDir(p) if p.is_dir() and (p / "config.yaml").exists() else None
+
 
 def _fresh(into) -> RunDir:
     rd = into if isinstance(into, RunDir) else RunDir(into, create=True)
@@ -239,6 +252,7 @@ def _fresh(into) -> RunDir:
     if held or rd.config_path.exists():
         raise UserError(f"{rd.path} already holds a run ({', '.join(held) or 'config.yaml'}); give an empty folder")
     return rd
+
 
 def _config_from_adapter(output_dir: Path):
     """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
@@ -269,6 +283,7 @@ def _config_from_adapter(output_dir: Path):
             break
     return C.from_dict(data)
 
+
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
     """Per-tensor LoRA displacement of every checkpoint-N adapter against its base (when the base is local)."""
 
@@ -285,6 +300,7 @@ def _checkpoint_displacement(output_dir: Path) -> list[dict]:
             rows.append({"step": step, "name": r["name"], "layer": r["layer"], "module": r["module"],
                          "ref_fro": r["ref_fro"], "delta_fro": r["delta_fro"], "rel_fro": r["rel_fro"]})
     return rows
+
 
 def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = None,
                  group_size: int | None = None) -> RunDir:
@@ -351,6 +367,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     rd.write_summary(summary)
     return rd
 
+
 # ---- verl ---------------------------------------------------------------------------------------------------
 def _verl_lines(path: Path) -> list[dict]:
     lines = []
@@ -372,6 +389,7 @@ def _verl_lines(path: Path) -> list[dict]:
         lines.append(rec)
     return lines
 
+
 def is_verl_file(path: str | Path) -> bool:
     path = Path(path)
     if not (path.is_file() and path.suffix == ".jsonl"):
@@ -383,6 +401,7 @@ def is_verl_file(path: str | Path) -> bool:
     except (OSError, ValueError, UnicodeDecodeError):
         return False
     return isinstance(rec, dict) and isinstance(rec.get("data"), dict) and "step" in rec
+
 
 def map_verl(data: dict) -> tuple[dict, dict]:
     """One verl data dict -> (train record, eval record) in canonical keys; datasets averaged, kept per dataset."""
@@ -426,6 +445,7 @@ def map_verl(data: dict) -> tuple[dict, dict]:
         evrec.update({f"{metric}/{ds}": v for (metric, ds), (_, v) in per_ds.items()})
     return train, evrec
 
+
 def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
     """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
 
@@ -446,6 +466,7 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
                     "reward": float(r["score"])} for r, g in zip(rows, groups, strict=True)]
         out[step] = (group_reward_stats([float(r["score"]) for r in rows], keys), samples)
     return out
+
 
 def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
@@ -492,6 +513,7 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     rd.write_summary(summary)
     return rd
 
+
 # ---- any foreign run ----------------------------------------------------------------------------------------
 def foreign_kind(path) -> str | None:
     """"trl" for a TRL output_dir, "verl" for a verl metrics .jsonl (or a folder holding exactly one), else None."""
@@ -506,6 +528,7 @@ def foreign_kind(path) -> str | None:
             return "verl"
     return None
 
+
 def read_foreign(path, into) -> RunDir:
     kind = foreign_kind(path)
     if kind == "trl":
@@ -513,6 +536,7 @@ def read_foreign(path, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(path, into=into)
     raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
+
 
 def read_any_run(path) -> Run:
     """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""

@@ -41,8 +41,9 @@ from mechdiag.integrations.readers import (
 from mechdiag.models import load_model_and_tokenizer
 from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
+from mechdiag.tasks import get_task
 from mechdiag.train.lora import resolve
-from mechdiag.train.trainer import Trainer, get_task
+from mechdiag.train.trainer import Trainer
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -51,6 +52,7 @@ except ImportError:  # pragma: no cover - transformers is a dependency
 
 __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "peft_lora_config", "config_from_grpo",
            "train_trl", "read_trl_run", "read_verl_run"]
+
 
 # ---- per-group reward CV through a reward-function wrapper -------------------------------------------------
 class GroupCV:
@@ -119,6 +121,7 @@ class GroupCV:
                 if v is not None and math.isfinite(v):
                     log_metric(name, v)
 
+
 # ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
 def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, list[float]]:
     """(reward functions, weights): one TRL reward function per reward component of `task`, named after it (so
@@ -151,12 +154,14 @@ def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, 
 
     return [make(n) for n in names], [float(weights.get(n, 0.0)) for n in names]
 
+
 # ---- design lambda <-> GRPOConfig / LoraConfig --------------------------------------------------------------
 _SCHED = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
 
 def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
@@ -201,6 +206,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         except (ValueError, TypeError, ImportError) as e:
             raise UserError(f"GRPOConfig: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
 
+
 def parse_trl_args(items) -> dict:
     """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
 
@@ -225,6 +231,7 @@ def parse_trl_args(items) -> dict:
             out[key] = value
     return out
 
+
 def peft_lora_config(model, lora):
     """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
     from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - peft is loaded only for LoRA runs
@@ -232,6 +239,7 @@ def peft_lora_config(model, lora):
     modules, layers = resolve(model, lora)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
+
 
 def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
@@ -286,6 +294,7 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
         kept[k] = v
     return C.from_dict(kept)
 
+
 # ---- the callback --------------------------------------------------------------------------------------------
 def _peft(model):
     """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
@@ -296,6 +305,7 @@ def _peft(model):
         if model is None:
             return None
     return None
+
 
 def _timed(fn):
     """Add the method's wall time to self.recorder_s (the recorder's own cost, reported in summary.json)."""
@@ -309,6 +319,7 @@ def _timed(fn):
             self.recorder_s += time.perf_counter() - t0
 
     return inner
+
 
 class MechdiagCallback(TrainerCallback):
     """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
@@ -458,6 +469,7 @@ class MechdiagCallback(TrainerCallback):
                                 "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
         self.run.write_summary(summary)
 
+
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
@@ -476,6 +488,7 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
 
     return evaluate
 
+
 def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
     directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
@@ -490,7 +503,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     torch.manual_seed(cfg.seed)
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
-    task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
     if not train_ex:
@@ -511,6 +524,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     return trainer, run, cb
+
 
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir

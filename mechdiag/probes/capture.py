@@ -28,6 +28,7 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T] long, 1 = real token
     last: torch.Tensor  # [B] index of the last real token
 
+
 def pad_batch(seqs: list[list[int]], pad_id: int, device: torch.device | str = "cpu") -> Batch:
     """Right-pad token id lists into one batch."""
     lens = [len(s) for s in seqs]
@@ -39,21 +40,25 @@ def pad_batch(seqs: list[list[int]], pad_id: int, device: torch.device | str = "
     last = torch.tensor(lens, dtype=torch.long) - 1
     return Batch(ids.to(device), mask.to(device), last.to(device))
 
+
 @dataclass
 class Captured:
     resid: list[torch.Tensor]  # L+1 tensors [B, T, D]: the stream entering block 0, then each block's output
     logits: torch.Tensor  # [B, T, V]
+
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The transformers model under a PEFT wrapper (LoRA layers stay injected in it)."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
+
 def n_layers_of(config) -> int | None:
     for key in ("num_hidden_layers", "n_layer", "num_layers"):
         if isinstance(getattr(config, key, None), int):
             return getattr(config, key)
     return None
+
 
 def _find_layers(model: nn.Module) -> str:
     """Qualified name of the ModuleList of decoder blocks (model.layers for Llama, transformer.h for GPT-2)."""
@@ -65,6 +70,7 @@ def _find_layers(model: nn.Module) -> str:
         raise UserError(f"cannot find the decoder layers of {type(model).__name__}")
     return min(pool, key=lambda nm: nm[0].count("."))[0]  # the outermost one
 
+
 def _find_final_norm(model: nn.Module) -> nn.Module:
     """The norm applied after the last block (logit lens = lm_head(norm(h)))."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
@@ -75,10 +81,12 @@ def _find_final_norm(model: nn.Module) -> nn.Module:
                 return m
     raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
 
+
 def _envoy(root, path: str):
     for part in path.split("."):
         root = root[int(part)] if part.isdigit() else getattr(root, part)
     return root
+
 
 class Probe:
     """nnsight view of one model: per-layer residuals and logits for a batch, plus the logit-lens head."""

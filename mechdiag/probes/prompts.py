@@ -37,6 +37,7 @@ def read_prompts(path: str | Path, n: int | None = None) -> list[str]:
         prompts = lines
     return prompts[:n] if n else prompts
 
+
 def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None) -> list[str]:
     """Prompts of a registered task, formatted exactly as in training (task.prompt, chat template included)."""
 
@@ -46,6 +47,7 @@ def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None
         raise UserError(f"task {name!r} split {split!r} has no examples")
     return [task.prompt(ex, tokenizer) for ex in examples]
 
+
 def pad_id_of(tokenizer) -> int:
     """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
     for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
@@ -53,10 +55,12 @@ def pad_id_of(tokenizer) -> int:
             return int(tid)
     return 0
 
+
 def max_length_of(tokenizer, config) -> int:
     limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     limits = [int(x) for x in limits if isinstance(x, (int, float)) and 0 < x < NO_LIMIT]
     return min(limits) if limits else 2048
+
 
 def encode(tokenizer, prompts: list[str], max_length: int) -> tuple[list[list[int]], int]:
     """Token ids per prompt, cut to max_length; returns (ids, number truncated).

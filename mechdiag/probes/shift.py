@@ -37,6 +37,7 @@ N_BOOT = 1000
 COLUMNS = ["layer", "shift", "ci_low", "ci_high", "shift_pooled", "cos_dist", "increment", "logit_kl",
            "output_kl", "n_prompts", "n_tokens"]
 
+
 class ShiftSums:
     """Per-prompt, per-layer sums; everything the metrics need, O(prompts x layers) scalars."""
 
@@ -92,10 +93,12 @@ class ShiftSums:
                  "logit_kl": float(self.lens_kl[keep, j].mean()), "output_kl": float(out_kl), "n_prompts": n,
                  "n_tokens": n_tok} for j in range(ratio.shape[1])]
 
+
 def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
     """KL(p || q) over the last axis, in float64 (near-identical models give tiny values)."""
     lp, lq = F.log_softmax(logits_p.double(), -1), F.log_softmax(logits_q.double(), -1)
     return (lp.exp() * (lp - lq)).sum(-1).clamp_min(0)
+
 
 def bootstrap_ci(ratio: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: float = 0.95):
     """Percentile interval of the prompt mean, resampling prompts: ratio [N, L] -> (low [L], high [L])."""
@@ -106,6 +109,7 @@ def bootstrap_ci(ratio: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: 
     means = counts @ ratio / n
     a = (1 - level) / 2
     return np.quantile(means, a, axis=0), np.quantile(means, 1 - a, axis=0)
+
 
 def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_size: int = 16,
             ref_ctx=contextlib.nullcontext, tuned_ctx=contextlib.nullcontext, keep_bos: bool = False) -> ShiftSums:
@@ -130,6 +134,7 @@ def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_
         del cap_ref, cap_tuned, lens_ref, lens_tuned
     return sums
 
+
 def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
     if not prompts:
         raise UserError("no prompts to probe with")
@@ -139,6 +144,7 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
     if empty:
         raise UserError(f"{empty} prompt(s) tokenise to nothing")
     return seqs, truncated, limit
+
 
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
           max_length: int | None = None, dtype: str = "float32", device: str = "cpu", n_boot: int = N_BOOT,
@@ -165,6 +171,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared)
     return df
 
+
 def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, step: int | None = None,
                    keep_bos: bool = False, max_length: int | None = None) -> list[dict]:
     """Shift of a PEFT-wrapped model against itself with the adapter disabled, for the trainer's recorder.
@@ -184,6 +191,7 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
     finally:
         model.train(was_training)
     return [{"step": step, **r} for r in sums.rows()]
+
 
 # ---- output -------------------------------------------------------------------------------------------------
 def write_html(df, path: str | Path, title: str = "Activation shift") -> None:
@@ -206,6 +214,7 @@ def write_html(df, path: str | Path, title: str = "Activation shift") -> None:
                       height=700)
     fig.update_xaxes(title_text="layer")
     atomic.write_text(path, fig.to_html(include_plotlyjs=True, full_html=True))
+
 
 def note(msg: str) -> None:
     print(f"mechdiag: note: {msg}", file=sys.stderr)

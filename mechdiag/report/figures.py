@@ -28,6 +28,7 @@ TRAIN_SIGNALS = [("reward", "train reward"), ("reward_cv", "reward CV (within gr
 EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), ("entropy", "eval entropy"),
                 ("completion_length", "eval completion length")]
 
+
 @dataclass
 class Coloured(Group):
     """A group as the report draws it: one colour for its runs (seeds as mean and band)."""

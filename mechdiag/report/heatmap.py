@@ -24,6 +24,7 @@ def displacement_grid(df: pd.DataFrame) -> pd.DataFrame:
     modules = list(dict.fromkeys(d["module"]))  # checkpoint order: q, k, v, o, ... as the model lists them
     return rel.reindex(index=layers, columns=modules)
 
+
 def displacement_heatmap(df: pd.DataFrame, title: str = "Relative weight displacement ||W - W_ref||_F / ||W_ref||_F"):
     """A plotly Figure: rel_fro per layer (rows) x module (columns) from per-tensor displacement rows."""
     import plotly.graph_objects as go  # noqa: PLC0415 - plotly loads only when a figure is drawn
@@ -36,6 +37,7 @@ def displacement_heatmap(df: pd.DataFrame, title: str = "Relative weight displac
     fig.update_layout(title=title, xaxis_title="module", yaxis_title="layer", yaxis_autorange="reversed",
                       height=max(320, 22 * len(grid.index) + 160))
     return fig
+
 
 def write_html(fig, path: str | os.PathLike) -> None:
     """A self-contained HTML page (plotly.js inlined, works offline), written atomically."""

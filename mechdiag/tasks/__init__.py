@@ -27,6 +27,7 @@ REGISTRY: dict[str, str] = {  # name -> "module:Class"
 def register(name: str, target: str) -> None:
     REGISTRY[name] = target
 
+
 def get_task(name: str, path: str | None = None, **options) -> Task:
 
     target = REGISTRY.get(name) or (name if ":" in name else None)  # a user task class "package.module:Class"
@@ -40,5 +41,6 @@ def get_task(name: str, path: str | None = None, **options) -> Task:
     except (ImportError, AttributeError) as e:
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
     return task_cls(path=path, **options)
+
 
 __all__ = ["Example", "Task", "get_task", "register", "REGISTRY"]

@@ -22,10 +22,12 @@ def n_layers(model) -> int:
         raise UserError("the model config has no num_hidden_layers; cannot resolve lora.layers")
     return int(n)
 
+
 def linear_names(model) -> set[str]:
     """Short names of the Linear modules inside the decoder layers (what target_modules may name)."""
     return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
             if isinstance(mod, torch.nn.Linear) and _LAYER.search(name + ".")}
+
 
 def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
     """Validated (target_modules, layer indices) for this model."""
@@ -37,6 +39,7 @@ def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
                             + (f" (did you mean {near[0]}?)" if near else f"; it has {', '.join(sorted(known))}"))
     return list(lora.target_modules), parse_layers(lora.layers, n_layers(model))
 
+
 def apply_lora(model, lora: LoraConfig):
     """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
 
@@ -44,6 +47,7 @@ def apply_lora(model, lora: LoraConfig):
     pcfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, pcfg)
+
 
 def lora_modules(model) -> list[dict]:
     """The exact modules carrying a LoRA adapter: name, layer, module, shape, trainable parameters."""
@@ -59,8 +63,10 @@ def lora_modules(model) -> list[dict]:
                          "params": params})
     return rows
 
+
 def trainable_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
 
 @torch.no_grad()
 def merge_into(peft_model, plain) -> None:

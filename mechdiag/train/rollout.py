@@ -51,6 +51,7 @@ class Rollout:
                        pick(self.example_ids), pick(self.group_ids), pick(self.prompts), t(self.old_logp),
                        t(self.ref_logp), t(self.sample_logp), t(self.sample_entropy))
 
+
 def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
     """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
@@ -60,6 +61,7 @@ def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mas
     logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
                    logits_to_keep=t + 1).logits
     return logits[:, :-1, :]
+
 
 @torch.inference_mode()
 def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
@@ -83,11 +85,13 @@ def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1
                  **kv).logits
     return obj.token_logprobs(torch.cat([first, rest], dim=1), r.completion_ids, temperature)
 
+
 def reference_context(model, ref_model):
     """The reference policy: the frozen copy if there is one, else the model with its adapter disabled."""
     if ref_model is not None:
         return ref_model, contextlib.nullcontext()
     return model, model.disable_adapter()
+
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
     """Sample cfg.group_size completions per example and score them (paper-notes §2).

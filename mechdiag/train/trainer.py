@@ -43,6 +43,7 @@ def frozen_copy(model):
         p.requires_grad_(False)
     return out
 
+
 def prepare_model(cfg: Config):
     """(model, tokenizer, ref_model, sampler).
 
@@ -58,11 +59,13 @@ def prepare_model(cfg: Config):
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
+
 def make_scheduler(opt, cfg: Config, total_updates: int):
 
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
                          num_training_steps=total_updates)
+
 
 def auto_threads() -> int:
     """All cores, less those other processes keep busy: oversubscribed OpenMP threads spin and run 10x slower."""
@@ -73,16 +76,10 @@ def auto_threads() -> int:
         busy = 0
     return max(1, min(n, n - busy))
 
+
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
 
-def get_task(name: str, path: str | None, options: dict):
-    """A registered task by name, or a user task class by import path "package.module:Class"."""
-
-    try:
-        return tasks.get_task(name, path, **options)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"task {name!r}: cannot load it ({e})") from None
 
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
@@ -93,8 +90,8 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
         self.device = next(self.model.parameters()).device
-        self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
-        self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
+        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+        self.sources = [(self.task, 1.0)] + [(tasks.get_task(s.name, s.path, **s.options), s.weight)
                                              for s in cfg.task.mixture]
         self.train_examples = [t.examples(cfg.task.train_split if i == 0 else "train", n=cfg.task.n_train,
                                           seed=cfg.seed)
@@ -380,6 +377,7 @@ class Trainer:
                     h.progress.stop()
             raise
         return self.run
+
 
 def train(cfg: Config, out_dir, resume: bool = False, hooks: list | None = None) -> RunDir:
     """Train with GRPO under `cfg` into the run directory `out_dir` (resume: continue from its last checkpoint)."""
