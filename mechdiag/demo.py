@@ -14,7 +14,7 @@ from pathlib import Path
 from mechdiag import atomic, config
 from mechdiag.errors import UserError
 from mechdiag.report import advise, write_report
-from mechdiag.run import group_runs, load_run
+from mechdiag.run import RunDir, group_runs, load_run
 from mechdiag.train.trainer import train
 
 SEEDS = (42, 3407)
@@ -32,7 +32,7 @@ def demo_overrides(max_steps: int) -> list[str]:
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
-        if not path.is_dir() or not ((path / "config.yaml").exists() or (path / "metrics.jsonl").exists()):
+        if not path.is_dir() or not (RunDir(path).config_path.exists() or RunDir(path).stream("metrics").exists()):
             raise UserError(f"{path} exists and is not a previous demo run; pass --out to another folder")
         shutil.rmtree(path)
     return path

@@ -490,7 +490,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     group_of = {t.label: t.group for t in tuned}
     names = {b.name for b in benches}
     redone = lambda r: r.get("benchmark") in names  # noqa: E731  rows of this call replace earlier ones
-    samples_path = run.path / "eval_samples.jsonl"
+    samples_path = run.stream("eval_samples")
     tmp = run.path / ".eval_samples.jsonl.partial"
     per_model: list[dict] = []
     shown: list[dict] = []  # a few greedy completions per benchmark x model for the report
@@ -535,7 +535,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     for r in rows:
         r.update(samples=settings.samples, temperature=settings.temperature, seed=settings.seed)
     _merge_jsonl(run.stream("eval_benchmarks"), lambda r: not redone(r), rows)
-    _merge_jsonl(run.path / "eval_models.jsonl", lambda r: not redone(r), per_model)
+    _merge_jsonl(run.stream("eval_models"), lambda r: not redone(r), per_model)
     if shown:
         _merge_jsonl(run.stream("samples"), lambda r: not (r.get("source") == "mechdiag eval" and redone(r)), shown)
     return Result(rows, per_model, run.path, samples_path)
