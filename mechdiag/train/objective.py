@@ -137,13 +137,12 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch
     surrogate, rho = clipped_surrogate(logp, old_logp, advantages, epsilon, epsilon_high)
     per_token = -surrogate
     stats: dict[str, float] = {}
-    if ref_logp is not None:  # KL is logged whenever a reference is given, and penalised when beta > 0
+    if beta != 0.0:  # the penalty, and its value as the logged KL (the trainer measures it itself when beta = 0)
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
         kl = kl_k3(logp, ref_logp)
-        if beta != 0.0:
-            per_token = per_token + beta * kl
+        per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask).item()
-    elif beta != 0.0:
-        raise ValueError("beta > 0 needs ref_logp")
     loss = aggregate(per_token, mask, loss_type, max_completion_tokens, n_rows, n_tokens)
     stats.update(clip_fractions(rho.detach(), advantages, mask, epsilon, epsilon_high, n_tokens))
     return loss, stats

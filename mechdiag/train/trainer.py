@@ -250,7 +250,8 @@ class Trainer:
         n_tok = int(roll.completion_mask.sum())
         m_all = roll.completion_mask
         stats["entropy"] = [obj.masked_mean(roll.sample_entropy, m_all).item()]
-        stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
+        if "kl" not in stats:  # beta = 0: no penalty computed it; measure it on the rollout
+            stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
         g = obj.group_stats(roll.rewards, cfg.group_size)
         metrics = {"reward": roll.rewards.mean().item(), **g,
                    "completion_clipped_ratio": roll.truncated.float().mean().item(),
@@ -278,7 +279,6 @@ class Trainer:
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
                                  n_rows=len(rows), n_tokens=int(roll.completion_mask[rows].sum()))
-        st.pop("kl", None)  # logged once per step over the whole rollout (train_step)
         return loss, st
 
     # ---- checkpoints ----------------------------------------------------------------------------------
