@@ -1,5 +1,6 @@
-"""The GRPO training recipe, read top to bottom: setup, evaluate the base, then per step
-rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics, recorders, checkpoint).
+"""The GRPO training recipe, read top to bottom in the order it runs: setup (__init__); fit: evaluate the base,
+then per step (train_step) rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics,
+recorders, checkpoint); evaluate; checkpoints (written through mechdiag.run).
 
 A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
 num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
@@ -135,72 +136,43 @@ class Trainer:
         merge_into(self.model, self._sampler)
         return self._sampler
 
-    # ---- data -----------------------------------------------------------------------------------------
-    def batch(self, step: int) -> list:
-        """The prompts of step `step` (1-based): a slice of the epoch's permutation, or a weighted mixture."""
-        k = self.prompts_per_update
-        main = self.train_examples[0]
-        if len(self.sources) == 1:
-            start = (step - 1) * k
-            out = []
-            for j in range(start, start + k):
-                epoch, i = divmod(j, len(main))
-                perm = list(range(len(main)))
-                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
-                out.append(main[perm[i]])
-            return out
-        rng = random.Random(step_seed(self.cfg.seed, step, 2))
-        weights = [w for _, w in self.sources]
-        picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
-        return [rng.choice(self.train_examples[s]) for s in picks]
-
-    # ---- evaluation -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def evaluate(self, step: int, batch_size: int = 256) -> dict:
-        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, model = self.cfg, self.sampler()
-        was = model.training
-        model.eval()
-        correct, rewards, samples = [], [], []
-        try:
-            done, ent_sum, ent_n = greedy(model, self.tokenizer, self.eval_prompts, cfg.max_completion_tokens,
-                                          cfg.max_prompt_tokens, batch_size)
-            for smp, ex in zip(done, self.eval_examples, strict=True):
-                r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
-                ok = bool(self.task.correct(smp.text, ex))
-                correct.append(ok)
-                rewards.append(r)
-                if len(samples) < 16:
-                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
-                                    "correct": ok, "reward": r})
-            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
-                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / len(done)}
-            out.update(self._pass_at_k(step))
-        finally:
-            model.train(was)
-        self.run.append("samples", samples)
-        return out
-
-    def _pass_at_k(self, step: int) -> dict:
+    # ---- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> RunDir:
+        t_start = time.perf_counter()
         cfg = self.cfg
-        n = cfg.eval_samples
-        if n == 1:  # greedy accuracy stands for pass@1
-            return {}
-
-        k_list = [k for k in cfg.pass_k if k <= n]
-        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
-                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
-        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
-              for g, ex in zip(groups, self.eval_examples, strict=True)]
-        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
-
-    def _eval(self, step: int) -> dict:
-        metrics = self.evaluate(step)
-        if self.cfg.eval_samples == 1:
-            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
-        H.call(self.hooks, "on_eval", self, step, metrics)
-        return metrics
+        H.call(self.hooks, "on_train_start", self)
+        try:
+            if self.base_eval is None:
+                self.base_eval = {"step": 0, **self._eval(0)}
+            t_train = time.perf_counter()
+            for step in range(self.step + 1, self.total_steps + 1):
+                metrics, roll = self.train_step(step)
+                self.step = step
+                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                    self._eval(step)
+                self.checkpointer.on_step_end(self, step, metrics, roll)
+                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
+                        and step < self.total_steps:
+                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
+                                  f"{self.total_steps}", stacklevel=2)
+                    break
+            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
+            self._save_final()
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
+                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
+                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
+                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
+                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
+                       "wall_time_s": time.perf_counter() - t_start}
+            self.run.write_summary(summary)
+            H.call(self.hooks, "on_train_end", self, summary)
+        except BaseException:
+            for h in self.hooks:
+                if isinstance(h, H.ProgressBar) and h.progress is not None:
+                    h.progress.stop()
+            raise
+        return self.run
 
     # ---- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[dict, object]:
@@ -281,6 +253,73 @@ class Trainer:
                                  n_rows=len(rows), n_tokens=int(roll.completion_mask[rows].sum()))
         return loss, st
 
+    # ---- data -----------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list:
+        """The prompts of step `step` (1-based): a slice of the epoch's permutation, or a weighted mixture."""
+        k = self.prompts_per_update
+        main = self.train_examples[0]
+        if len(self.sources) == 1:
+            start = (step - 1) * k
+            out = []
+            for j in range(start, start + k):
+                epoch, i = divmod(j, len(main))
+                perm = list(range(len(main)))
+                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
+                out.append(main[perm[i]])
+            return out
+        rng = random.Random(step_seed(self.cfg.seed, step, 2))
+        weights = [w for _, w in self.sources]
+        picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
+        return [rng.choice(self.train_examples[s]) for s in picks]
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self, step: int, batch_size: int = 256) -> dict:
+        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
+        cfg, model = self.cfg, self.sampler()
+        was = model.training
+        model.eval()
+        correct, rewards, samples = [], [], []
+        try:
+            done, ent_sum, ent_n = greedy(model, self.tokenizer, self.eval_prompts, cfg.max_completion_tokens,
+                                          cfg.max_prompt_tokens, batch_size)
+            for smp, ex in zip(done, self.eval_examples, strict=True):
+                r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
+                ok = bool(self.task.correct(smp.text, ex))
+                correct.append(ok)
+                rewards.append(r)
+                if len(samples) < 16:
+                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
+                                    "correct": ok, "reward": r})
+            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
+                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / len(done)}
+            out.update(self._pass_at_k(step))
+        finally:
+            model.train(was)
+        self.run.append("samples", samples)
+        return out
+
+    def _pass_at_k(self, step: int) -> dict:
+        cfg = self.cfg
+        n = cfg.eval_samples
+        if n == 1:  # greedy accuracy stands for pass@1
+            return {}
+
+        k_list = [k for k in cfg.pass_k if k <= n]
+        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
+                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
+                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
+        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
+              for g, ex in zip(groups, self.eval_examples, strict=True)]
+        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
+
+    def _eval(self, step: int) -> dict:
+        metrics = self.evaluate(step)
+        if self.cfg.eval_samples == 1:
+            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
+        H.call(self.hooks, "on_eval", self, step, metrics)
+        return metrics
+
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
         self.model.save_pretrained(path)
@@ -339,44 +378,6 @@ class Trainer:
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
         self.base_eval = base[0] if base else None
-
-    # ---- the loop -------------------------------------------------------------------------------------
-    def fit(self) -> RunDir:
-        t_start = time.perf_counter()
-        cfg = self.cfg
-        H.call(self.hooks, "on_train_start", self)
-        try:
-            if self.base_eval is None:
-                self.base_eval = {"step": 0, **self._eval(0)}
-            t_train = time.perf_counter()
-            for step in range(self.step + 1, self.total_steps + 1):
-                metrics, roll = self.train_step(step)
-                self.step = step
-                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                    self._eval(step)
-                self.checkpointer.on_step_end(self, step, metrics, roll)
-                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
-                        and step < self.total_steps:
-                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
-                                  f"{self.total_steps}", stacklevel=2)
-                    break
-            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
-            self._save_final()
-            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
-                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
-                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
-                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
-                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start}
-            self.run.write_summary(summary)
-            H.call(self.hooks, "on_train_end", self, summary)
-        except BaseException:
-            for h in self.hooks:
-                if isinstance(h, H.ProgressBar) and h.progress is not None:
-                    h.progress.stop()
-            raise
-        return self.run
 
 
 def train(cfg: Config, out_dir, resume: bool = False, hooks: list | None = None) -> RunDir:
