@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from mechdiag.models import encode_prompts, eos_ids, pad_id
+
 
 @dataclass
 class Sample:
@@ -23,35 +25,6 @@ class Sample:
     token_ids: list[int]  # completion tokens, the EOS included when one was emitted
     truncated: bool  # hit max_new_tokens without an EOS
     length: int
-
-
-def pad_id(tokenizer) -> int:
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(model.config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
-    return sorted(set(int(i) for i in ids))
-
-
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
-    """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
-    if max_prompt_tokens:
-        rows = [r[-max_prompt_tokens:] for r in rows]
-    width = max(len(r) for r in rows)
-    pid = pad_id(tokenizer)
-    ids = torch.full((len(rows), width), pid, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
 
 
 def cache_kw(model) -> str:

@@ -172,6 +172,36 @@ def ensure_pad(tokenizer):
     return tokenizer
 
 
+def pad_id(tokenizer) -> int:
+    """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
+    return sorted(set(int(i) for i in ids))
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
+    """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    if max_prompt_tokens:
+        rows = [r[-max_prompt_tokens:] for r in rows]
+    width = max(len(r) for r in rows)
+    pid = pad_id(tokenizer)
+    ids = torch.full((len(rows), width), pid, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
 def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = None):
     """The tokenizer of any model form; an adapter folder without one uses its base's."""
 

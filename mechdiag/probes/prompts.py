@@ -48,14 +48,6 @@ def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None
     return [task.prompt(ex, tokenizer) for ex in examples]
 
 
-def pad_id_of(tokenizer) -> int:
-    """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
 def max_length_of(tokenizer, config) -> int:
     limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
     limits = [int(x) for x in limits if isinstance(x, (int, float)) and 0 < x < NO_LIMIT]

@@ -28,9 +28,10 @@ import torch.nn.functional as F
 
 from mechdiag import atomic
 from mechdiag.errors import UserError
+from mechdiag.models import pad_id
 from mechdiag.probes.capture import Captured, Probe, pad_batch
 from mechdiag.probes.load import load_pair
-from mechdiag.probes.prompts import encode, max_length_of, pad_id_of, read_prompts
+from mechdiag.probes.prompts import encode, max_length_of, read_prompts
 
 DELTA_H = 1e-12  # delta_h of eq. 13: guards the denominator only
 N_BOOT = 1000
@@ -165,7 +166,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
-    sums = measure(pair.ref, pair.tuned, seqs, pad_id_of(pair.tokenizer), batch_size, pair.ref_ctx,
+    sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,
                    pair.tuned_ctx, keep_bos)
     df = pd.DataFrame(sums.rows(n_boot, seed), columns=COLUMNS)
     df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared)
@@ -186,7 +187,7 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
     was_training = model.training
     model.eval()
     try:
-        sums = measure(probe, probe, seqs, pad_id_of(tokenizer), batch_size, model.disable_adapter,
+        sums = measure(probe, probe, seqs, pad_id(tokenizer), batch_size, model.disable_adapter,
                        contextlib.nullcontext, keep_bos)
     finally:
         model.train(was_training)
