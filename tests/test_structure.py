@@ -65,7 +65,8 @@ def test_no_import_cycle_between_any_two_modules():
 
 def test_each_core_idea_is_defined_once():
     names = ("Run", "load_run", "group_runs", "load_model", "load_tokenizer", "pass_at_k", "update_mass", "Group",
-             "final_eval", "base_eval", "mean_std", "direction", "resolve_device", "device")
+             "final_eval", "base_eval", "mean_std", "direction", "resolve_device", "device", "pad_id",
+             "encode_prompts", "get_task", "maj_at_k", "answer_key")
     where: dict[str, list[str]] = {n: [] for n in names}
     for path, tree in _sources().items():
         for node in ast.walk(tree):
@@ -77,7 +78,9 @@ def test_each_core_idea_is_defined_once():
     expected = {"Run": "run.py", "load_run": "run.py", "group_runs": "run.py", "Group": "run.py",
                 "final_eval": "run.py", "base_eval": "run.py", "load_model": "models.py",
                 "load_tokenizer": "models.py", "device": "models.py", "pass_at_k": "metrics.py",
-                "update_mass": "metrics.py", "mean_std": "metrics.py", "direction": "metrics.py"}
+                "update_mass": "metrics.py", "mean_std": "metrics.py", "direction": "metrics.py",
+                "pad_id": "models.py", "encode_prompts": "models.py", "get_task": "tasks/__init__.py",
+                "maj_at_k": "metrics.py"}
     for name, files in where.items():
         want = [f"mechdiag/{expected[name]}"] if name in expected else []
         assert files == want, (name, files)
