@@ -533,7 +533,9 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
                      progress=lambda line: click.echo(line, err=True))
     if fmt == "table":
-        click.echo(E.render_table(res.rows, color=sys.stdout.isatty()))
+        from mechdiag.eval_table import render_table
+
+        click.echo(render_table(res.rows, color=sys.stdout.isatty()))
     elif fmt == "json":
         from mechdiag.atomic import dumps
 

@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from mechdiag import eval_table
 from mechdiag import evaluate as E
 from mechdiag.atomic import read_jsonl
 from mechdiag.errors import UserError
@@ -165,13 +166,13 @@ def test_compare_groups_seeds_and_marks_changes():
     assert cell[("lowkl", "pass@1")]["status"] == "same" and cell[("lowkl", "pass@1")]["std"] is None
     assert cell[("grpo", "completion_length")]["status"] is None  # neither direction
     assert cell[("base", "pass@1")]["delta"] is None and cell[("base", "pass@1")]["seeds"] == 1
-    summ = {s["model"]: s for s in E.summary(rows)}  # counts score metrics only (pass@k here)
+    summ = {s["model"]: s for s in eval_table.summary(rows)}  # counts score metrics only (pass@k here)
     assert (summ["grpo"]["improve"], summ["grpo"]["regress"], summ["grpo"]["total"]) == (1, 1, 2)
     assert (summ["lowkl"]["improve"], summ["lowkl"]["same"], summ["lowkl"]["total"]) == (1, 1, 2)
-    text = E.render_table(rows)
+    text = eval_table.render_table(rows)
     assert "grpo (x2)" in text and "0.650 ± 0.071 ▲+0.150" in text and "▼-0.100" in text
     assert "grpo: 1 of 2 benchmark-metric configurations improve on the base (1 regress, 0 equal)" in text
-    assert "\x1b[" not in text and "\x1b[32m" in E.render_table(rows, color=True)
+    assert "\x1b[" not in text and "\x1b[32m" in eval_table.render_table(rows, color=True)
 
 
 def test_parse_tasks_and_adapters(tmp_path):
