@@ -201,9 +201,8 @@ def _rows_table(df, title: str):
     return table
 
 
-_MODEL_FORMS = "bundled, a model folder, a .safetensors file, a PEFT adapter folder or a run directory (its final/)"
 _checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), default=None,
-                                  help="When B/TUNED is a run directory: its checkpoints/step-N instead of final/.")
+                                  help="Tuned side a run directory: use its checkpoints/step-N, not final/.")
 
 
 @main.command()
