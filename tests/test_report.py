@@ -5,7 +5,6 @@ from __future__ import annotations
 import html
 import json
 import re
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -379,6 +378,7 @@ def test_cli_report_bad_input(cli, runs, tmp_path):
 
 # ---- demo (against a stand-in trainer; the real one is exercised after merge) ------------------------------
 def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
+    from mechdiag import demo
     from mechdiag.demo import SEEDS, run_demo
 
     calls = []
@@ -388,11 +388,7 @@ def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
         return make_run(Path(out_dir), cfg.seed, steps=cfg.max_steps, eval_every=cfg.eval_every,
                         disp_every=cfg.record.displacement_every)
 
-    pkg, mod = types.ModuleType("mechdiag.train"), types.ModuleType("mechdiag.train.trainer")
-    mod.train = train
-    monkeypatch.setitem(sys.modules, "mechdiag.train", pkg)
-    monkeypatch.setitem(sys.modules, "mechdiag.train.trainer", mod)
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", None)
+    monkeypatch.setattr(demo, "train", train)  # synthetic runs: the demo's own steps, not minutes of training
     lines = []
     out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)
     assert SEEDS == (42, 3407)
