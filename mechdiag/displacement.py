@@ -47,6 +47,9 @@ CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
                "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite"]
 SPECTRAL_COLUMNS = ["sigma_1", "stable_rank", "effective_rank"]
+GEOMETRY_COLUMNS = ["overlap_k", "subspace_overlap", "intruders"]  # with --spectral too, see update_geometry
+INTRUDER_TOP, INTRUDER_COS = 10, 0.5  # the tuned weight's top 10 singular vectors; |cos| below 0.5 = intruder
+DENSE_OVERLAP_DIV = 16  # dense delta: k = min(m, n) // 16 (LoRA: k = the update's rank)
 _F64 = torch.float64
 
 
@@ -247,7 +250,79 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         row["rel_fro"] = math.nan
     if spectral:
         row.update(_spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfinite))
+        row.update(_geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems))
     return row
+
+
+def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems) -> dict:
+    """subspace_overlap and intruders (see update_geometry) from three p x p matrices, p = min(m, n), with the
+    weight oriented tall as X (big x p): G = X^T X (reference), C = X^T D, H = D^T D. LoRA terms stay factors:
+    D = dense part + Bx Ax gives C = X^T d + (X^T Bx) Ax and H = d^T d + (d^T Bx) Ax + (..)^T + Ax^T (Bx^T Bx) Ax.
+    Its own pass over the tensor (a wide one is read whole, one tensor at a time)."""
+    if len(shape) != 2 or nonfinite or delta_sq == 0 or not math.isfinite(delta_sq):
+        return dict.fromkeys(GEOMETRY_COLUMNS, None)
+    m, n = shape
+    tall = n <= m
+    p = min(m, n)
+    # factors in X's orientation: W = B A  ->  W^T = A^T B^T
+    def orient(lr):
+        return None if lr is None else (lr if tall else (lr[1].T, lr[0].T))
+    ref_x, delta_x = orient(ref_lr), orient(delta_lr)
+    G = torch.zeros(p, p, dtype=_F64)
+    C = torch.zeros(p, p, dtype=_F64)
+    H = torch.zeros(p, p, dtype=_F64)
+    P = None if delta_x is None else torch.zeros(p, delta_x[0].shape[1], dtype=_F64)  # X^T Bx
+    Q = None if delta_x is None or same_dense else torch.zeros_like(P)  # d^T Bx
+    step = max(1, (chunk_elems or CHUNK_ELEMS) // n) if tall else m
+    for start in range(0, m, step):
+        stop = min(start + step, m)
+        a32 = files.read(ea.dense, start, stop).to(torch.float32)
+        d = None if same_dense else (files.read(eb.dense, start, stop).to(torch.float32) - a32).to(_F64)  # as above
+        a = a32.to(_F64)
+        if not tall:
+            a, d = a.T, (None if d is None else d.T)
+        lo, hi = (start, stop) if tall else (0, n)
+        if ref_x is not None:
+            a = a + ref_x[0][lo:hi] @ ref_x[1]  # the reference's own LoRA, one chunk at a time
+        G += a.T @ a
+        if d is not None:
+            C += a.T @ d
+            H += d.T @ d
+        if P is not None:
+            P += a.T @ delta_x[0][lo:hi]
+            if Q is not None:
+                Q += d.T @ delta_x[0][lo:hi]
+    if delta_x is not None:
+        Bx, Ax = delta_x
+        C += P @ Ax
+        H += Ax.T @ ((Bx.T @ Bx) @ Ax)
+        if Q is not None:
+            QA = Q @ Ax
+            H += QA + QA.T
+    k = int(delta_lr[1].shape[0]) if delta_lr is not None else max(1, p // DENSE_OVERLAP_DIV)
+    return update_geometry(G, C, H, k, delta_sq)
+
+
+def update_geometry(G: torch.Tensor, C: torch.Tensor, H: torch.Tensor, k: int, delta_sq: float) -> dict:
+    """Update geometry from p x p float64 matrices of the tall-oriented reference X and update D (p = min(m, n)):
+    G = X^T X, C = X^T D, H = D^T D.
+    subspace_overlap = ||U_k^T D V_k||_F^2 / ||D||_F^2: the share of the update's squared norm inside the span of
+    the reference's top-k left and right singular vectors (U_k = X V_k / s_k, so U_k^T D V_k = S_k^-1 V_k^T C V_k).
+    intruders = how many of the tuned weight's top-10 singular vectors (small side; from eig of
+    (X + D)^T (X + D) = G + C + C^T + H) have |cos| < 0.5 with every singular vector of the reference."""
+    ev, V = torch.linalg.eigh(G)
+    ev, V = ev.flip(0), V.flip(1)  # descending
+    k = min(k, int((ev > ev[0] * 1e-24).sum())) if ev.numel() and ev[0] > 0 else 0
+    overlap = None
+    if k > 0 and delta_sq > 0:
+        Vk, sk = V[:, :k], ev[:k].sqrt()
+        M = (Vk.T @ C @ Vk) / sk[:, None]
+        overlap = float((M * M).sum()) / delta_sq
+    T = G + C + C.T + H
+    _, Vt = torch.linalg.eigh((T + T.T) / 2)
+    top = Vt.flip(1)[:, :INTRUDER_TOP]
+    best_cos = (V.T @ top).abs().max(dim=0).values
+    return {"overlap_k": k, "subspace_overlap": overlap, "intruders": int((best_cos < INTRUDER_COS).sum())}
 
 
 def _spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfinite) -> dict:
@@ -335,11 +410,11 @@ def single_thread():
 
 
 def rows_frame(rows: list[dict], spectral: bool = False) -> pd.DataFrame:
-    cols = ROW_COLUMNS + (SPECTRAL_COLUMNS if spectral else [])
+    cols = ROW_COLUMNS + (SPECTRAL_COLUMNS + GEOMETRY_COLUMNS if spectral else [])
     df = pd.DataFrame(rows, columns=cols)
-    for c in ("layer", "lora_rank"):
+    for c in ("layer", "lora_rank", *(("overlap_k", "intruders") if spectral else ())):
         df[c] = df[c].astype("Int64")
-    for c in ("frac_unchanged", "frac_sub_ulp", *(SPECTRAL_COLUMNS if spectral else ())):
+    for c in ("frac_unchanged", "frac_sub_ulp", *(SPECTRAL_COLUMNS + ["subspace_overlap"] if spectral else ())):
         df[c] = df[c].astype(float)
     df["nonfinite"] = df["nonfinite"].astype(bool)
     return df

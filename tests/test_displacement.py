@@ -557,3 +557,81 @@ def test_lora_rows_transposed_layers_match_checkpoint(tmp_path, family, cfg, n_r
     for r in rows:
         assert _rel(r["delta_fro"], ck.loc[r["name"], "delta_fro"]) < 1e-9 and r["delta_fro"] > 0
         assert _rel(r["ref_fro"], ck.loc[r["name"], "ref_fro"]) < 1e-8
+
+
+# --- update geometry (--spectral): from factors / Grams vs a dense SVD ----------------------------------------------
+
+
+def _dense_geometry(W, D, k):
+    """The definitions, computed the plain way: full SVDs of the reference and of the tuned weight in float64."""
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    overlap = (torch.linalg.matrix_norm(U[:, :k].T @ D @ Vh[:k].T) ** 2 / torch.linalg.matrix_norm(D) ** 2).item()
+    Ut, _, Vht = torch.linalg.svd(W + D, full_matrices=False)
+    # singular vectors on the smaller side, where the reference's form a complete basis
+    base, tuned = (Vh.T, Vht[:10].T) if W.shape[0] >= W.shape[1] else (U, Ut[:, :10])
+    best = (base.T @ tuned).abs().max(dim=0).values
+    return overlap, int((best < 0.5).sum()), best
+
+
+def _check_geometry(row, W, D, k):
+    overlap, intruders, best = _dense_geometry(W, D, k)
+    assert row.overlap_k == k
+    assert _rel(row.subspace_overlap, overlap) < 1e-8, (row.name, row.subspace_overlap, overlap)
+    assert not ((best - 0.5).abs() < 1e-6).any()  # no vector on the threshold: the count is well defined
+    assert row.intruders == intruders, (row.name, row.intruders, intruders)
+    return intruders
+
+
+@pytest.mark.parametrize("case", ["patterns", "embedding"])
+def test_update_geometry_from_factors_equals_dense_svd(adapters, stories260k, case):
+    adapter, _ = adapters[case]
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    df = disp(stories260k, adapter, spectral=True).set_index("name")
+    base = _state(stories260k)
+    counts, checked = [], 0
+    for name, row in df.iterrows():
+        if pd.isna(row.lora_rank):
+            assert pd.isna(row.subspace_overlap) and pd.isna(row.intruders)
+            continue
+        key = name.removesuffix(".weight")
+        module = key.split(".")[-1]
+        with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+            if module == "embed_tokens":  # stored transposed: W = (B A)^T
+                A = f.get_tensor(f"base_model.model.{key}.lora_embedding_A").double()
+                B = f.get_tensor(f"base_model.model.{key}.lora_embedding_B").double()
+            else:
+                B, A = _factors(adapter, key)
+        r = A.shape[0]
+        alpha = next((v for p, v in cfg.get("alpha_pattern", {}).items() if key.endswith(p)), cfg["lora_alpha"])
+        D = (alpha / r) * (B @ A)
+        if module == "embed_tokens":
+            D = D.T
+        counts.append(_check_geometry(row, base[name].double(), D, r))
+        checked += 1
+    assert checked >= 5
+    if case == "patterns":  # random-init factors this large do create intruders in some modules and not in others
+        assert max(counts) > 0 and min(counts) == 0, counts
+
+
+def test_update_geometry_dense_delta_equals_dense_svd(adapters, stories260k):
+    _, merged = adapters["plain"]
+    df = disp(stories260k, merged, spectral=True).set_index("name")
+    base, tuned = _state(stories260k), _state(merged)
+    n = 0
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",
+                 "model.layers.4.mlp.up_proj.weight", "model.layers.2.self_attn.k_proj.weight"]:
+        W = base[name].double()
+        D = (tuned[name].float() - base[name].float()).double()
+        _check_geometry(df.loc[name], W, D, min(W.shape) // 16)
+        n += 1
+    assert n == 4 and df.loc["model.norm.weight", "intruders"] is pd.NA
+
+
+def test_update_geometry_adapter_vs_adapter(adapters, stories260k):
+    (a1, _), (a2, _) = adapters["plain"], adapters["rslora"]
+    df = disp(a1, a2, base=stories260k, spectral=True).set_index("name")
+    key = "model.layers.2.self_attn.k_proj"
+    B1, A1 = _factors(a1, key)
+    B2, A2 = _factors(a2, key)
+    W = _state(stories260k)[key + ".weight"].double() + 4.0 * B1 @ A1
+    _check_geometry(df.loc[key + ".weight"], W, 4.0 * B2 @ A2 - 4.0 * B1 @ A1, 8)
