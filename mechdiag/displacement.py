@@ -35,6 +35,7 @@ from mechdiag.weights import (
     lm_head_names,
     open_side,
     tensor_site,
+    tied_embedding,
 )
 
 try:
@@ -91,6 +92,13 @@ def spectral_stats(s: torch.Tensor, sumsq: float) -> dict:
     p = s / s.sum()
     return {"sigma_1": sigma_1, "stable_rank": sumsq / sigma_1 ** 2,
             "effective_rank": float(torch.exp(-(p * p.log()).sum()))}
+
+
+def rel_fro(delta_fro: float, ref_fro: float) -> float:
+    """delta_fro / ref_fro; for a zero reference (e.g. Gemma's zero-offset norms) inf if it moved, 0 if not."""
+    if ref_fro > 0:
+        return delta_fro / ref_fro
+    return 0.0 if delta_fro == 0 else math.inf
 
 
 # --- one tensor -------------------------------------------------------------------------------------------------
@@ -240,7 +248,7 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     row = {
         "name": name, "layer": layer, "module": module, "shape": "x".join(map(str, shape)),
         "dtype": files.dtype(eb.dense), "numel": numel, "ref_fro": ref_fro, "delta_fro": delta_fro,
-        "rel_fro": delta_fro / ref_fro if ref_fro > 0 else (0.0 if delta_fro == 0 else math.inf),
+        "rel_fro": rel_fro(delta_fro, ref_fro),
         "frac_unchanged": (numel - n_changed) / numel if full_finetune and numel else None,
         "frac_sub_ulp": (n_below - (numel - n_changed)) / numel if full_finetune and numel else None,
         "lora_rank": int(delta_lr[1].shape[0]) if delta_lr is not None else None,
@@ -343,10 +351,16 @@ def _spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfini
 
 
 def pair_names(a: Side, b: Side) -> list[str]:
-    """Names compared, in the reference's order. A tied lm_head is counted once (as the embedding)."""
+    """Names compared, in the reference's order. A tied lm_head is counted once (as the embedding); an untied head
+    (tie_word_embeddings false) against a tied side is compared with that side's embedding, as an lm_head row."""
     arch_a, arch_b = architecture(a), architecture(b)
     if arch_a and arch_b and arch_a != arch_b:
         raise UserError(f"different architectures: {a.label} is {arch_a}, {b.label} is {arch_b}")
+    for head in lm_head_names():  # an untied head against a tied side: that side's head is its embedding
+        for side, other in ((a, b), (b, a)):
+            tied_to = tied_embedding(side)
+            if head in other.entries and not is_tied(other) and tied_to is not None:
+                side.entries[head] = Entry(side.entries[tied_to].dense, list(side.entries[tied_to].lora))
     names_a, names_b = list(a.entries), set(b.entries)
     has_embedding = any(e in a.entries and e in b.entries for e in embedding_names())
     skip = set()
@@ -527,7 +541,7 @@ def _lora_rows(model) -> list[dict]:
         layer, module = tensor_site(name)
         ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
         rows.append({"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
-                     "rel_fro": delta_fro / ref_fro if ref_fro > 0 else math.nan})
+                     "rel_fro": rel_fro(delta_fro, ref_fro)})
     return rows
 
 

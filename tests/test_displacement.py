@@ -635,3 +635,87 @@ def test_update_geometry_adapter_vs_adapter(adapters, stories260k):
     B2, A2 = _factors(a2, key)
     W = _state(stories260k)[key + ".weight"].double() + 4.0 * B1 @ A1
     _check_geometry(df.loc[key + ".weight"], W, 4.0 * B2 @ A2 - 4.0 * B1 @ A1, 8)
+
+
+# --- output heads: tied and untied bases, LoRA on lm_head, modules_to_save ------------------------------------------
+
+
+def _untied_copy(stories260k, out, head_noise=0.0):
+    """stories260K (tied) saved untied: its own lm_head.weight = the embedding (+ noise), tie_word_embeddings false."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight + head_noise * torch.randn_like(
+            model.lm_head.weight))
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    return out
+
+
+def test_untied_head_against_tied_base_is_an_lm_head_row(tmp_path, stories260k):
+    assert json.loads((stories260k / "config.json").read_text())["tie_word_embeddings"] is True
+    tuned = _untied_copy(stories260k, tmp_path / "tuned", head_noise=0.05)
+    for a, b in ((stories260k, tuned), (tuned, stories260k)):
+        df = disp(a, b).set_index("name")
+        row = df.loc["lm_head.weight"]
+        emb = _state(stories260k)["model.embed_tokens.weight"].double()
+        head = _state(tuned)["lm_head.weight"].double()
+        assert row.module == "lm_head" and pd.isna(row.layer)
+        assert _rel(row.delta_fro, torch.linalg.vector_norm(head - emb).item()) < 1e-9
+        ref = emb if a == stories260k else head
+        assert _rel(row.ref_fro, torch.linalg.vector_norm(ref).item()) < 1e-9
+        assert df.loc["model.embed_tokens.weight", "delta_fro"] == 0
+        assert group_wdisp(df.reset_index(), by="all").wdisp[0] > 0
+
+
+HEAD_CASES = {"lora": dict(target_modules=["q_proj", "lm_head"]),
+              "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+              "lora_embedding_and_head": dict(target_modules=["embed_tokens", "lm_head"])}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_head_adapter_equals_merged(tmp_path, stories260k, tied, case):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = stories260k if tied else _untied_copy(stories260k, tmp_path / "base")
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **HEAD_CASES[case]))
+    if case == "modules_to_save":  # the trained copy moves
+        with torch.no_grad():
+            model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    ra = disp(base, tmp_path / "adapter").set_index("name")
+    rm = disp(base, tmp_path / "merged").set_index("name")
+    assert sorted(ra.index) == sorted(rm.index)
+    heads = [n for n in rm.index if n in ("lm_head.weight", "model.embed_tokens.weight") and rm.loc[n, "delta_fro"] > 0]
+    assert heads, "the head's update is reported"
+    for col in ("ref_fro", "delta_fro"):
+        rel = ((ra.loc[rm.index, col] - rm[col]).abs() / rm[col].clip(lower=1e-30)).max()
+        assert rel < 1e-5, (col, rel)
+    wa = group_wdisp(ra.reset_index(), by="all").wdisp[0]
+    wm = group_wdisp(rm.reset_index(), by="all").wdisp[0]
+    assert _rel(wa, wm) < 1e-5 and wa > 0
+
+
+def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(stories260k)
+    with torch.no_grad():
+        base.model.layers[0].self_attn.q_proj.weight.zero_()
+    base.save_pretrained(tmp_path / "base")
+    torch.manual_seed(5)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))
+    rows = {r["name"]: r for r in lora_rows(model)}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert rows[name]["ref_fro"] == 0 and rows[name]["delta_fro"] > 0
+    assert rows[name]["rel_fro"] == math.inf
+    model.save_pretrained(tmp_path / "adapter")
+    assert disp(tmp_path / "base", tmp_path / "adapter").set_index("name").loc[name, "rel_fro"] == math.inf
