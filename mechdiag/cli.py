@@ -208,7 +208,8 @@ def _rows_table(df, title: str):
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
-@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
+              "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
 def displacement(a, b, base, by, fmt, out, spectral, html):
     """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
@@ -260,7 +261,8 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
         text = result.to_csv(index=False)
     else:
         buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else (240 if spectral else 160),
+                force_terminal=False).print(
             _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
         text = buf.getvalue()
     if out:
