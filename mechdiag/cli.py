@@ -189,7 +189,9 @@ def _rows_table(df, title: str):
     for rec in _records(df):
         cells = []
         for c, v in rec.items():
-            if v is None:
+            if v is None and c == "rel_fro" and rec.get("ref_fro") == 0 and not rec.get("nonfinite"):
+                cells.append("inf")  # a zero reference that moved (docs/metrics.md); JSON can only say null
+            elif v is None:
                 cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
             elif isinstance(v, float):
                 cells.append(f"{v:.4g}")

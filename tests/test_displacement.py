@@ -3,6 +3,7 @@ follows the study's formula, the CLI keeps its contract, and the trainer's lora_
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -703,7 +704,7 @@ def test_head_adapter_equals_merged(tmp_path, stories260k, tied, case):
     assert _rel(wa, wm) < 1e-5 and wa > 0
 
 
-def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k):
+def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k, cli):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
@@ -719,3 +720,9 @@ def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k):
     assert rows[name]["rel_fro"] == math.inf
     model.save_pretrained(tmp_path / "adapter")
     assert disp(tmp_path / "base", tmp_path / "adapter").set_index("name").loc[name, "rel_fro"] == math.inf
+    proc = cli("displacement", str(tmp_path / "base"), str(tmp_path / "adapter"), "--format", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert pd.read_csv(io.StringIO(proc.stdout)).set_index("name").loc[name, "rel_fro"] == math.inf
+    table = cli("displacement", str(tmp_path / "base"), str(tmp_path / "adapter"))
+    cells = [c.strip() for c in next(x for x in table.stdout.splitlines() if "q_proj" in x).split("│")]
+    assert cells[cells.index("q_proj") + 6] == "inf", cells  # module, shape, dtype, numel, ref_fro, delta_fro, rel_fro
