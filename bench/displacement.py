@@ -1,18 +1,22 @@
-"""Benchmark: weight displacement of two ~1 GB bf16 checkpoints (Qwen2.5-0.5B shapes, random weights, sharded).
+"""Benchmark: weight displacement of two ~1 GB bf16 checkpoints (Qwen2.5-0.5B shapes, random weights), in two
+layouts: sharded (4 shards + index per side) and single-file (one model.safetensors per side).
 
 Side by side, in one run, each approach in its own fresh process, timed after its imports:
-  floor     read both checkpoints' bytes once, no arithmetic (best of one thread and two threads)
-  mechdiag  mechdiag.displacement.compare (streams row chunks through the memory map)
+  floor     read both checkpoints' bytes once, no arithmetic (floor: one thread, floor2: two threads; per round the
+            better of the two is the floor)
+  mechdiag  mechdiag.displacement.compare (streams the memory-mapped tensors through the fused C kernel)
   hand      what a user writes: load both state dicts (safetensors.torch.load_file), loop, .float(), norms
   cli       `python -m mechdiag displacement A B --format json --out F`, whole process (imports included)
-Peak private memory = peak RssAnon (anonymous pages; the file pages of memory-mapped checkpoints, which the OS can
-drop, are not counted), sampled every 1 ms in the measured process.
+Rounds alternate cases and approaches; ratios are taken per round against that round's floor / hand and reported
+as the median over rounds with their range. Peak private memory = peak RssAnon (anonymous pages; the file pages
+of memory-mapped checkpoints, which the OS can drop, are not counted), sampled every 1 ms in the measured process.
 Cache state: "cold" evicts the benchmark files from the page cache first (posix_fadvise DONTNEED on our own files
 only); "warm" has them cached.
 Then the LoRA part: a rank-16 adapter on all 7 projections of all 24 layers, delta metrics from the factors vs
-from the materialised s*B@A.
+from the materialised s*B@A; and the cost of --spectral's update geometry on a rank-16 adapter (14 modules) vs
+float64 SVDs of the same weights.
 
-    python bench/displacement.py            # writes bench/_work/ (about 2 GB) on first use
+    python bench/displacement.py --rounds 5 --cache warm --no-lora   # writes bench/_work/ (about 4 GB) on first use
 """
 
 from __future__ import annotations
