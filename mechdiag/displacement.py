@@ -265,8 +265,9 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
 def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems) -> dict:
     """subspace_overlap and intruders (see update_geometry) from three p x p matrices, p = min(m, n), with the
     weight oriented tall as X (big x p): G = X^T X (reference), C = X^T D, H = D^T D. LoRA terms stay factors:
-    D = dense part + Bx Ax gives C = X^T d + (X^T Bx) Ax and H = d^T d + (d^T Bx) Ax + (..)^T + Ax^T (Bx^T Bx) Ax.
-    Its own pass over the tensor (a wide one is read whole, one tensor at a time)."""
+    D = dense part + Bx Ax gives C = X^T d + (X^T Bx) Ax and H = d^T d + (d^T Bx) Ax + (..)^T + Ax^T (Bx^T Bx) Ax;
+    a reference with its own LoRA, X = a + Bc Ac, expands the same way. Its own pass over the tensor (a wide one
+    is read whole, one tensor at a time)."""
     if len(shape) != 2 or nonfinite or delta_sq == 0 or not math.isfinite(delta_sq):
         return dict.fromkeys(GEOMETRY_COLUMNS, None)
     m, n = shape
@@ -276,11 +277,11 @@ def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonf
     def orient(lr):
         return None if lr is None else (lr if tall else (lr[1].T, lr[0].T))
     ref_x, delta_x = orient(ref_lr), orient(delta_lr)
-    G = torch.zeros(p, p, dtype=_F64)
-    C = torch.zeros(p, p, dtype=_F64)
-    H = torch.zeros(p, p, dtype=_F64)
-    P = None if delta_x is None else torch.zeros(p, delta_x[0].shape[1], dtype=_F64)  # X^T Bx
+    G, C, H = (torch.zeros(p, p, dtype=_F64) for _ in range(3))  # from the dense parts: a^T a, a^T d, d^T d
+    P = None if delta_x is None else torch.zeros(p, delta_x[0].shape[1], dtype=_F64)  # a^T Bx
     Q = None if delta_x is None or same_dense else torch.zeros_like(P)  # d^T Bx
+    Ra = None if ref_x is None else torch.zeros(p, ref_x[0].shape[1], dtype=_F64)  # a^T Bc (the reference's own LoRA)
+    Rd = None if ref_x is None or same_dense else torch.zeros_like(Ra)  # d^T Bc
     step = max(1, (chunk_elems or CHUNK_ELEMS) // n) if tall else m
     for start in range(0, m, step):
         stop = min(start + step, m)
@@ -290,17 +291,21 @@ def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonf
         if not tall:
             a, d = a.T, (None if d is None else d.T)
         lo, hi = (start, stop) if tall else (0, n)
-        if ref_x is not None:
-            a = a + ref_x[0][lo:hi] @ ref_x[1]  # the reference's own LoRA, one chunk at a time
         G += a.T @ a
         if d is not None:
             C += a.T @ d
             H += d.T @ d
+        for acc, left, lr in ((P, a, delta_x), (Q, d, delta_x), (Ra, a, ref_x), (Rd, d, ref_x)):
+            if acc is not None:
+                acc += left.T @ lr[0][lo:hi]
+    if ref_x is not None:  # X = a + Bc Ac: expand X^T X, X^T d, X^T Bx without forming Bc Ac
+        Bc, Ac = ref_x
+        G += Ra @ Ac + Ac.T @ Ra.T + Ac.T @ ((Bc.T @ Bc) @ Ac)
+        if Rd is not None:
+            C += Ac.T @ Rd.T
         if P is not None:
-            P += a.T @ delta_x[0][lo:hi]
-            if Q is not None:
-                Q += d.T @ delta_x[0][lo:hi]
-    if delta_x is not None:
+            P += Ac.T @ (Bc.T @ delta_x[0])
+    if delta_x is not None:  # D = d + Bx Ax
         Bx, Ax = delta_x
         C += P @ Ax
         H += Ax.T @ ((Bx.T @ Bx) @ Ax)

@@ -636,6 +636,14 @@ def test_update_geometry_adapter_vs_adapter(adapters, stories260k):
     B2, A2 = _factors(a2, key)
     W = _state(stories260k)[key + ".weight"].double() + 4.0 * B1 @ A1
     _check_geometry(df.loc[key + ".weight"], W, 4.0 * B2 @ A2 - 4.0 * B1 @ A1, 8)
+    # an adapter against a merged model of another adapter: dense and LoRA parts on both sides of the algebra
+    _, m2 = adapters["rslora"]
+    df = disp(a1, m2, base=stories260k, spectral=True).set_index("name")
+    for key in ("model.layers.2.self_attn.k_proj", "model.layers.4.mlp.down_proj"):
+        B1, A1 = _factors(a1, key)
+        W0 = _state(stories260k)[key + ".weight"]
+        d = (_state(m2)[key + ".weight"].float() - W0.float()).double()
+        _check_geometry(df.loc[key + ".weight"], W0.double() + 4.0 * B1 @ A1, d - 4.0 * B1 @ A1, 4)
 
 
 # --- output heads: tied and untied bases, LoRA on lm_head, modules_to_save ------------------------------------------
