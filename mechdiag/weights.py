@@ -333,7 +333,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
         name = key.removeprefix("base_model.model.")
         m = _ADAPTER_KEY.match(name)
         if m is None:  # modules_to_save / trainable copies: a full replacement tensor
-            if name in _LM_HEADS and tied_head is not None and name not in entries:
+            if name in _LM_HEADS and tied_head is not None:
                 entries[name] = Entry(TensorRef(wpath, key))
                 config["tie_word_embeddings"] = False
                 continue
@@ -417,9 +417,9 @@ def is_tied(side: Side) -> bool:
 
 
 def tied_embedding(side: Side) -> str | None:
-    """The embedding a tied side's output head is (its name in side.entries), or None when the side is untied or
-    saves a head of its own."""
-    if not is_tied(side) or any(h in side.entries for h in _LM_HEADS):
+    """The embedding a tied side's output head is (its name in side.entries), or None when the side is untied.
+    A tied side that saved a copy of the head anyway still has the embedding as its head."""
+    if not is_tied(side):
         return None
     return next((e for e in _EMBEDDINGS if e in side.entries), None)
 

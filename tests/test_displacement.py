@@ -734,3 +734,24 @@ def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k, cl
     table = cli("displacement", str(tmp_path / "base"), str(tmp_path / "adapter"))
     cells = [c.strip() for c in next(x for x in table.stdout.splitlines() if "q_proj" in x).split("│")]
     assert cells[cells.index("q_proj") + 6] == "inf", cells  # module, shape, dtype, numel, ref_fro, delta_fro, rel_fro
+
+
+def test_head_lora_on_a_tied_base_that_saved_its_head_too(tmp_path, stories260k):
+    """Some tools save the tied head's bytes anyway: LoRA on that head still lands on the tied tensor."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    sd = _state(stories260k)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    base = _write(tmp_path / "base", sd)
+    shutil.copy(stories260k / "config.json", base / "config.json")
+    torch.manual_seed(9)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories260k),
+                           LoraConfig(r=2, lora_alpha=4, target_modules=["lm_head"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    ra = disp(base, tmp_path / "adapter").set_index("name")
+    rm = disp(stories260k, tmp_path / "merged").set_index("name")
+    emb = "model.embed_tokens.weight"
+    assert "lm_head.weight" not in ra.index and rm.loc[emb, "delta_fro"] > 0
+    assert _rel(ra.loc[emb, "delta_fro"], rm.loc[emb, "delta_fro"]) < 1e-5
