@@ -191,7 +191,9 @@ def _rows_table(df, title: str):
     for rec in _records(df):
         cells = []
         for c, v in rec.items():
-            if v is None:
+            if v is None and c == "rel_fro" and rec.get("ref_fro") == 0 and not rec.get("nonfinite"):
+                cells.append("inf")  # a zero reference that moved (docs/metrics.md); JSON can only say null
+            elif v is None:
                 cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
             elif isinstance(v, float):
                 cells.append(f"{v:.4g}")
@@ -215,7 +217,8 @@ _checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), de
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
-@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
+              "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
 def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
     """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
@@ -271,7 +274,8 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
         text = result.to_csv(index=False)
     else:
         buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else (240 if spectral else 160),
+                force_terminal=False).print(
             _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
         text = buf.getvalue()
     if out:
