@@ -439,6 +439,7 @@ def main():
     REQ, RESP, res = int(sys.argv[1]), os.fdopen(int(sys.argv[2]), "rb"), int(sys.argv[3])
     MAX, entry = int(sys.argv[4]), set(filter(None, sys.argv[5].split(",")))
     outcome = "fail error"
+    sys.stdout.reconfigure(line_buffering=True)  # the tests' prints come before the judge's last word
     try:
         tree = ast.parse(tests, "tests.py")
         used = sorted({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)})
@@ -630,7 +631,10 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
             threading.Thread(target=_feed, args=(proc.stdin, payload.encode("utf-8", "replace")),
                              daemon=True).start()
         out, verdict, over, timed_out = _collect(judge, out_r, res_r, t0 + wall_s, max_output)
-        cand_rc = cand.poll()
+        try:  # the judge saw the candidate end: how it ended (a CPU-time kill is a timeout)
+            cand_rc = cand.wait(timeout=1.0) if b"gone" in verdict else cand.poll()
+        except subprocess.TimeoutExpired:
+            cand_rc = None
         for p in procs:
             _kill_group(p)
         judge_rc = judge.wait()

@@ -196,6 +196,12 @@ CORPUS = {
 # OS-only run, where a fork is allowed inside the namespace and dies with it
 GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
 
+# the cases that reach outside the process (signals, /proc, files, special files, listings, network, exits)
+OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
+                                                  "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
+                                                  "list_", "scandir", "glob", "walk", "socket", "subprocess",
+                                                  "os_system", "pickle", "os_exit", "exit_", "forge"))]
+
 HOST = """
 import json, os, sys, time
 from mechdiag import sandbox
@@ -264,15 +270,15 @@ def test_hostile_corpus_contained(tmp_path):
         assert by[n]["status"] == "nonplain" and by[n]["blocked"], (n, by[n])
     for n in ("os_exit_in_call", "exit_from_thread"):
         assert by[n]["status"] == "exited", (n, by[n])
-    assert by["kill_self_in_call"]["status"] == "killed"
+    assert by["kill_self_in_call"]["status"] == "blocked"
     for n in ("fork_bomb", "socket_connect", "kill_host", "kill_parent", "proc_scan_environ", "setxattr_outside"):
         assert by[n]["blocked"] and "not allowed" in by[n]["detail"], (n, by[n])
     assert by["wrong_answer"]["status"] == "failed" and not by["wrong_answer"]["blocked"]
 
 
-def test_os_layer_alone_contains_the_corpus(tmp_path):
-    # the same corpus with the in-process guard off: bubblewrap and the judge alone still hold
-    names = [n for n in CORPUS if n not in GUARD_ONLY]
+def test_os_layer_alone_contains_the_escapes(tmp_path):
+    # the escape families with the in-process guard off: bubblewrap and the judge alone still hold
+    names = [n for n in CORPUS if n in OS_FAMILIES]
     fig = corpus_figures(tmp_path, names, guard=False)
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
     assert fig["contained"] == fig["tried"]
@@ -343,12 +349,12 @@ def test_cpu_time_is_the_limit_not_wall_time():
 
 
 def test_env_scrubbed_and_no_host_folders():
-    code = ("import os\ndef f():\n    return sorted(os.environ), os.getcwd(), sorted(os.listdir('/')), "
+    code = ("import os\ndef f():\n    return sorted(os.environ), os.getcwd(), os.path.exists('/home'), "
             "os.path.exists('/work'), os.path.exists('/root/.ssh'), os.getuid()\n")
     r = run_tests(code, "print(f())\nassert False\n", timeout_s=5)
     env, cwd, top, work, ssh, uid = eval(r.detail.strip().splitlines()[0])  # the judge printed plain data
-    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL"} and cwd == "/tmp"
-    assert not work and not ssh and uid == 65534 and "home" not in top
+    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD"} and cwd == "/tmp"
+    assert not work and not ssh and uid == 65534 and not top
 
 
 def test_run_many_keeps_order_and_mixes_outcomes():

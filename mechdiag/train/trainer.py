@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from mechdiag import atomic
+from mechdiag import atomic, sandbox
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
 from mechdiag.evaluate import pass_at_k
@@ -118,6 +118,7 @@ def get_task(name: str, path: str | None, options: dict):
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        self.isolation = sandbox.use(cfg.sandbox)  # for summary.json; sandbox: strict without bwrap stops here
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -432,7 +433,7 @@ class Trainer:
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
                        "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start}
+                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation}
             self.run.write_summary(summary)
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
