@@ -389,6 +389,18 @@ def test_fallback_is_reported_not_silent(tmp_path):
     assert len(warns) == 1 and "in-process guard only" in warns[0] and "apt-get install bubblewrap" in warns[0]
 
 
+def test_strict_config_refuses_training_without_bwrap(tmp_path):
+    # sandbox: strict with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
+    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", "sandbox=strict", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and not out.exists()
+    assert p.stderr.splitlines() == ["mechdiag: error: sandbox: strict, but bubblewrap cannot be used here; "
+                                     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS "
+                                     "isolation of model code"]
+
+
 def test_strict_with_bwrap_runs():
     from mechdiag import sandbox
 
