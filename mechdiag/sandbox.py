@@ -630,7 +630,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
             # from a thread: a child that never reads its stdin must not block us past the deadline
             threading.Thread(target=_feed, args=(proc.stdin, payload.encode("utf-8", "replace")),
                              daemon=True).start()
-        out, verdict, over, timed_out = _collect(judge, out_r, res_r, t0 + wall_s, max_output)
+        out, verdict, over, timed_out = _collect(out_r, res_r, t0 + wall_s, max_output)
         try:  # the judge saw the candidate end: how it ended (a CPU-time kill is a timeout)
             cand_rc = cand.wait(timeout=1.0) if b"gone" in verdict else cand.poll()
         except subprocess.TimeoutExpired:
@@ -691,7 +691,7 @@ def _feed(stream, payload: bytes) -> None:
         pass
 
 
-def _collect(judge, out_r: int, res_r: int, deadline: float, max_output: int):
+def _collect(out_r: int, res_r: int, deadline: float, max_output: int):
     """Read output (capped) and the judge's verdict until the verdict pipe closes or the deadline passes."""
     sel = selectors.DefaultSelector()
     sel.register(out_r, selectors.EVENT_READ, "out")
