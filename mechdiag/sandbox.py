@@ -191,18 +191,18 @@ def _main():
 
 
 def _describer():
-    """How a name the tests use travels: value (plain data), module (the judge imports its own), stdlib (the
-    judge resolves its own object by module and qualified name), or ref (a proxy to the candidate's object)."""
+    """How a name the tests use travels: plain data or a reference; a module or a stdlib object also says its
+    name, so that the judge can use its own copy where that is safe (see PURE in the judge)."""
     _stdlib, _type, _getattr, _str = frozenset(sys.stdlib_module_names), type, getattr, str
     _module = types.ModuleType
 
     def describe(v, ref):
         if _type(v) is _module:
-            return ["module", v.__name__]
+            return ["module", _str(v.__name__), enc(v, ref)]
         mod, qual = _getattr(v, "__module__", None), _getattr(v, "__qualname__", None)
         if callable(v) and _type(mod) is _str and _type(qual) is _str and (mod.split(".")[0] in _stdlib
                                                                            or mod == "builtins"):
-            return ["stdlib", mod, qual]
+            return ["stdlib", mod, qual, enc(v, ref)]
         return ["value", enc(v, ref)]
     return describe
 
@@ -418,12 +418,26 @@ def request(msg):
         raise kind("from the solution: " + reply[1] + ": " + reply[2])
     raise CandidateGone("malformed reply from the solution")
 
+# Modules whose objects the judge may use in place of the solution's (patching them in the candidate then changes
+# nothing): pure computation, no files, processes or I/O. Anything else the tests take from the solution stays a
+# proxy to the solution's object, so a solution cannot make the judge call, say, os.system with test arguments.
+PURE = frozenset("""math cmath re collections itertools functools operator heapq bisect string statistics fractions
+    decimal copy datetime calendar numbers typing enum array struct textwrap unicodedata random difflib""".split())
+PURE_BUILTINS = frozenset("""abs all any ascii bin bool bytearray bytes chr complex dict divmod enumerate filter
+    float format frozenset hash hex int isinstance issubclass iter len list map max min next oct ord pow range
+    repr reversed round set slice sorted str sum tuple type zip""".split())
+
 def resolve(module, qualname):
+    """The judge's own object for module.qualname when that is pure, else None."""
+    if module == "builtins":
+        return getattr(builtins, qualname) if qualname in PURE_BUILTINS else None
+    if module.lstrip("_").split(".")[0] not in PURE:
+        return None
     obj = importlib.import_module(module)
     for part in qualname.split("."):
         if part.startswith("_") or part == "<locals>":
-            raise ImportError(qualname)
-        obj = getattr(obj, part)
+            return None
+        obj = getattr(obj, part, None)
     return obj
 
 def main():
@@ -451,10 +465,12 @@ def main():
             name, kind = item[0], item[1]
             if type(name) is not str or name not in wanted:
                 raise CandidateGone("malformed reply from the solution")
-            if kind == "module":
-                g[name] = importlib.import_module(str(item[2]))
-            elif kind == "stdlib":
-                g[name] = resolve(str(item[2]), str(item[3]))
+            if kind == "module" and len(item) == 4:
+                own = importlib.import_module(item[2]) if item[2] in PURE else None
+                g[name] = own if own is not None else dec(item[3])
+            elif kind == "stdlib" and len(item) == 5:
+                own = resolve(str(item[2]), str(item[3]))
+                g[name] = own if own is not None else dec(item[4])
             elif kind == "value":
                 g[name] = dec(item[2])
             else:

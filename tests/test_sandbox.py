@@ -61,6 +61,11 @@ CORPUS = {
                            "assert set(f(1)) == set([1, 2])\n"),
     "shadow_isclose": ("def isclose(*a, **k):\n    return True\ndef f(x):\n    return 0.0\n",
                        "from math import isclose\nassert isclose(f(1), 2.5)\n"),
+    "judge_runs_os_system": ("from os import system as f\n",
+                             "import os\nf('touch {outside}/judged')\nassert os.path.exists('{outside}/judged')\n"),
+    "judge_opens_file": ("f = open\n",
+                         "f('{outside}/keep.txt', 'w')\nassert open('{outside}/keep.txt').read() == ''\n"),
+    "module_alias": ("import os as math\n", "assert math.path.exists('{outside}/keep.txt')\n"),
     "settrace_skip": ("import sys\ndef t(frame, ev, arg):\n    return t\nsys.settrace(t)\n", "assert False\n"),
     # objects that lie about equality, type or arithmetic
     "always_equal": ("class A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
