@@ -8,7 +8,7 @@ Two processes per run, both started by the caller (the host):
 - the judge: a clean `python -I -S -c JUDGE` (outside bubblewrap: it runs only trusted test code on plain data;
   see docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
   call sends its arguments to the candidate and only plain data comes back (None, bool, int, float, complex,
-  str, bytes; list, tuple, dict, set, frozenset nested), as tagged JSON validated type by type. Anything else
+  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type. Anything else
   comes back as an opaque reference the tests may only pass back, call, or get/set attributes of; using it as
   data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
 A pass is the judge's `pass` line on a pipe only the judge holds, and the judge's exit status 0.
