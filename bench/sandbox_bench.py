@@ -3,11 +3,13 @@ driven by its own host process) and the cost per MBPP gold program: bubblewrap +
 guard-only fallback and a bare interpreter spawn (the floor), in alternating rounds; run_many 2 workers vs 1.
 
     MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
+        [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -70,12 +72,43 @@ def throughput(n: int, rounds: int) -> None:
           f"({med[iso] / med['run_many x2']:.2f}x faster than 1 worker)")
 
 
+PEER = """
+import sys, time
+from mechdiag.tasks import get_task
+from mechdiag.sandbox import run_many
+jobs = [(e.meta["gold_code"], e.answer) for e in get_task("mbpp").examples("test", int(sys.argv[1]))]
+for workers in (1, 2):
+    t0 = time.monotonic()
+    assert all(r.passed for r in run_many(jobs, workers=workers))
+    print((time.monotonic() - t0) / len(jobs) * 1e3)
+"""
+
+
+def before_after(before: str, n: int, rounds: int) -> None:
+    """ms per MBPP gold program: CHECKOUT's sandbox vs this one, each in a fresh process, alternating rounds."""
+    sides = {"before": before, "after": str(Path(__file__).resolve().parent.parent)}
+    got = {k: [] for k in sides}
+    for _ in range(rounds):
+        for k, path in sides.items():
+            out = subprocess.run([sys.executable, "-c", PEER, str(n)], capture_output=True, text=True, check=True,
+                                 env=dict(os.environ, PYTHONPATH=path)).stdout.split()
+            got[k].append([float(x) for x in out])
+    med = {k: [statistics.median(r[i] for r in v) for i in range(2)] for k, v in got.items()}
+    print(f"MBPP gold x{n}, median of {rounds} alternating rounds (ms per program), before = {before}:")
+    for w in (0, 1):
+        print(f"  {w + 1} worker(s): before {med['before'][w]:6.0f}, after {med['after'][w]:6.0f} "
+              f"({med['after'][w] / med['before'][w]:.2f}x)")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-corpus", action="store_true")
+    ap.add_argument("--before", help="a checkout of the earlier sandbox to compare against")
     a = ap.parse_args()
     if not a.no_corpus:
         corpus()
     throughput(a.n, a.rounds)
+    if a.before:
+        before_after(a.before, a.n, a.rounds)
