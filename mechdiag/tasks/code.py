@@ -2,7 +2,7 @@
 
 The completion's code is the <answer> block (a fenced ```python block inside it is unwrapped); without an answer
 tag, the last fenced block of the completion. Components (Table 6, code), each in [0, 1]:
-- correctness: every test passes in the sandbox (nonce protocol; see mechdiag/sandbox.py);
+- correctness: every test passes: the verdict of the sandbox's judge (see mechdiag/sandbox.py);
 - complexity: 1 unless the code is degenerate (see `complexity`);
 - xml_count: a quarter per reasoning/answer tag present exactly once;
 - syntax: the code is non-empty and ast.parse accepts it;
