@@ -126,6 +126,9 @@ class Config(_Strict):
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
+    # model-written code: "strict" refuses to run it without OS isolation (bubblewrap); see mechdiag.sandbox
+    sandbox: Literal["auto", "strict"] = "auto"
+
     # schedule
     seed: int = 42
     max_steps: int | None = Field(40, ge=1)

@@ -25,7 +25,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import get_scheduler
 
-from mechdiag import atomic, models, tasks
+from mechdiag import atomic, models, sandbox, tasks
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
 from mechdiag.generate import generate, greedy
@@ -86,6 +86,7 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        self.isolation = sandbox.use(cfg.sandbox)  # for summary.json; sandbox: strict without bwrap stops here
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -164,7 +165,7 @@ class Trainer:
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
                        "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start}
+                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation}
             self.run.write_summary(summary)
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
