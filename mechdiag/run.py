@@ -35,8 +35,8 @@ from mechdiag.errors import UserError
 STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples")
 # summary.json, whoever writes it (native trainer, TRL callback, TRL and verl readers): flat keys, metrics of the
 # untrained and the final model as base_<metric> / final_<metric>.
-SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s", "sandbox",
-                "base_accuracy", "final_accuracy", "accuracy_gain", "base_eval_reward", "final_eval_reward")
+SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
+                "sandbox", "base_accuracy", "final_accuracy", "accuracy_gain", "base_eval_reward", "final_eval_reward")
 
 
 @dataclass
