@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.recommend import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, ENTROPY_FLOOR, FRAC_ZERO_STD_HIGH
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, ENTROPY_FLOOR, FRAC_ZERO_STD_HIGH
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -36,11 +36,6 @@ class Alert:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def reward_ceiling(weights: dict[str, float]) -> float:
-    """The best total reward: components are in [0, 1] before weighting, so the sum of the positive weights."""
-    return sum(w for w in weights.values() if w > 0) or 1.0
 
 
 def _series(records: list[dict], key: str) -> list[tuple[int, float]]:

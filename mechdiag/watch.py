@@ -10,9 +10,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
 from mechdiag import alerts as A
+from mechdiag import config as C
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import CALLBACK_DIR
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
 from mechdiag.run import RunDir
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -45,13 +51,9 @@ class State:
 
 
 def read_state(run: RunDir) -> State:
-    from mechdiag import config as C
-
-    max_reward = 1.0
-    if run.config_path.exists():
-        max_reward = A.reward_ceiling(C.load(run.config_path).rewards.weights)
+    ceiling = max_reward(C.load(run.config_path).rewards.weights) if run.config_path.exists() else 1.0
     metrics, evals, disp = run.read("metrics"), run.read("eval"), run.read("displacement")
-    return State(metrics, evals, A.check(metrics, evals, disp, max_reward), run.summary_path.exists())
+    return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists())
 
 
 def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
@@ -71,8 +73,6 @@ def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
 
 def rows(state: State) -> list[tuple[str, str, str, str]]:
     """(signal, latest value, its step, sparkline) for the eight signals, then the extras that were recorded."""
-    from mechdiag.report.figures import EVAL_SIGNALS, TRAIN_SIGNALS
-
     panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
     out = []
     for i, (stream, key, title) in enumerate(panels + EXTRA):
@@ -85,9 +85,6 @@ def rows(state: State) -> list[tuple[str, str, str, str]]:
 
 
 def render(run: RunDir, state: State):
-    from rich.console import Group
-    from rich.table import Table
-
     last = state.metrics[-1]["step"] if state.metrics else 0
     sig = Table(title=f"{run.path}  step {last}{'  (finished)' if state.finished else ''}", title_justify="left")
     for col in ("signal", "latest", "step", "trend"):
@@ -119,14 +116,10 @@ def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, e
                 return state
             time.sleep(interval)
             state = read_state(run)
-    from rich.console import Console
-
     console = Console()
     if once:
         console.print(render(run, state))
         return state
-    from rich.live import Live
-
     with Live(render(run, state), console=console, refresh_per_second=4) as live:
         while not state.finished:
             time.sleep(interval)

@@ -19,10 +19,12 @@ from mechdiag import alerts as A
 from mechdiag import config as C
 from mechdiag.integrations.readers import completions_rows, read_verl_run
 from mechdiag.integrations.trl import GroupCV
+from mechdiag.metrics import max_reward
 from mechdiag.outcomes import KEYS, group_outcomes
 from mechdiag.paths import REPO_ROOT
 from mechdiag.probes.forget import ForgetProbe
-from mechdiag.run import RunDir
+from mechdiag.report import write_report
+from mechdiag.run import RunDir, load_run
 from mechdiag.train.trainer import train
 from tests.helpers import assert_bad_input
 from tests.synth_runs import ALERT_FAULTS, make_alert_run
@@ -189,9 +191,7 @@ def test_trainer_forget_kl_and_report(stories260k, tmp_path):
     assert [e["step"] for e in evals] == [0, 2, 4]
     assert evals[0]["forget_kl"] == 0.0  # the base against itself
     assert evals[-1]["forget_kl"] > 0
-    from mechdiag.report import write_report
-
-    html = write_report([run.path], tmp_path / "r.html").read_text()
+    html = write_report([load_run(run.path)], tmp_path / "r.html").read_text()
     assert "forget KL to base" in html
 
 
@@ -207,7 +207,7 @@ def test_forget_prompts_bad_input(stories260k, tmp_path, cli):
 # ---- alerts -------------------------------------------------------------------------------------------------------
 def _check(run: RunDir) -> list[A.Alert]:
     return A.check(run.read("metrics"), run.read("eval"), run.read("displacement"),
-                   A.reward_ceiling(C.load(run.config_path).rewards.weights))
+                   max_reward(C.load(run.config_path).rewards.weights))
 
 
 def test_healthy_run_fires_nothing(tmp_path):

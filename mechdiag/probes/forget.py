@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from mechdiag.errors import UserError
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens
+from mechdiag.generate import policy_logits, sample_tokens
+from mechdiag.models import encode_prompts, eos_ids, pad_id, reference_context
 from mechdiag.probes.prompts import read_prompts, task_prompts
 
 
@@ -61,8 +62,6 @@ class ForgetProbe:
     @torch.inference_mode()
     def kl(self, model, ref_model=None) -> float:
         """forget_kl of `model` (a PEFT model: base = adapter disabled; else `ref_model` is the base)."""
-        from mechdiag.train.rollout import policy_logits, reference_context
-
         device = next(model.parameters()).device
         was = model.training
         model.eval()
