@@ -483,10 +483,7 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
                                    eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
                                    sampler=lambda: m)
         ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
-        out = Trainer.evaluate(ev, step)
-        if cfg.eval_samples == 1:
-            out.update({f"pass@{k}": out["accuracy"] for k in cfg.pass_k if k == 1})
-        return out
+        return Trainer.evaluate(ev, step)
 
     return evaluate
 

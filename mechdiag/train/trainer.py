@@ -227,7 +227,7 @@ class Trainer:
     def _pass_at_k(self, step: int) -> dict:
         cfg = self.cfg
         n = cfg.eval_samples
-        if n == 1:  # greedy accuracy stands for pass@1
+        if n == 1:  # pass@k only from sampled completions; greedy accuracy is `accuracy`, never pass@1
             return {}
         from mechdiag.generate import generate
 
@@ -241,8 +241,6 @@ class Trainer:
 
     def _eval(self, step: int) -> dict:
         metrics = self.evaluate(step)
-        if self.cfg.eval_samples == 1:
-            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
         H.call(self.hooks, "on_eval", self, step, metrics)
         return metrics
 
