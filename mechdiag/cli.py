@@ -281,7 +281,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
-@click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
+@click.option("--keep-bos", is_flag=True, help="count position 0 in the norms where it is BOS (default: left out)")
 @click.option("--device", default="cpu", show_default=True, help="cpu, cuda, or auto")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
@@ -298,7 +298,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
     from mechdiag import atomic
     from mechdiag.probes import prompts as probe_prompts
-    from mechdiag.probes.shift import note, shift, write_html
+    from mechdiag.probes.shift import bos_note, note, shift, write_html
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -316,6 +316,8 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
                device=device)
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
+    if not keep_bos:
+        note(bos_note(df))
     if html:
         write_html(df, html, title=f"Activation shift: {tuned} vs {base}")
     if fmt == "parquet":
