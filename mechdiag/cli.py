@@ -119,6 +119,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         cfg = C.load(cfg_path, overrides)
     else:
         cfg = C.load(config, overrides)
+    C.check_reward_weights(cfg)
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
         from mechdiag.train.trainer import prepare_model

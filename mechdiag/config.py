@@ -1,7 +1,8 @@
 """The design lambda of the study (paper-notes §1) as typed, validated data, with YAML in and out.
 
 Defaults are the embedded default run (`mechdiag train` with no arguments); presets math/code/mcq follow the
-study's Table 7 and reward weights its Table 6.
+study's Table 7. Reward weights are the task's own (Table 6 by domain, Task.reward_weights) unless the config
+sets rewards.weights; a loaded Config always holds the resolved weights, so config.yaml shows what ran.
 """
 
 from __future__ import annotations
@@ -19,15 +20,6 @@ from mechdiag.errors import UserError
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-# Table 6: reward component weights per domain.
-REWARD_WEIGHTS = {
-    "math": {"correctness": 2.0, "xml_count": 0.5, "numeric": 0.5, "format": 0.5,
-             "reasoning_nonempty": 0.1, "answer_nonempty": 0.1},
-    "mcq": {"correctness": 2.0, "valid_option": 0.5, "xml_count": 0.5, "format": 0.5},
-    "code": {"correctness": 1.0, "complexity": 1.0, "xml_count": 0.5, "syntax": 0.5, "reasoning_nonempty": 0.1},
-}
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -79,7 +71,7 @@ class LoraConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    weights: dict[str, float] = Field(default_factory=lambda: dict(REWARD_WEIGHTS["math"]))
+    weights: dict[str, float] | None = None  # None: the task's study weights (filled in when the Config is built)
     reasoning_tag: str = "reasoning"
     answer_tag: str = "answer"
 
@@ -146,11 +138,42 @@ class Config(_Strict):
             raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
+        if self.rewards.weights is None:
+            self.rewards.weights = task_reward_weights(self)
         return self
 
     @property
     def clip_high(self) -> float:
         return self.epsilon if self.epsilon_high is None else self.epsilon_high
+
+
+# ---- reward weights (Table 6) ------------------------------------------------------------------------------
+def _task_classes(cfg: Config) -> list:
+    from mechdiag.tasks import task_class
+
+    return [task_class(cfg.task.name)] + [task_class(s.name) for s in cfg.task.mixture]
+
+
+def task_reward_weights(cfg: Config) -> dict[str, float]:
+    """The study's weights of the config's task; components of mixed-in tasks of another domain come along (the
+    main task's weight wins where both score a component)."""
+    out: dict[str, float] = {}
+    for cls in reversed(_task_classes(cfg)):
+        out.update(cls.reward_weights())
+    return out
+
+
+def check_reward_weights(cfg: Config) -> None:
+    """Every name in rewards.weights must be a component the task (or a mixed-in task) scores: a misspelt name
+    would silently weigh nothing. Raises UserError with the nearest name."""
+    known: dict[str, None] = {}
+    for cls in _task_classes(cfg):
+        known.update(dict.fromkeys(cls.reward_weights()))
+    for name in cfg.rewards.weights or {}:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise UserError(f"unknown reward component {name!r} in rewards.weights for task {cfg.task.name}"
+                            + (f" (did you mean {near[0]}?)" if near else "") + f"; known: {', '.join(known)}")
 
 
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
@@ -161,16 +184,13 @@ _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_r
 PRESETS: dict[str, dict[str, Any]] = {
     "math": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
              "beta": 0.005, "task": {"name": "gsm8k"},
-             "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
-             "rewards": {"weights": REWARD_WEIGHTS["math"]}},
+             "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES}},
     "code": {**_SHARED, "learning_rate": 5e-6, "epochs": 1, "prompts_per_step": 1, "grad_accum": 64,
              "beta": 0.005, "task": {"name": "mbpp"},
-             "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ATTN_MODULES},
-             "rewards": {"weights": REWARD_WEIGHTS["code"]}},
+             "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ATTN_MODULES}},
     "mcq": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
             "beta": 0.003, "task": {"name": "arc"},
-            "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
-            "rewards": {"weights": REWARD_WEIGHTS["mcq"]}},
+            "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES}},
 }
 
 

@@ -464,11 +464,10 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
 
 def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write=None) -> dict[str, float]:
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
-    from mechdiag.config import REWARD_WEIGHTS
     from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 
     task, s = bench.task, settings
-    weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
+    weights = task.reward_weights()
     tally = Tally(s.ks, s.samples, votable=task.domain != "code" or callable(getattr(task, "answer_key", None)))
     model.eval()  # no LoRA dropout
     device = next(model.parameters()).device

@@ -501,6 +501,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
+    from mechdiag.config import check_reward_weights
+
+    check_reward_weights(cfg)
     torch.manual_seed(cfg.seed)
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here

@@ -27,7 +27,8 @@ def register(name: str, target: str) -> None:
     REGISTRY[name] = target
 
 
-def get_task(name: str, path: str | None = None, **options) -> Task:
+def task_class(name: str) -> type[Task]:
+    """The class of a registered task, or of a user task given as "package.module:Class" (not instantiated)."""
     import importlib
 
     target = REGISTRY.get(name) or (name if ":" in name else None)  # a user task class "package.module:Class"
@@ -37,10 +38,13 @@ def get_task(name: str, path: str | None = None, **options) -> Task:
                         + f"; known: {', '.join(sorted(REGISTRY))}")
     mod, cls = target.split(":", 1)
     try:
-        task_cls = getattr(importlib.import_module(mod), cls)
+        return getattr(importlib.import_module(mod), cls)
     except (ImportError, AttributeError) as e:
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
-    return task_cls(path=path, **options)
 
 
-__all__ = ["Example", "Task", "get_task", "register", "REGISTRY"]
+def get_task(name: str, path: str | None = None, **options) -> Task:
+    return task_class(name)(path=path, **options)
+
+
+__all__ = ["Example", "Task", "get_task", "register", "task_class", "REGISTRY"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mechdiag.tasks.rewards import REWARD_WEIGHTS
+
 
 @dataclass
 class Example:
@@ -22,6 +24,12 @@ class Example:
 class Task:
     name: str = "task"
     domain: str = "math"  # math | mcq | code: picks the default reward weights (paper-notes §6)
+
+    @classmethod
+    def reward_weights(cls) -> dict[str, float]:
+        """The study's components and weights for this task (Table 6 by domain); keys are the components it
+        scores. Used unless the config sets rewards.weights. Override for a task with other components."""
+        return dict(REWARD_WEIGHTS[cls.domain])
 
     def examples(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
         raise NotImplementedError

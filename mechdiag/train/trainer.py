@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mechdiag import atomic
-from mechdiag.config import Config, save
+from mechdiag.config import Config, check_reward_weights, save
 from mechdiag.errors import UserError
 from mechdiag.evaluate import pass_at_k
 from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
@@ -118,6 +118,7 @@ def get_task(name: str, path: str | None, options: dict):
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        check_reward_weights(cfg)
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
