@@ -29,6 +29,7 @@ class Run:
     displacement: list[dict]
     shift: list[dict]
     summary: dict = field(default_factory=dict)
+    samples: list[dict] = field(default_factory=list)  # completions (what no_signal reads its cause from)
 
     @property
     def name(self) -> str:
@@ -51,7 +52,7 @@ def load_run(path) -> Run:
     if not rd.config_path.is_file():
         raise UserError(f"{rd.path} has no config.yaml: not a run directory")
     cfg = configlib.load(rd.config_path)
-    streams = {name: rd.read(name) for name in ("metrics", "eval", "displacement", "shift")}
+    streams = {name: rd.read(name) for name in ("metrics", "eval", "displacement", "shift", "samples")}
     for name, rows in streams.items():
         bad = next((r for r in rows if not isinstance(r, dict)), None)
         if bad is not None:
@@ -59,7 +60,7 @@ def load_run(path) -> Run:
     if not streams["metrics"] and not streams["eval"]:
         raise UserError(f"{rd.path} has neither metrics.jsonl nor eval.jsonl records: nothing to diagnose")
     return Run(rd.path, cfg, streams["metrics"], streams["eval"], streams["displacement"], streams["shift"],
-               rd.summary())
+               rd.summary(), streams["samples"])
 
 
 def load_runs(paths) -> list[Run]:
