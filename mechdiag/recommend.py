@@ -358,13 +358,16 @@ def no_signal(s: Signals):
     tag = s.cfg.rewards.answer_tag
     fmt = (sum(f"<{tag}>" in x["completion"] and f"</{tag}>" in x["completion"] for x in pool) / len(pool)
            if pool else None)
+    opened = [f"<{t}>" for t in (s.cfg.rewards.reasoning_tag, "think", tag)]  # a completion that began the format
+    started = sum(any(t in x["completion"] for t in opened) for x in pool) / len(pool) if pool else None
     _, clipped = s.series("completion_clipped_ratio")
     cut = sum(clipped) / len(clipped) if clipped else \
         (sum(bool(x.get("truncated")) for x in pool) / len(pool) if pool and "truncated" in pool[0] else 0.0)
     if fmt is None:  # no samples recorded: the format components say whether the tags were ever written
         tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
-    if cut > CLIPPED_HIGH:
+    never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
+    if cut > CLIPPED_HIGH and not never_started:
         cause = "budget too short"
         ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
                f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
@@ -374,8 +377,10 @@ def no_signal(s: Signals):
         changes = [change] if change else []
     elif fmt is not None and fmt < NO_SIGNAL_FORMAT_MIN:
         cause = "format never produced"
-        ev += (f"; {fmt:.0%} of {len(pool)} sampled completions close an <{tag}> block" if pool else
-               "; the format components (xml_count, format) are 0 throughout")
+        ev += (f"; {fmt:.0%} of {len(pool)} sampled completions close an <{tag}> block, {started:.0%} open any "
+               "tag" if pool else "; the format components (xml_count, format) are 0 throughout")
+        if cut > CLIPPED_HIGH:
+            ev += f" ({cut:.0%} cut at the budget, but none had begun the format)"
         changes = []
         reason = ("format never produced: the base does not write the rewarded <reasoning>/<answer> format, so no "
                   "sampling setting can help; teach it first (a short SFT warm-up on gold completions, a prompt "

@@ -446,6 +446,12 @@ def test_zero_reward_throughout_names_the_format_as_the_cause(tmp_path):
     assert r.changes == [] and r.cfg == r.base_cfg  # low_diversity's temperature waits: no signal explains it
     low = next(f for f in r.findings if f.rule == "low_diversity")
     assert "deferred: no_signal" in low.reason
+    # a rambling base cut at the budget without ever opening a tag: the format, not the budget, is the cause
+    rambling = [{"completion": "Once upon a time there was a cat who", "truncated": True}] * 16
+    r = rec(tmp_path, name="rambling", samples=rambling, clipped=1.0, **ZERO)
+    f = next(f for f in r.findings if f.rule == "no_signal")
+    assert f.data["cause"] == "format never produced" and "100% cut at the budget" in f.evidence
+    assert r.changes == []
 
 
 def test_no_signal_from_truncation_raises_the_budget(tmp_path):
