@@ -498,3 +498,26 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
     assert "early_saturation" in fired(rec(tmp_path, cfg_with("task.name=arc"), name="arc_sat", reward=(3.2, 3.25),
                                            kl=0.01))
     assert "early_saturation" not in fired(rec(tmp_path, name="math_sat", reward=(3.2, 3.25), kl=0.01))
+
+
+RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defaults are the healthy run
+    "too_few_records": {"steps": 2},
+    "no_signal": {"samples": NO_TAGS, **ZERO},
+    "early_saturation": {"reward": (3.45, 3.6), "frac_zero_std": 0.8, "reward_cv": 0.02, "kl": 0.01},
+    "low_diversity": {"reward_cv": 0.04, "frac_zero_std": 0.7, **FLAT},
+    "kl_drift": {"reward": (1.5, 1.6), "kl": (0.0, 0.2, 0.3), "accuracy": (0.4, 0.3)},
+    "reward_misalignment": {"reward": (1.0, 2.8), "accuracy": (0.4, 0.4), "kl": 0.01,
+                            "components": {"correctness": (0.4, 0.4), "format": (0.1, 0.9)}},
+    "truncation": {"clipped": 0.5, **FLAT},
+    "reduced_layers": {"layer_mass": ends_heavy(8, 6.0), **FLAT},
+    "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
+                        **FLAT},
+    "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
+}
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in R.RULES])
+def test_every_rule_has_a_run_that_fires_it_and_the_healthy_run_does_not(tmp_path, name):
+    assert name in RULE_CASES, f"rule {name} has no test run that should fire it"
+    assert name in fired(rec(tmp_path, name="sick", **RULE_CASES[name]))
+    assert name not in fired(rec(tmp_path, name="healthy"))
