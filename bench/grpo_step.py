@@ -131,10 +131,11 @@ def bench_trl(args, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mechdiag.tasks import get_task
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model_and_tokenizer as load_model
+    from mechdiag.tasks import get_task, reward_weights
 
     cfg = C.load(None, common(args))
+    weights = reward_weights(cfg)
     model, tok = load_model(args.model)
     task = get_task("arith")
     examples = task.examples("train", n=(args.steps + args.warmup) * args.prompts, seed=0)
@@ -142,7 +143,7 @@ def bench_trl(args, out: Path) -> dict:
     ds = Dataset.from_list([{"prompt": p} for p in by_prompt])
 
     def reward(prompts, completions, **kw):
-        return [task.reward(c, by_prompt[p], cfg.rewards.weights)[0] for p, c in zip(prompts, completions, strict=True)]
+        return [task.reward(c, by_prompt[p], weights)[0] for p, c in zip(prompts, completions, strict=True)]
 
     times, lengths = [], []
 

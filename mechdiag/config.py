@@ -2,7 +2,7 @@
 
 Defaults are the embedded default run (`mechdiag train` with no arguments); presets math/code/mcq follow the
 study's Table 7. Reward weights are the task's own (Table 6 by domain, Task.reward_weights) unless the config
-sets rewards.weights; a loaded Config always holds the resolved weights, so config.yaml shows what ran.
+sets rewards.weights; tasks.resolve_rewards fills them in before a run, so the run's config.yaml shows what ran.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mechdiag import atomic
 from mechdiag.errors import UserError
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -71,7 +72,7 @@ class LoraConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    weights: dict[str, float] | None = None  # None: the task's study weights (filled in when the Config is built)
+    weights: dict[str, float] | None = None  # None: the task's study weights (tasks.resolve_rewards fills them in)
     reasoning_tag: str = "reasoning"
     answer_tag: str = "answer"
 
@@ -117,6 +118,9 @@ class Config(_Strict):
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
+    # model-written code: "strict" refuses to run it without OS isolation (bubblewrap); see mechdiag.sandbox
+    sandbox: Literal["auto", "strict"] = "auto"
+
     # schedule
     seed: int = 42
     max_steps: int | None = Field(40, ge=1)
@@ -138,42 +142,7 @@ class Config(_Strict):
             raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
-        if self.rewards.weights is None:
-            self.rewards.weights = task_reward_weights(self)
         return self
-
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
-
-# ---- reward weights (Table 6) ------------------------------------------------------------------------------
-def _task_classes(cfg: Config) -> list:
-    from mechdiag.tasks import task_class
-
-    return [task_class(cfg.task.name)] + [task_class(s.name) for s in cfg.task.mixture]
-
-
-def task_reward_weights(cfg: Config) -> dict[str, float]:
-    """The study's weights of the config's task; components of mixed-in tasks of another domain come along (the
-    main task's weight wins where both score a component)."""
-    out: dict[str, float] = {}
-    for cls in reversed(_task_classes(cfg)):
-        out.update(cls.reward_weights())
-    return out
-
-
-def check_reward_weights(cfg: Config) -> None:
-    """Every name in rewards.weights must be a component the task (or a mixed-in task) scores: a misspelt name
-    would silently weigh nothing. Raises UserError with the nearest name."""
-    known: dict[str, None] = {}
-    for cls in _task_classes(cfg):
-        known.update(dict.fromkeys(cls.reward_weights()))
-    for name in cfg.rewards.weights or {}:
-        if name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            raise UserError(f"unknown reward component {name!r} in rewards.weights for task {cfg.task.name}"
-                            + (f" (did you mean {near[0]}?)" if near else "") + f"; known: {', '.join(known)}")
 
 
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
@@ -345,6 +314,5 @@ def to_yaml(cfg: Config, header: str = "") -> str:
 
 
 def save(cfg: Config, path: str | Path, header: str = "") -> None:
-    from mechdiag import atomic
 
     atomic.write_text(path, to_yaml(cfg, header))
