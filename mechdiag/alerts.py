@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, ENTROPY_FLOOR, FRAC_ZERO_STD_HIGH
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -114,10 +114,10 @@ def entropy_collapse(metrics: list[dict]) -> Alert | None:
     for i, (step, m) in enumerate(_windows(ent)):
         if i < WINDOW:  # the head itself is not a collapse from the head
             continue
-        if m < ENTROPY_COLLAPSE_RATIO * head or m < ENTROPY_FLOOR:
+        if m < ENTROPY_COLLAPSE_RATIO * head:
             return Alert("entropy_collapse", step,
                          f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in the first {WINDOW} "
-                         f"steps (< {ENTROPY_COLLAPSE_RATIO:g}x, or < {ENTROPY_FLOOR:g} nats)")
+                         f"steps (< {ENTROPY_COLLAPSE_RATIO:g}x)")
     return None
 
 

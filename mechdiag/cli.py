@@ -119,6 +119,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
     from pathlib import Path
 
     from mechdiag import config as C
+    from mechdiag import tasks
 
     overrides = list(overrides)
     if trl_args and backend != "trl":
@@ -136,6 +137,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         cfg = C.load(cfg_path, overrides)
     else:
         cfg = C.load(config, overrides)
+    tasks.resolve_rewards(cfg)
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
         from mechdiag.train.trainer import prepare_model
@@ -311,7 +313,7 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
-@click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
+@click.option("--keep-bos", is_flag=True, help="count position 0 in the norms where it is BOS (default: left out)")
 @click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @_checkpoint_option
@@ -332,7 +334,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
     from mechdiag import models as M
     from mechdiag.probes import prompts as probe_prompts
     from mechdiag.probes.load import resolve
-    from mechdiag.probes.shift import note, shift, write_html
+    from mechdiag.probes.shift import bos_note, note, shift, write_html
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -350,6 +352,8 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
                device=device)
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
+    if not keep_bos:
+        note(bos_note(df))
     if html:
         write_html(df, html, title=f"Activation shift: {tuned} vs {base}")
     if fmt == "parquet":

@@ -35,7 +35,6 @@ import torch
 
 from mechdiag import atomic, models
 from mechdiag import tasks as T
-from mechdiag.config import REWARD_WEIGHTS
 from mechdiag.errors import UserError
 from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
@@ -324,7 +323,7 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
 
     task, s = bench.task, settings
-    weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
+    weights = task.reward_weights()
     tally = Tally(s.ks, s.samples, votable=task.votable)
     model.eval()  # no LoRA dropout
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)

@@ -27,8 +27,7 @@ EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), (
 # Where a training signal is bad: shared by recommend's rules and the live alerts (docs/recommendations.md).
 FRAC_ZERO_STD_HIGH = 0.50  # share of groups with identical rewards above this: no gradient signal
 CLIPPED_HIGH = 0.20  # share of completions cut at max_completion_tokens above this
-ENTROPY_COLLAPSE_RATIO = 0.3  # entropy below this share of its early mean has collapsed
-ENTROPY_FLOOR = 0.05  # or below this absolute value (nats per token)
+ENTROPY_COLLAPSE_RATIO = 0.3  # entropy below this share of the run's own start has collapsed (no absolute floor)
 
 
 def max_reward(weights: dict[str, float]) -> float:

@@ -4,7 +4,10 @@ signals of one or more run directories, a treatment on the Config, the evidence 
 Every threshold is a named constant below (those the live alerts share: metrics.py) and is explained in
 docs/recommendations.md. Several runs (seeds of
 one config) are pooled: train and eval signals are averaged per step, displacement and shift shares per run
-then averaged. A healthy run fires no rule and leaves the config unchanged.
+then averaged. A healthy run fires no rule and leaves the config unchanged; a run with too few train records is
+not judged at all (too_few_records), and a run with no learning signal (no_signal) gets its cause, not tuning.
+Rules judge a cause together with its cost: a symptom that costs nothing (entropy falling while held-out
+accuracy rises and the groups still differ) changes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ from mechdiag.errors import UserError
 from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
-    ENTROPY_FLOOR,
     FRAC_ZERO_STD_HIGH,
     last_step,
     max_reward,
@@ -28,10 +30,12 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.run import Run, base_eval, final_eval, group_runs
+from mechdiag.tasks import reward_weights
 
 # ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
 WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
 MIN_POINTS = 4  # fewer train records than this: trend rules stay silent
+MIN_RECORDS = 8  # fewer train records than this: too few to judge at all (two per head/tail window)
 CONFIDENT_POINTS = 20  # train records for full confidence from the data-size factor
 
 REWARD_CV_LOW = 0.10  # tail mean within-group reward CV below this: groups barely differ
@@ -76,6 +80,10 @@ MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the updat
 MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
 MIN_MODULES = 2  # ...and we keep at least this many modules (the study's v_proj + o_proj)
 
+CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below this share of the head's
+
+NO_SIGNAL_EPS = 1e-9  # reward (or correctness) at most this on every record: nothing to learn from
+NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a closed answer block: format never made
 
 SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
@@ -171,6 +179,7 @@ class Signals:
     base: dict[str, float]
     final: dict[str, float]
     n_layers: int | None
+    samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -189,7 +198,9 @@ class Signals:
             module_mass=_mean_dicts([update_mass(rows, "module", size_normalised=True) for rows in disp]),
             shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
-            n_layers=max(layers) + 1 if layers else None)
+            n_layers=max(layers) + 1 if layers else None,
+            samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
+                           key=lambda x: x.get("split") != "train"))
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -213,7 +224,16 @@ class Signals:
 
     @property
     def max_reward(self) -> float:
-        return max_reward(self.cfg.rewards.weights)
+        return max_reward(reward_weights(self.cfg))
+
+    def sampled_pass_k(self) -> tuple[str, list[int], list[float]] | None:
+        """(key, steps, values) of the largest recorded pass@k with k > 1: only sampled completions give it."""
+        keys = {k for d in self.eval.values() for k in d if k.startswith("pass@") and k[5:].isdigit()
+                and int(k[5:]) > 1}
+        if not keys:
+            return None
+        key = max(keys, key=lambda k: int(k[5:]))
+        return (key, *self.series(key, "eval"))
 
     def accuracy_trend(self) -> tuple[float, float, float] | None:
         """(best so far including base, final, base) eval accuracy, or None without two points."""
@@ -278,6 +298,80 @@ def _saturated(s: Signals) -> tuple[float, str] | None:
     if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
         return tail
     return None
+
+
+@rule("too_few_records", "too few train records to judge the run: no other rule is run")
+def too_few_records(s: Signals):
+    if s.n_train >= MIN_RECORDS:
+        return None
+    return _finding(too_few_records, f"too few records to judge ({s.n_train} < {MIN_RECORDS} train records)", [],
+                    "train longer (more steps, or a larger max_time_s) before judging the run", 0.95,
+                    n_records=s.n_train, min_records=MIN_RECORDS)
+
+
+def _raise_budget(cfg: Config) -> Change | None:
+    cur = cfg.max_completion_tokens
+    if cur >= COMPLETION_TOKENS_MAX:
+        return None
+    new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    return Change("max_completion_tokens", cur, new)
+
+
+@rule("no_signal", "zero reward or zero correct throughout: every group scores the same, nothing to learn from")
+def no_signal(s: Signals):
+    _, reward = s.series("reward")
+    _, correct = s.series("reward/correctness")
+    _, acc = s.series("accuracy", "eval")
+    acc = acc + [s.base["accuracy"]] if "accuracy" in s.base else acc
+    zero_reward = bool(reward) and max(reward) <= NO_SIGNAL_EPS
+    zero_correct = bool(correct or acc) and max(correct + acc) <= NO_SIGNAL_EPS
+    if not (zero_reward or zero_correct):
+        return None
+    what = "reward 0" if zero_reward else "no correct answer"
+    ev = f"{what} on all {len(reward) or len(acc)} records"
+    # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
+    pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
+    pool = [x for x in pool if x.get("split", "train") == "train"] or pool
+    tag = s.cfg.rewards.answer_tag
+    fmt = (sum(f"<{tag}>" in x["completion"] and f"</{tag}>" in x["completion"] for x in pool) / len(pool)
+           if pool else None)
+    opened = [f"<{t}>" for t in (s.cfg.rewards.reasoning_tag, "think", tag)]  # a completion that began the format
+    started = sum(any(t in x["completion"] for t in opened) for x in pool) / len(pool) if pool else None
+    _, clipped = s.series("completion_clipped_ratio")
+    cut = sum(clipped) / len(clipped) if clipped else \
+        (sum(bool(x.get("truncated")) for x in pool) / len(pool) if pool and "truncated" in pool[0] else 0.0)
+    if fmt is None:  # no samples recorded: the format components say whether the tags were ever written
+        tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
+        fmt = max(tags) if tags else None
+    never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
+    if cut > CLIPPED_HIGH and not never_started:
+        cause = "budget too short"
+        ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
+               f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
+        change = _raise_budget(s.cfg)
+        reason = ("budget too short: a longer completion budget lets the answer be written" if change else
+                  "budget too short and at its cap: shorten the reasoning (prompt, format warm-up) or the task")
+        changes = [change] if change else []
+    elif fmt is not None and fmt < NO_SIGNAL_FORMAT_MIN:
+        cause = "format never produced"
+        ev += (f"; {fmt:.0%} of {len(pool)} sampled completions close an <{tag}> block, {started:.0%} open any "
+               "tag" if pool else "; the format components (xml_count, format) are 0 throughout")
+        if cut > CLIPPED_HIGH:
+            ev += f" ({cut:.0%} cut at the budget, but none had begun the format)"
+        changes = []
+        reason = ("format never produced: the base does not write the rewarded <reasoning>/<answer> format, so no "
+                  "sampling setting can help; teach it first (a short SFT warm-up on gold completions, a prompt "
+                  "with a worked example, or an instruct base with its chat template), or check the tag names "
+                  "(rewards.reasoning_tag / answer_tag)")
+    else:
+        cause = "task too hard"
+        ev += (f"; {fmt:.0%} of sampled completions are well-formed but none is correct" if fmt is not None
+               else "; no completion is correct")
+        change = _easier_data(s.cfg)
+        changes = [change] if change else []
+        reason = ("task too hard: easier data gives some groups a correct member to learn from" if change else
+                  "task too hard: mix easier problems into task.mixture, or start from a stronger base")
+    return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
 
 
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
@@ -376,7 +470,7 @@ def reward_misalignment(s: Signals):
     _, final, base = trend
     if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
         return None
-    w = dict(s.cfg.rewards.weights)
+    w = reward_weights(s.cfg)
     ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
           f"eval accuracy {base:.3g} -> {final:.3g}")
     c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
@@ -423,11 +517,9 @@ def truncation(s: Signals):
         margin = (fill - LENGTH_NEAR_BUDGET) / (1 - LENGTH_NEAR_BUDGET)
     else:
         return None
-    changes, reason = [], "longer budget so reasoning and answer fit"
-    if cur < COMPLETION_TOKENS_MAX:
-        new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
-        changes = [Change("max_completion_tokens", cur, new)]
-    else:
+    change, reason = _raise_budget(s.cfg), "longer budget so reasoning and answer fit"
+    changes = [change] if change else []
+    if not change:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
                     length_fill=fill, length_shrink=shrink)
@@ -498,7 +590,7 @@ def reduced_modules(s: Signals):
                     modules=",".join(new))
 
 
-@rule("entropy_collapse", "policy entropy collapses: the model stops exploring")
+@rule("entropy_collapse", "policy entropy collapses and it costs something: diversity, pass@k or accuracy")
 def entropy_collapse(s: Signals):
     head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
     if head and tail:
@@ -508,16 +600,28 @@ def entropy_collapse(s: Signals):
         if len(ent) < 2:
             return None
         start, end, where = ent[0], ent[-1], f"eval steps {steps[0]} -> {steps[-1]}"
-    collapsed = end < ENTROPY_COLLAPSE_RATIO * start or (end < ENTROPY_FLOOR <= start)
-    if not collapsed:
+    if not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):  # relative to the run's own start, no floor
+        return None
+    costs = []  # a sharper policy is the point of RL; it is a problem only where it costs something
+    cv_head, cv_tail = s.window("reward_cv", "head"), s.window("reward_cv", "tail")
+    if cv_head and cv_tail and cv_tail[0] < CV_FALL_RATIO * cv_head[0]:
+        costs.append(f"reward_cv {cv_head[0]:.3g} -> {cv_tail[0]:.3g} (< {CV_FALL_RATIO} x start)")
+    pk = s.sampled_pass_k()
+    if pk and len(pk[2]) >= 2 and pk[2][-1] < max(pk[2]) - ACC_DROP:
+        costs.append(f"{pk[0]} {max(pk[2]):.3g} (best) -> {pk[2][-1]:.3g} at step {pk[1][-1]}")
+    trend = s.accuracy_trend()
+    if trend and trend[1] - trend[2] <= ACC_FLAT:
+        costs.append(f"eval accuracy stalled {trend[2]:.3g} -> {trend[1]:.3g} (gain <= {ACC_FLAT})")
+    if not costs:
         return None
     change = _raise_temperature(s.cfg) or _raise_beta(s.cfg)
-    ev = f"entropy {start:.3g} -> {end:.3g} ({where}; < {ENTROPY_COLLAPSE_RATIO} x start or < {ENTROPY_FLOOR})"
+    ev = (f"entropy {start:.3g} -> {end:.3g} ({where}; < {ENTROPY_COLLAPSE_RATIO} x the run's start), with "
+          + "; ".join(costs))
     reason = "keep exploring: " + ("a higher temperature" if change and change.key == "temperature" else
                                    "a stronger KL anchor to the base's entropy")
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
-                    entropy_start=start, entropy_end=end)
+                    entropy_start=start, entropy_end=end, costs=len(costs))
 
 
 # ---- applying ------------------------------------------------------------------------------------------------
@@ -531,14 +635,21 @@ def _set(data: dict, key: str, value) -> None:
 # A rule whose treatment changes the config explains away the symptoms of the rules it confounds: a completion
 # cut at the budget scores as wrong, so falling accuracy (kl_drift) and reward rising on format alone
 # (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
-CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment")}
+# no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
+# rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
+             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
 
 
 def diagnose(signals: Signals) -> list[Finding]:
     """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
-    finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait."""
-    found = [(name, f) for name, _, fn in RULES if (f := fn(signals)) is not None]
-    deferred = {r: name for name, f in found if f.changes for r in CONFOUNDS.get(name, ())}
+    finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
+    few records nothing else is judged."""
+    few = too_few_records(signals)
+    if few is not None:
+        return [few]
+    found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
+    deferred = {r: name for name, f in found if f.changes or name == "no_signal" for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}
     for name, f in found:
         if name in deferred and f.changes:

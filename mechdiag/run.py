@@ -214,6 +214,10 @@ class Run:
     def shift(self) -> list[dict]:
         return self.read("shift")
 
+    @property
+    def samples(self) -> list[dict]:
+        return self.read("samples")
+
 
 def load_run(path: str | os.PathLike, source: str = "mechdiag") -> Run:
     """Read a mechdiag run directory (UserError when it is missing, corrupt, or holds no run data)."""

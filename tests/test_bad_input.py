@@ -249,7 +249,8 @@ def test_over_long_prompts_are_truncated_not_fatal(corpus, tiny_run, tmp_path):
                                        str(corpus / "long.txt"), "--format", "json", "--out", str(out)])
     assert result.exit_code == 0 and result.exception is None, result.stderr
     assert [ln for ln in result.stderr.splitlines() if ln.strip()] == [
-        "mechdiag: note: 1 of 1 prompts truncated to 512 tokens"]
+        "mechdiag: note: 1 of 1 prompts truncated to 512 tokens",
+        "mechdiag: note: position 0 (BOS) left out of the norms in 1 of 1 prompts (--keep-bos counts it)"]
     assert out.exists() and json.loads(out.read_text())
     result = CliRunner().invoke(main, ["train", *FAST, "--set", "task.name=jsonl", "--set",
                                        f"task.path={corpus / 'long.jsonl'}", "--set", "eval_n=1",

@@ -26,6 +26,25 @@ def test_group_advantages_by_hand():
     assert b[0].item() == pytest.approx(-1 / (r.std().item() + 1e-4))
 
 
+@pytest.mark.parametrize("value", [3.7, 0.1, 1e6 + 0.1, -2.35, 123456.789])
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_reward_groups_get_exactly_zero_advantage(value, scale):
+    """The study's A = 0 for a group of equal rewards, exactly: a float32 mean is off by ~1 ulp, which (0 + 1e-4)
+    would blow up to |A| ~ 2e-3 at 3.7 and hundreds at 1e6, and the beta = 0 skip of zero-advantage rows would
+    never fire."""
+    r = torch.tensor([value] * 8 + [1.0, 0.0, 1.0, 0.5, 0.0, 1.0, 0.25, 1.0], dtype=torch.float32)
+    a = obj.group_advantages(r, 8, scale)
+    assert a.dtype == torch.float32
+    assert (a[:8] == 0).all(), a[:8]
+    assert (a[8:] != 0).sum().item() == 8  # the mixed group keeps its signal
+    # the rows the trainer keeps when beta = 0 (train/trainer.py: advantages != 0) are the mixed group's
+    assert torch.nonzero(a != 0).flatten().tolist() == list(range(8, 16))
+    if scale == "group":  # and the mixed group matches the formula computed in float64
+        g = r[8:].double()
+        want = (g - g.mean()) / (g.std() + obj.STD_EPS)
+        assert torch.allclose(a[8:].double(), want, rtol=1e-6, atol=1e-7)
+
+
 def test_group_stats_cv_and_zero_std():
     s = obj.group_stats(torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 0.0]), 2)
     # group 1: std sqrt2, mean 2 -> cv 0.7071; group 2: cv 0; group 3: mean 0 left out

@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from mechdiag.config import REWARD_WEIGHTS
 from mechdiag.errors import UserError
 from mechdiag.tasks import REGISTRY, get_task
 from mechdiag.tasks.code import complexity, extract_code
 from mechdiag.tasks.mathnorm import equivalent, normalize
 from mechdiag.tasks.mcq import pick_option
+from mechdiag.tasks.rewards import REWARD_WEIGHTS
 
 NUMERIC = ["gsm8k", "gsm_plus", "gsm_hard", "svamp"]
 MCQ = ["arc", "openbookqa", "mmlu_stem"]

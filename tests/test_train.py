@@ -19,7 +19,7 @@ from tests.helpers import assert_bad_input
 TRAIN_KEYS = ["reward", "reward_cv", "kl", "completion_clipped_ratio", "entropy", "completion_length", "reward_std",
               "frac_zero_std", "policy_clip_fraction", "loss", "grad_norm", "lr", "step_time", "tokens_per_s",
               "reward/correctness"]
-EVAL_KEYS = ["accuracy", "eval_reward", "entropy", "completion_length", "pass@1"]
+EVAL_KEYS = ["accuracy", "eval_reward", "entropy", "completion_length"]
 
 
 def small(model_dir, *extra) -> list[str]:
@@ -41,6 +41,8 @@ def test_run_directory_contract(stories260k, tmp_path):
     evals = run.read("eval")
     assert [e["step"] for e in evals] == [0, 2, 3]
     assert all(set(EVAL_KEYS) <= set(e) for e in evals)
+    # eval_samples 1 draws no sample: greedy accuracy is `accuracy`, and nothing is called pass@k
+    assert cfg.eval_samples == 1 and not any(k.startswith("pass@") for e in evals for k in e)
     samples = [s for s in run.read("samples") if s["split"] == "train"]
     assert len(samples) == 3 * 2 * 4
     step1 = [s for s in samples if s["step"] == 1]
@@ -198,6 +200,22 @@ def test_zero_advantage_rows_skipped_exactly_when_beta_is_zero(stories260k, tmp_
     assert loss.item() == pytest.approx(full.item(), abs=1e-7)
     for a, b in zip(fast, slow, strict=True):
         assert torch.allclose(a, b, atol=1e-7, rtol=1e-5)
+
+
+def test_equal_reward_groups_are_skipped_with_beta_zero(stories260k, tmp_path):
+    """Issue 14: a group of eight rewards 1.85 (weight 3.7 x 0.5) had float32 advantages ~1e-3, never 0, so the
+    beta = 0 shortcut never left those rows out. Now they are exactly 0 and the update pass skips them."""
+    from mechdiag.train.rollout import collect
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "beta=0", "group_size=8", "prompts_per_step=4",
+                             "task.name=tests.toy:Half", "rewards.weights={correctness: 3.7}"))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    r = roll.rewards.view(-1, 8)
+    equal = (r == r[:, :1]).all(dim=1)
+    assert equal.any() and r[equal].float().mean().item() == pytest.approx(1.85)  # Half's constant groups
+    assert (roll.advantages.view(-1, 8)[equal] == 0).all()
+    assert int((roll.advantages != 0).sum()) == 8 * int((~equal).sum())  # the rows the update pass keeps
 
 
 def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):

@@ -26,7 +26,7 @@ import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
-from mechdiag import atomic
+from mechdiag import atomic, tasks
 from mechdiag import config as C
 from mechdiag.displacement import compare
 from mechdiag.errors import UserError
@@ -328,7 +328,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     header = "read from TRL output_dir " + str(output_dir) + ("" if cb is not None else
                                                              "; keys other than lora/model are mechdiag defaults")
     C.save(cfg, rd.config_path, header=header)
-    weights = reward_weights if reward_weights is not None else dict(cfg.rewards.weights) if cb is not None else None
+    weights = reward_weights if reward_weights is not None else tasks.reward_weights(cfg) if cb is not None else None
     group_size = group_size or (cfg.group_size if cb is not None else None)
 
     history = state.get("log_history", [])

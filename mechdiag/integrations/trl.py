@@ -46,7 +46,7 @@ from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
-from mechdiag.tasks import get_task
+from mechdiag.tasks import get_task, resolve_rewards
 from mechdiag.train.lora import resolve
 from mechdiag.train.trainer import Trainer
 
@@ -519,10 +519,7 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
                                    eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
                                    sampler=lambda: m)
         ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
-        out = Trainer.evaluate(ev, step)
-        if cfg.eval_samples == 1:
-            out.update({f"pass@{k}": out["accuracy"] for k in cfg.pass_k if k == 1})
-        return out
+        return Trainer.evaluate(ev, step)
 
     return evaluate
 
@@ -538,6 +535,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
+    resolve_rewards(cfg)
     torch.manual_seed(cfg.seed)
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here

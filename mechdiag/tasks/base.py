@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mechdiag.tasks.rewards import answer_number, extract_answer
+from mechdiag.tasks.rewards import REWARD_WEIGHTS, answer_number, extract_answer
 
 
 @dataclass
@@ -25,6 +25,12 @@ class Task:
     name: str = "task"
     domain: str = "math"  # math | mcq | code: picks the default reward weights (paper-notes §6)
     votable: bool = True  # answers compare equal across samples (maj@k is reported)
+
+    @classmethod
+    def reward_weights(cls) -> dict[str, float]:
+        """The study's components and weights for this task (Table 6 by domain); keys are the components it
+        scores. Used unless the config sets rewards.weights. Override for a task with other components."""
+        return dict(REWARD_WEIGHTS[cls.domain])
 
     def examples(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
         raise NotImplementedError

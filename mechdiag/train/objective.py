@@ -21,26 +21,29 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     """A_i = (r_i - mean(r_group)) / std(r_group); `scale` picks the std: "group", "batch" or "none".
 
     rewards: (B,) with groups of `group_size` contiguous. std is the unbiased one (Bessel), as in TRL.
-    A group whose rewards are all equal gets zero advantage.
+    A group whose rewards are all equal gets A = 0 exactly (the study's definition): computed in float64 and set
+    to 0, because a float32 mean of equal values can be off by an ulp, which the (std + 1e-4) divisor amplifies
+    (TRL has that artefact), and because exact zeros are what the beta = 0 row skip in the trainer tests for.
     """
-    r = rewards.view(-1, group_size).to(torch.float32)
-    centred = r - r.mean(dim=1, keepdim=True)
+    r = rewards.view(-1, group_size).to(torch.float64)
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)
+    centred = torch.where(equal, 0.0, r - r.mean(dim=1, keepdim=True))
     if scale == "none":
-        return centred.reshape(-1)
+        return centred.reshape(-1).to(torch.float32)
     if scale == "group":
         std = r.std(dim=1, keepdim=True)
     elif scale == "batch":
-        std = r.reshape(-1).std() if r.numel() > 1 else torch.zeros(())
+        std = r.reshape(-1).std() if r.numel() > 1 else torch.zeros((), dtype=torch.float64)
     else:
         raise ValueError(f"unknown scale_rewards {scale!r}")
-    return (centred / (std + STD_EPS)).reshape(-1)
+    return (centred / (std + STD_EPS)).reshape(-1).to(torch.float32)
 
 
 def group_stats(rewards: torch.Tensor, group_size: int) -> dict[str, float]:
     """reward_cv = mean over groups of std/|mean| (groups with mean 0 are left out), frac_zero_std beside it."""
     r = rewards.view(-1, group_size).to(torch.float64)
     std, mean = r.std(dim=1), r.mean(dim=1)
-    zero = torch.isclose(std, torch.zeros_like(std))
+    zero = (r == r[:, :1]).all(dim=1)  # the groups group_advantages gives A = 0
     ok = mean.abs() > 1e-12
     cv = (std[ok] / mean[ok].abs()).mean().item() if ok.any() else float("nan")
     return {"reward_cv": cv, "frac_zero_std": zero.double().mean().item(), "reward_std": r.std().item()}

@@ -88,6 +88,7 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        tasks.resolve_rewards(cfg)  # before config.yaml is saved: it shows the weights that ran
         self.isolation = sandbox.use(cfg.sandbox)  # for summary.json; sandbox: strict without bwrap stops here
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
@@ -307,7 +308,7 @@ class Trainer:
     def _pass_at_k(self, step: int) -> dict:
         cfg = self.cfg
         n = cfg.eval_samples
-        if n == 1:  # greedy accuracy stands for pass@1
+        if n == 1:  # pass@k only from sampled completions; greedy accuracy is `accuracy`, never pass@1
             return {}
 
         k_list = [k for k in cfg.pass_k if k <= n]
@@ -322,8 +323,6 @@ class Trainer:
         metrics = self.evaluate(step)
         if self.forget is not None:
             metrics["forget_kl"] = self.forget.kl(self.model, self.ref_model)
-        if self.cfg.eval_samples == 1:
-            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
         H.call(self.hooks, "on_eval", self, step, metrics)
         return metrics
 
