@@ -20,6 +20,7 @@ from mechdiag.errors import UserError
 from mechdiag.integrations.readers import CALLBACK_DIR
 from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
 from mechdiag.run import RunDir
+from mechdiag.tasks import reward_weights
 
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_POINTS = 30
@@ -51,7 +52,7 @@ class State:
 
 
 def read_state(run: RunDir) -> State:
-    ceiling = max_reward(C.load(run.config_path).rewards.weights) if run.config_path.exists() else 1.0
+    ceiling = max_reward(reward_weights(C.load(run.config_path))) if run.config_path.exists() else 1.0
     metrics, evals, disp = run.read("metrics"), run.read("eval"), run.read("displacement")
     return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists())
 

@@ -25,6 +25,7 @@ from mechdiag.paths import REPO_ROOT
 from mechdiag.probes.forget import ForgetProbe
 from mechdiag.report import write_report
 from mechdiag.run import RunDir, load_run
+from mechdiag.tasks import reward_weights
 from mechdiag.train.trainer import train
 from tests.helpers import assert_bad_input
 from tests.synth_runs import ALERT_FAULTS, make_alert_run
@@ -207,7 +208,7 @@ def test_forget_prompts_bad_input(stories260k, tmp_path, cli):
 # ---- alerts -------------------------------------------------------------------------------------------------------
 def _check(run: RunDir) -> list[A.Alert]:
     return A.check(run.read("metrics"), run.read("eval"), run.read("displacement"),
-                   max_reward(C.load(run.config_path).rewards.weights))
+                   max_reward(reward_weights(C.load(run.config_path))))
 
 
 def test_healthy_run_fires_nothing(tmp_path):

@@ -21,6 +21,7 @@ from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.metrics import max_reward
 from mechdiag.probes.shift import shift_inmemory
+from mechdiag.tasks import reward_weights
 
 
 class Hook:
@@ -118,7 +119,7 @@ class AlertPrinter(Hook):
     """Prints each live alert (mechdiag.alerts) once, when it first fires; after the recorders of the step."""
 
     def on_train_start(self, trainer):
-        self.watcher = Watcher(max_reward(trainer.cfg.rewards.weights))
+        self.watcher = Watcher(max_reward(reward_weights(trainer.cfg)))
         run = trainer.run  # a resumed run's records: history for the alerts, already announced
         self.watcher.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
 
