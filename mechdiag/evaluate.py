@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mechdiag import atomic
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 
 BASE = "base"
 # Which way is better, per metric family: +1 higher, -1 lower, 0 neither (reported, never coloured or counted).
@@ -393,8 +393,7 @@ class Models:
                 else:
                     self.peft.load_adapter(str(t.path), adapter_name=name)
         except Exception as e:  # wrong base (shape mismatch), corrupt files: one line for the user
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {msg[:300]}") from None
+            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {first_line(e)}") from None
 
     def labels(self) -> list[str]:
         return [BASE] + [t.label for t in self.tuned]

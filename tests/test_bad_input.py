@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from mechdiag.cli import main
 from mechdiag.models import bundled_path
+from mechdiag.paths import shared_path
 from tests.helpers import assert_bad_input, run_cli
 
 TRAIN_OUT = ["--out", "{out}"]
@@ -39,6 +40,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train/out-of-range-set": (["train", *TRAIN_OUT, "--set", "learning_rate=5"], "learning_rate"),
     "train/wrong-type": (["train", *TRAIN_OUT, "--set", "max_steps=many"], "max_steps"),
     "train/set-without-equals": (["train", *TRAIN_OUT, "--set", "beta"], "key=value"),
+    "train/set-empty-key": (["train", *TRAIN_OUT, "--set", "=3"], "key before '=' is empty"),
     "train/max-steps-option-type": (["train", *TRAIN_OUT, "--max-steps", "x"], "max-steps"),
     "train/unknown-task": (["train", *TRAIN_OUT, "--set", "task.name=arihtm"], "did you mean arith"),
     "train/model-missing": (["train", *TRAIN_OUT, *FAST, "--set", "model.name_or_path={bad}/nope"], ""),
@@ -89,11 +91,16 @@ CASES: dict[str, tuple[list[str], str]] = {
     "shift/n-zero": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt", "--n", "0", "--out", "{out}"],
                      ""),
     "shift/unknown-task": (["shift", "{base}", "{adapter}", "--task", "arihtm", "--out", "{out}"], "did you mean"),
+    "shift/adapter-of-another-base": (["shift", "{stories}", "{adapter}", "--prompts", "{bad}/prompts.txt",
+                                       "--out", "{out}"], ""),
+    # ---- eval
+    "eval/adapter-of-another-base": (["eval", "{stories}", "--adapter", "{adapter}", "--task", "arith", "--n", "1",
+                                      "--device", "cpu", "--out", "{out}"], "do not fit the model"),
     # ---- recommend
     "recommend/missing": (["recommend", "{bad}/nope", "--out", "{out}"], ""),
     "recommend/empty-folder": (["recommend", "{bad}/empty_dir", "--out", "{out}"], ""),
     "recommend/file-not-folder": (["recommend", "{bad}/text.txt", "--out", "{out}"], ""),
-    "recommend/corrupt-metrics": (["recommend", "{bad}/run_corrupt_metrics", "--out", "{out}"], ""),
+    "recommend/corrupt-metrics": (["recommend", "{bad}/run_corrupt_metrics", "--out", "{out}"], "line 3 "),
     "recommend/empty-metrics": (["recommend", "{bad}/run_empty_metrics", "--out", "{out}"], ""),
     "recommend/truncated-metrics": (["recommend", "{bad}/run_truncated_metrics", "--out", "{out}"], ""),
     "recommend/bad-config": (["recommend", "{bad}/run_bad_config", "--out", "{out}"], ""),
@@ -114,7 +121,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "report/missing": (["report", "{bad}/nope", "--out", "{out}.html"], ""),
     "report/empty-folder": (["report", "{bad}/empty_dir", "--out", "{out}.html"], ""),
     "report/file-not-folder": (["report", "{bad}/text.txt", "--out", "{out}.html"], ""),
-    "report/corrupt-metrics": (["report", "{bad}/run_corrupt_metrics", "--out", "{out}.html"], ""),
+    "report/corrupt-metrics": (["report", "{bad}/run_corrupt_metrics", "--out", "{out}.html"], "line 3 "),
     "report/corrupt-summary": (["report", "{bad}/run_bad_summary", "--out", "{out}.html"], ""),
     "report/bad-config": (["report", "{bad}/run_bad_config", "--out", "{out}.html"], ""),
     "report/out-wrong-type": (["report", "{run}", "--out", "{out}.png"], "html"),
@@ -194,7 +201,8 @@ def corpus(tiny_run, tmp_path_factory) -> Path:
 
 def _argv(args: list[str], corpus: Path, tiny_run: Path, out: Path) -> list[str]:
     subs = {"{bad}": str(corpus), "{run}": str(tiny_run), "{adapter}": str(tiny_run / "final"),
-            "{base}": str(bundled_path()), "{out}": str(out)}
+            "{base}": str(bundled_path()), "{out}": str(out),
+            "{stories}": str(shared_path("models", "stories260K", "hf"))}
     result = []
     for a in args:
         for k, v in subs.items():

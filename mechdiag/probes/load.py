@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.probes.capture import Probe, n_layers_of
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -173,7 +173,7 @@ def _with_adapters(model, adapters: dict[str, Path]):
                 else:
                     model_out = PeftModel.from_pretrained(model_out, path, adapter_name=name)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-            raise UserError(f"cannot load adapter {path}: {str(e).splitlines()[0]}") from None
+            raise UserError(f"cannot load adapter {path}: {first_line(e)}") from None
     return model_out.eval()
 
 
