@@ -8,6 +8,7 @@ import warnings
 import click
 
 from mechdiag.errors import UserError
+from mechdiag.outpaths import check_output
 
 
 def _one_line(text: str) -> str:
@@ -64,7 +65,14 @@ def report(runs, out):
     """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled)."""
     from mechdiag.report import write_report
 
+    check_output(out, "--out", "file" if _is_html(out) else "dir")
     click.echo(str(write_report(list(runs), out)))
+
+
+def _is_html(path: str | None) -> bool:
+    from pathlib import Path
+
+    return path is not None and Path(path).suffix.lower() in (".html", ".htm")
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
@@ -80,6 +88,8 @@ def demo(out, report_path, max_steps):
     """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path."""
     from mechdiag.demo import run_demo
 
+    check_output(out, "--out", "dir")
+    check_output(report_path, "--report", "file" if _is_html(report_path) else "dir")
     path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True))
     click.echo(str(path))
 
@@ -119,10 +129,12 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         cfg = C.load(cfg_path, overrides)
     else:
         cfg = C.load(config, overrides)
+        check_output(out, "--out", "dir")
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
-        from mechdiag.train.trainer import prepare_model
+        from mechdiag.train.trainer import check_data, prepare_model
 
+        check_data(cfg)
         click.echo(C.to_yaml(cfg), nl=False)
         model = prepare_model(cfg)[0]
         if cfg.lora.enabled:
@@ -154,6 +166,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         from mechdiag.train.trainer import train
 
     run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    check_output(run_dir, "--resume" if resume else "--out", "dir")
     run = train(cfg, run_dir, resume=bool(resume))
     s = run.summary()
     click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
@@ -224,6 +237,8 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
+    check_output(html, "--html")
     err = Console(stderr=True)
     progress_cb, bar = None, None
     if err.is_terminal:
@@ -306,6 +321,11 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         raise UserError("give exactly one of --prompts FILE or --task NAME")
     if fmt == "parquet" and not out:
         raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
+    check_output(html, "--html")
+    from mechdiag.models import resolve_device
+
+    device = resolve_device(device)
     if prompts_file:
         prompts = probe_prompts.read_prompts(prompts_file, n)
     else:
@@ -370,6 +390,7 @@ def recommend(runs, out, fmt):
     from mechdiag.compare import helped_lines
     from mechdiag.recommend import recommend as run_recommend
 
+    check_output(out, "--out")
     rec = run_recommend(list(runs))
     if out:
         configlib.save(rec.cfg, out, rec.header)
@@ -422,6 +443,7 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
     from mechdiag.tune import tune as run_tune
 
     cfg = configlib.load(config_path, list(overrides) + ([f"seed={seed}"] if seed is not None else []))
+    check_output(out, "--out", "dir")
     train_fn = load_train_fn(trainer)
     records = run_tune(cfg, rounds, out, train_fn, log=lambda m: click.echo(m, err=True))
     if fmt == "json":
@@ -499,6 +521,8 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     from mechdiag import evaluate as E
 
     hf_logging.set_verbosity_error()  # "sequence longer than the maximum": prompts are cut to fit before the model
+    check_output(out, "--out", "dir")
+    device = E.resolve_device(device)
     options = {}
     for item in task_options:
         key, sep, value = item.partition("=")

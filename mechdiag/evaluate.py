@@ -36,6 +36,7 @@ from pathlib import Path
 
 from mechdiag import atomic
 from mechdiag.errors import UserError, first_line
+from mechdiag.models import resolve_device
 
 BASE = "base"
 # Which way is better, per metric family: +1 higher, -1 lower, 0 neither (reported, never coloured or counted).
@@ -343,20 +344,6 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
         grp = label.partition("@")[0] if "@" in label else (group or label)
         out.append(Tuned(label, grp, folder, kind))
     return out
-
-
-def resolve_device(device: str | None) -> str:
-    """None/"auto": the GPU when there is one, else the CPU; otherwise checked as given ("cpu", "cuda:1", "mps")."""
-    import torch
-
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device {device}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
-                        ) from None
-    return device
 
 
 class Models:

@@ -180,3 +180,17 @@ def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, do_
                                  pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
         out += tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
     return out
+
+
+def resolve_device(device: str | None) -> str:
+    """None/"auto": the GPU when there is one, else the CPU; otherwise checked as given ("cpu", "cuda:1", "mps")."""
+    import torch
+
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device {device}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
+                        ) from None
+    return device

@@ -114,6 +114,19 @@ def get_task(name: str, path: str | None, options: dict):
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
 
 
+def check_data(cfg: Config) -> None:
+    """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
+    examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
+    main = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+    if not main.examples(cfg.task.train_split, n=1, seed=cfg.seed):
+        raise UserError(f"task {cfg.task.name} has no training examples in split {cfg.task.train_split!r}")
+    if not main.examples(cfg.task.eval_split, n=1, seed=0):
+        raise UserError(f"task {cfg.task.name} has no examples in eval split {cfg.task.eval_split!r}")
+    for s in cfg.task.mixture:
+        if not get_task(s.name, s.path, s.options).examples("train", n=1, seed=cfg.seed):
+            raise UserError(f"mixture task {s.name} has no training examples")
+
+
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
