@@ -345,6 +345,7 @@ class MechdiagCallback(TrainerCallback):
         self.recorder_s = 0.0
         self._pending: dict | None = None
         self._last_eval_step = -1
+        self._last_shift_step = -1
         self._evals: list[dict] = []
         self._derived = False
 
@@ -384,6 +385,9 @@ class MechdiagCallback(TrainerCallback):
         self.run.append("eval", rec)
         self._evals.append(rec)
         self._last_eval_step = step
+        self._record_shift(step, model, tokenizer)
+
+    def _record_shift(self, step: int, model, tokenizer) -> None:
         peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
             from mechdiag.probes.shift import shift_inmemory
@@ -391,6 +395,14 @@ class MechdiagCallback(TrainerCallback):
             rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
                                   step=step)
             self.run.append("shift", [{**r, "step": step} for r in rows])
+            self._last_shift_step = step
+
+    def _record_displacement(self, step: int, model) -> None:
+        peft_model = _peft(model)
+        if peft_model is not None:
+            from mechdiag.displacement import lora_rows
+
+            self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
@@ -427,11 +439,7 @@ class MechdiagCallback(TrainerCallback):
             return
         step = state.global_step
         if self.displacement_every and step % self.displacement_every == 0:
-            peft_model = _peft(model)
-            if peft_model is not None:
-                from mechdiag.displacement import lora_rows
-
-                self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
+            self._record_displacement(step, model)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
@@ -455,8 +463,13 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         self._flush(args)
-        if self.evaluate is not None and self._last_eval_step != state.global_step:
-            self._record_eval(state.global_step, model, processing_class)
+        step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
+        if self.displacement_every and step % self.displacement_every:
+            self._record_displacement(step, model)
+        if self.evaluate is not None and self._last_eval_step != step:
+            self._record_eval(step, model, processing_class)
+        elif self._last_shift_step != step:
+            self._record_shift(step, model, processing_class)
         evals = [e for e in self._evals if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
                    "recorder_s": self.recorder_s}

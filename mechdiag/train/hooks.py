@@ -117,6 +117,11 @@ class DisplacementRecorder(_Lazy):
         if self.every and step % self.every == 0:
             self._record(trainer, step)
 
+    def on_train_end(self, trainer, summary):
+        # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
+        if self.every and trainer.step % self.every:
+            self._record(trainer, trainer.step)
+
 
 class ShiftRecorder(_Lazy):
     """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
