@@ -193,23 +193,15 @@ def _records(df) -> list[dict]:
     return out
 
 
-def _rows_table(df, title: str):
-    from rich.table import Table
+def _rows_table(df, title: str) -> str:
+    from mechdiag.console import render_table
 
-    table = Table(title=title, show_lines=False)
-    for c in df.columns:
-        table.add_column(c, justify="left" if c in ("name", "module", "shape", "dtype", "all") else "right")
+    rows = []
     for rec in _records(df):
-        cells = []
-        for c, v in rec.items():
-            if v is None:
-                cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
-            elif isinstance(v, float):
-                cells.append(f"{v:.4g}")
-            else:
-                cells.append(str(v))
-        table.add_row(*cells)
-    return table
+        rows.append([float("nan") if v is None and rec.get("nonfinite") and c.endswith("fro") else v
+                     for c, v in rec.items()])
+    return render_table(title, list(df.columns), rows,
+                        keep=["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer", "ref_fro"])
 
 
 @main.command()
@@ -228,8 +220,6 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
     study's WDisp and each group's update mass."""
-    import io
-
     from rich.console import Console
 
     from mechdiag import atomic
@@ -274,10 +264,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
     elif fmt == "csv":
         text = result.to_csv(index=False)
     else:
-        buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
-            _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
-        text = buf.getvalue()
+        text = _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}"))
     if out:
         atomic.write_text(out, text)
     else:
@@ -355,16 +342,10 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
 
 # ---- recommend ---------------------------------------------------------------------------------------------
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _table(title: str, columns: list[str], rows: list[list]) -> None:
+    from mechdiag.console import render_table
 
-    table = Table(title=title, show_lines=False)
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=200).print(table)
+    click.echo(render_table(title, columns, rows), nl=False)
 
 
 def _cell(r: dict | None) -> str:
@@ -414,7 +395,7 @@ def recommend(runs, out, fmt):
         return
     _table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
            [[f.rule, f.symptom, f.evidence, "; ".join(str(c) for c in f.changes) or f"none: {f.reason}",
-             f"{f.confidence:.2f}"] for f in rec.findings])
+             round(f.confidence, 2)] for f in rec.findings])
     if not rec.changes:
         click.echo("no change to the config (advice only)")
     elif out:
@@ -452,28 +433,18 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
         click.echo(atomic.dumps(flat))
         return
     _table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
-           [[str(r["round"]), describe(r["changes"]) or "-",
-             "-" if r.get("eval.accuracy") is None else f"{r['eval.accuracy']:.4g}", ", ".join(r["rules"]) or "-"]
+           [[r["round"], describe(r["changes"]) or "-", r.get("eval.accuracy"), ", ".join(r["rules"]) or "-"]
             for r in records])
     click.echo(f"stopped: {records[-1].get('stop', '')}; configs in {out}/best.yaml and {out}/final.yaml")
 
 
 def _shift_table(df) -> str:
-    import io
+    from mechdiag.console import render_table
 
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"activation shift ({int(df['n_prompts'].iloc[0])} prompts, "
-                        f"output KL {df['output_kl'].iloc[0]:.4g})")
     cols = ["layer", "shift", "ci_low", "ci_high", "shift_pooled", "cos_dist", "increment", "logit_kl"]
-    for c in cols:
-        table.add_column(c, justify="right")
-    for r in df[cols].itertuples(index=False):
-        table.add_row(str(r[0]), *(f"{v:.4g}" for v in r[1:]))
-    buf = io.StringIO()
-    Console(file=buf, width=120).print(table)
-    return buf.getvalue()
+    rows = [[int(r[0]), *(float(v) for v in r[1:])] for r in df[cols].itertuples(index=False)]
+    return render_table(f"activation shift ({int(df['n_prompts'].iloc[0])} prompts, "
+                        f"output KL {df['output_kl'].iloc[0]:.4g})", cols, rows)
 
 
 # ---- eval ----------------------------------------------------------------------------------------------------
