@@ -243,6 +243,13 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
                 if not bar.live.is_started:
                     bar.start()
                 bar.update(task, completed=done / total)
+    else:
+        from mechdiag.console import Progress
+
+        lines = Progress("displacement")
+
+        def progress_cb(done, total):
+            lines.update(round(100 * done / max(total, 1)), "% done")
     try:
         rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
     finally:
@@ -319,8 +326,11 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         from mechdiag.probes.load import load_tokenizer, resolve
 
         prompts = probe_prompts.task_prompts(task, load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+    from mechdiag.console import Progress
+
+    lines = Progress("shift prompts", total=len(prompts))
     df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
-               device=device)
+               device=device, progress=lambda done, total: lines.update(done))
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
     if html:

@@ -11,6 +11,8 @@ from rich.text import Text
 from mechdiag.cli import main
 from mechdiag.console import Progress, number, render_table
 from mechdiag.models import bundled_path
+from tests.conftest import tiny_train_flags
+from tests.helpers import run_cli
 
 WIDE = ["name", "module", "shape", "ref_fro", "delta_fro", "rel_fro", "sigma_1", "stable_rank", "eff_rank",
         "changed", "sub_ulp", "mass"]
@@ -64,3 +66,15 @@ def test_progress_prints_at_most_every_interval_when_not_a_terminal():
     assert p.update(8, "done", final=True)
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("shift: 1/8") and lines[1].startswith("shift: 8/8 done")
+
+
+def test_long_commands_print_progress_lines_into_a_log(tiny_run, tmp_path):
+    """stderr is a pipe here, as under nohup or in CI: train and shift say where they are."""
+    proc = run_cli("train", *tiny_train_flags("max_steps=2"), "--out", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr
+    assert "train step: 1/2" in proc.stderr and "eval step 2" in proc.stderr
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("1 + 1 =\n2 + 3 =\n")
+    proc = run_cli("shift", str(bundled_path()), str(tiny_run / "final"), "--prompts", str(prompts), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert "shift prompts: 2/2" in proc.stderr and proc.stdout.startswith("[")

@@ -232,6 +232,7 @@ def test_backend_trl_cli(stories260k, cli, tmp_path):
                  for a in ("--set", s)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "base accuracy" in proc.stdout and str(out) in proc.stdout
+    assert "{'" not in proc.stdout + proc.stderr and "train step: 3/3" in proc.stderr  # progress lines, no dicts
     run = RunDir(out)
     metrics = run.read("metrics")
     assert [m["step"] for m in metrics] == [1, 2, 3]

@@ -485,6 +485,23 @@ class MechdiagCallback(TrainerCallback):
 
 
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
+class ProgressLines(TrainerCallback):
+    """TRL's logs as mechdiag's progress lines (rank 0, at most every ~10 s) instead of raw dicts on stdout."""
+
+    KEYS = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completions/mean_length", "length"))
+
+    def __init__(self, total: int):
+        from mechdiag.console import Progress
+
+        self.lines = Progress("train step", total=total, force=True)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs:
+            note = "  ".join(f"{name} {logs[k]:.4g}" for k, name in self.KEYS
+                             if isinstance(logs.get(k), (int, float)))
+            self.lines.update(state.global_step, note, final="train_runtime" in logs)
+
+
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
     length, pass@k), so both backends report the same held-out numbers."""
@@ -540,6 +557,11 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           max_time_s=getattr(cfg, "max_time_s", None))
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
+
+    trainer.remove_callback(PrinterCallback)  # prints each log dict
+    trainer.remove_callback(ProgressCallback)  # a tqdm bar that also writes each log dict
+    trainer.add_callback(ProgressLines(args.max_steps))
     return trainer, run, cb
 
 

@@ -157,10 +157,12 @@ class Checkpointer(Hook):
 
 
 class ProgressBar(Hook):
-    """A rich progress bar with live reward and accuracy (a plain line per eval when not on a terminal)."""
+    """A rich progress bar with live reward and accuracy; when stderr is not a terminal (nohup, CI logs), a plain
+    line per eval and a progress line at most every ~10 s (mechdiag.console.Progress)."""
 
     def __init__(self):
         self.progress = None
+        self.lines = None
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
@@ -169,6 +171,9 @@ class ProgressBar(Hook):
 
         self.console = Console(stderr=True)
         if not self.console.is_terminal:
+            from mechdiag.console import Progress as Lines
+
+            self.lines = Lines("train step", total=trainer.total_steps)
             return
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console, transient=False)
@@ -177,9 +182,11 @@ class ProgressBar(Hook):
                                            info="")
 
     def on_step_end(self, trainer, step, metrics, rollout):
+        info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
         if self.progress is not None:
-            info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
             self.progress.update(self.task, completed=step, info=info)
+        elif self.lines is not None:
+            self.lines.update(step, info)
 
     def on_eval(self, trainer, step, metrics):
         self.acc = metrics["accuracy"]
