@@ -57,12 +57,17 @@ def main():
 
 
 # ---- report ------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Write one offline HTML report for one or more runs.")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
 @click.option("--out", "out", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="HTML file to write (default: reports/NAME.html; a folder puts NAME.html in it).")
 def report(runs, out):
-    """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled)."""
+    """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled).
+
+    \b
+    Example:
+      mechdiag report runs/a runs/b --out reports/ab.html
+    """
     from mechdiag.report import write_report
 
     check_output(out, "--out", "file" if _is_html(out) else "dir")
@@ -76,7 +81,7 @@ def _is_html(path: str | None) -> bool:
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Train the default on two seeds, evaluate, diagnose and report.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=str), default="runs/demo",
               show_default=True,
               help="Folder for the two demo runs demo-seed42/ and demo-seed3407/ (a previous demo is replaced).")
@@ -85,7 +90,12 @@ def _is_html(path: str | None) -> bool:
 @click.option("--max-steps", type=click.IntRange(min=1), default=40, show_default=True,
               help="Training steps per seed.")
 def demo(out, report_path, max_steps):
-    """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path."""
+    """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path.
+
+    \b
+    Example:
+      mechdiag demo --out runs/demo --max-steps 20
+    """
     from mechdiag.demo import run_demo
 
     check_output(out, "--out", "dir")
@@ -95,7 +105,7 @@ def demo(out, report_path, max_steps):
 
 
 # ---- train ---------------------------------------------------------------------------------------------------
-@main.command("train")
+@main.command("train", short_help="GRPO fine-tuning with the flight recorder on.")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default runs/<timestamp>).")
@@ -108,7 +118,12 @@ def demo(out, report_path, max_steps):
 @click.option("--trl", "trl_args", multiple=True, metavar="KEY=VALUE",
               help="With --backend trl: set a GRPOConfig field directly (repeatable), e.g. use_vllm=true.")
 def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend, trl_args):
-    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
+    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes).
+
+    \b
+    Example:
+      mechdiag train --out runs/a --set max_steps=20 --set lora.r=8
+    """
     from pathlib import Path
 
     from mechdiag import config as C
@@ -204,7 +219,7 @@ def _rows_table(df, title: str) -> str:
                         keep=["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer", "ref_fro"])
 
 
-@main.command()
+@main.command(short_help="How far checkpoint B moved from A, per tensor/module/layer.")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
 @click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
@@ -219,7 +234,12 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
     """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
-    study's WDisp and each group's update mass."""
+    study's WDisp and each group's update mass.
+
+    \b
+    Example:
+      mechdiag displacement base_dir runs/a/final --by module --html heat.html
+    """
     from rich.console import Console
 
     from mechdiag import atomic
@@ -279,7 +299,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
 
 # ---- shift -------------------------------------------------------------------------------------------------
-@main.command("shift")
+@main.command("shift", short_help="Per-layer activation shift of TUNED against BASE.")
 @click.argument("base")
 @click.argument("tuned")
 @click.option("--prompts", "prompts_file", help="jsonl with a \"prompt\" field, "
@@ -299,7 +319,12 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
 def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, fmt, out,
               html):
-    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders)."""
+    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders).
+
+    \b
+    Example:
+      mechdiag shift base_dir runs/a/final --task arith --n 64 --html shift.html
+    """
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -365,7 +390,7 @@ def _cell(r: dict | None) -> str:
     return f"{r['mean']:.4g} ± {r['std']:.2g}{gain}"
 
 
-@main.command()
+@main.command(short_help="Diagnose runs and propose a refined config with evidence.")
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", type=click.Path(), default=None, help="Write the refined config here (YAML).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
@@ -375,6 +400,10 @@ def recommend(runs, out, fmt):
     Seeds of one config are pooled. Runs of several configs also get a side-by-side of held-out eval metrics
     (mean ± std over seeds, which treatment helped), and the rules read the best group. Rules and thresholds:
     docs/recommendations.md.
+
+    \b
+    Example:
+      mechdiag recommend runs/a --out refined.yaml
     """
     from mechdiag import atomic
     from mechdiag import config as configlib
@@ -413,7 +442,7 @@ def recommend(runs, out, fmt):
 
 
 # ---- tune --------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Train, recommend and retrain for a few rounds.")
 @click.argument("config_path", required=False, type=click.Path(), metavar="[CONFIG]")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Training rounds in all, round 0 included.")
 @click.option("--out", "out", type=click.Path(), default="runs/tune", show_default=True)
@@ -427,6 +456,10 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
 
     Stops early when no rule changes the config. OUT keeps each round's run directory, rounds.jsonl (changes and
     held-out metrics per round), best.yaml and final.yaml.
+
+    \b
+    Example:
+      mechdiag tune --rounds 3 --out runs/tune --set max_steps=20
     """
     from mechdiag import atomic
     from mechdiag import config as configlib
@@ -465,7 +498,7 @@ def _ints(text: str, flag: str) -> list[int]:
         raise UserError(f"{flag} takes comma-separated integers such as 1,3,5; got {text!r}") from None
 
 
-@main.command("eval")
+@main.command("eval", short_help="Base vs tuned on benchmarks: accuracy, pass@k, maj@k, length.")
 @click.argument("model")
 @click.option("--adapter", "adapters", multiple=True, metavar="[LABEL=]DIR",
               help="A PEFT adapter folder, a run directory (its final/) or a full fine-tuned model (repeatable). "
@@ -492,7 +525,12 @@ def _ints(text: str, flag: str) -> list[int]:
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, ks, samples, temperature, top_p,
              max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, fmt):
-    """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table."""
+    """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table.
+
+    \b
+    Example:
+      mechdiag eval base_dir --adapter a=runs/a --task arith/test,arith/ood_steps --n 50
+    """
     import time
     from pathlib import Path
 
