@@ -36,20 +36,11 @@ from pathlib import Path
 
 from mechdiag import atomic
 from mechdiag.errors import UserError, first_line
+from mechdiag.metrics import direction
 from mechdiag.models import resolve_device
 
 BASE = "base"
-# Which way is better, per metric family: +1 higher, -1 lower, 0 neither (reported, never coloured or counted).
-DIRECTION = {"accuracy": 1, "eval_reward": 1, "pass@": 1, "maj@": 1, "format_rate": 1, "truncation_rate": -1,
-             "completion_length": 0, "entropy": 0}
 SCORES = ("accuracy", "pass@", "maj@")  # the metrics the summary line counts (the study counts pass@k cells)
-
-
-def direction(metric: str) -> int:
-    for prefix, d in DIRECTION.items():
-        if metric == prefix or (prefix.endswith("@") and metric.startswith(prefix)):
-            return d
-    return 0
 
 
 def is_score(metric: str) -> bool:
@@ -647,7 +638,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
             for bench in benches:
                 for label in models.labels():
                     t0 = time.perf_counter()
-                    head = {"step": 0, "kind": "eval", "benchmark": bench.name, "model": label,
+                    head = {"step": 0, "split": "eval", "benchmark": bench.name, "model": label,
                             "group": group_of.get(label, BASE)}
 
                     def write(records, head=head):

@@ -241,7 +241,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     # samples file: every completion, greedy (-1) and sampled, per benchmark x model x problem
     recs = read_jsonl(both.samples_path)
     assert len(recs) == 2 * 3 * 3 * (1 + 3)
-    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["kind"] == "eval" for r in recs)
+    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["split"] == "eval" for r in recs)
     assert all("prompt" in r for r in recs if r["sample"] == -1)
     # determinism: the same seed gives the same completions; another seed other samples, same greedy ones
     again = _run(stories260k, E.parse_adapters([f"r@1={adapters[0]}", f"r@2={adapters[1]}"]), tmp_path / "again")
@@ -260,7 +260,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     assert r["value"] == pytest.approx(sum(vals) / 2) and r["seeds"] == 2 and r["n"] == 3
     assert set(r) >= {"benchmark", "metric", "model", "value", "std", "n", "step"}
     shown = read_jsonl(both.out_dir / "samples.jsonl")  # the report's base-vs-tuned pairs
-    assert len(shown) == 2 * 3 * 3 and all(s["kind"] == "eval" and s["prompt"] for s in shown)
+    assert len(shown) == 2 * 3 * 3 and all(s["split"] == "eval" and s["prompt"] for s in shown)
 
 
 def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):

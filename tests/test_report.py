@@ -324,7 +324,7 @@ def test_odd_text_survives(tmp_path):
     run = make_run(tmp_path / "odd", 1, steps=5, streams=())
     # a lone surrogate is valid JSON (another writer's file) but cannot be encoded as UTF-8
     (run.path / "samples.jsonl").write_text('{"step": 5, "group": 0, "prompt": "p\\u0000", "completion": '
-                                            '"a\\ud800b ' + "x" * 5000 + '", "kind": "train", "reward": null}\n')
+                                            '"a\\ud800b ' + "x" * 5000 + '", "split": "train", "reward": null}\n')
     html = write_report([run.path], tmp_path / "odd.html").read_text(encoding="utf-8")
     assert "a\ufffdb" in html
     assert "2004 more characters" in html  # long completions are cut with a note
@@ -334,7 +334,7 @@ def test_missing_keys_tolerated(tmp_path):
     run = make_run(tmp_path / "nokl", 42, steps=20, streams=(), summary=False)
     run.append("metrics", [{"step": s, "reward": 0.1 * s, "loss": None} for s in range(1, 21)])
     run.append("eval", [{"step": 20, "accuracy": None}])
-    run.append("samples", [{"step": 5, "completion": None, "kind": "eval"}])
+    run.append("samples", [{"step": 5, "completion": None, "split": "eval"}])
     run.append("displacement", [{"step": 10, "name": "lm_head", "layer": None, "module": None,
                                  "ref_fro": 1.0, "delta_fro": 0.1}])
     html = render([run.path])

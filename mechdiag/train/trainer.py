@@ -227,7 +227,8 @@ class Trainer:
                     rewards.append(r)
                     lengths.append(smp.length)
                     if len(samples) < 16:
-                        samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
+                        samples.append({"step": step, "split": "eval", "example_id": ex.id,
+                                        "prompt": self.eval_prompts[s + j], "completion": smp.text,
                                         "correct": ok, "reward": r})
             out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
                    "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(lengths) / len(lengths)}
