@@ -33,6 +33,7 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.integrations.trl_args import config_from_grpo
 from mechdiag.run import RunDir
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
@@ -234,61 +235,6 @@ def peft_lora_config(model, lora):
     modules, layers = resolve(model, lora)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
-
-
-def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
-    """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
-    (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-    from mechdiag import config as C
-
-    n = max(1, int(getattr(args, "world_size", 1) or 1))
-    g = int(args.num_generations or 8)
-    sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
-    warm = args.warmup_steps
-    data = {
-        "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),
-        "grad_accum": args.gradient_accumulation_steps, "epsilon": args.epsilon,
-        "epsilon_high": None if args.epsilon_high in (None, args.epsilon) else args.epsilon_high,
-        "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
-        "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
-        "learning_rate": args.learning_rate, "lr_schedule": sched.get(str(getattr(args.lr_scheduler_type, "value",
-                                                                                  args.lr_scheduler_type))),
-        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else None,
-        "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2, "weight_decay": args.weight_decay,
-        "max_grad_norm": args.max_grad_norm, "temperature": args.temperature, "top_p": args.top_p,
-        "max_completion_tokens": args.max_completion_length, "seed": args.seed,
-        "max_steps": args.max_steps if args.max_steps and args.max_steps > 0 else None,
-        "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
-        else 0,
-    }
-    if reward_names:
-        w = args.reward_weights or [1.0] * len(reward_names)
-        data["rewards"] = {"weights": dict(zip(reward_names, [float(x) for x in w], strict=False))}
-    pc = getattr(model, "peft_config", None) or {}
-    lc = pc.get("default") if isinstance(pc, dict) else None
-    if lc is not None and getattr(lc, "r", None):
-        lora = {"r": lc.r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout, "use_rslora": lc.use_rslora}
-        if isinstance(lc.target_modules, (set, list)) and lc.target_modules:
-            lora["target_modules"] = sorted(lc.target_modules)
-        if lc.layers_to_transform is not None:
-            lora["layers"] = [lc.layers_to_transform] if isinstance(lc.layers_to_transform, int) \
-                else list(lc.layers_to_transform)
-        data["lora"] = lora
-    elif model is not None:
-        data["lora"] = {"enabled": False}
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if name:
-        data["model"] = {"name_or_path": str(name)}
-    kept: dict = {}
-    for k, v in data.items():  # one key at a time, so one odd value costs only itself
-        if v is None:
-            continue
-        try:
-            C.from_dict({**kept, k: v})
-        except UserError:
-            continue
-        kept[k] = v
-    return C.from_dict(kept)
 
 
 # ---- the callback --------------------------------------------------------------------------------------------
