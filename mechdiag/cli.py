@@ -405,15 +405,29 @@ def recommend(runs, out, fmt):
     Example:
       mechdiag recommend runs/a --out refined.yaml
     """
+    from pathlib import Path
+
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
+    from mechdiag.integrations.readers import foreign_kind
     from mechdiag.recommend import recommend as run_recommend
 
     check_output(out, "--out")
+    trl_out = None
+    if any(foreign_kind(r) == "trl" for r in runs):  # a TRL user also gets GRPOConfig/LoraConfig fields
+        trl_out = None if out is None else str(Path(out).with_suffix("")) + ".trl.py"
+        check_output(trl_out, "--out (its .trl.py beside it)")
     rec = run_recommend(list(runs))
     if out:
         configlib.save(rec.cfg, out, rec.header)
+    snippet = None
+    if trl_out is not None or any(foreign_kind(r) == "trl" for r in runs):
+        from mechdiag.integrations.trl_args import trl_snippet
+
+        snippet = trl_snippet(rec.changes, rec.base_cfg)
+        if trl_out is not None:
+            atomic.write_text(trl_out, snippet)
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
@@ -439,6 +453,8 @@ def recommend(runs, out, fmt):
         click.echo("no change to the config (advice only)")
     elif out:
         click.echo(f"refined config with {len(rec.changes)} change(s) written to {out}")
+    if snippet is not None and rec.changes:
+        click.echo("as TRL settings" + (f" (also in {trl_out})" if trl_out else "") + ":\n" + snippet, nl=False)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------
