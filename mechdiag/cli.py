@@ -89,7 +89,9 @@ def _is_html(path: str | None) -> bool:
               help="HTML report to write (default: reports/demo.html).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=40, show_default=True,
               help="Training steps per seed.")
-def demo(out, report_path, max_steps):
+@click.option("--eval-n", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Problems per split for the base-vs-tuned evaluation (0: skip it).")
+def demo(out, report_path, max_steps, eval_n):
     """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path.
 
     \b
@@ -100,7 +102,7 @@ def demo(out, report_path, max_steps):
 
     check_output(out, "--out", "dir")
     check_output(report_path, "--report", "file" if _is_html(report_path) else "dir")
-    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True))
+    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True), eval_n=eval_n)
     click.echo(str(path))
 
 

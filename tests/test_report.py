@@ -412,14 +412,14 @@ def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "mechdiag.train.trainer", mod)
     monkeypatch.setitem(sys.modules, "mechdiag.recommend", None)
     lines = []
-    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)
+    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)
     assert SEEDS == (42, 3407)
     assert calls == [(42, 20, 5, "demo-seed42"), (3407, 20, 5, "demo-seed3407")]
     assert out == tmp_path / "demo.html"
     html = out.read_text()
     assert "mechdiag report: demo</title>" in html and "n=2 seeds" in html
     assert lines[-1].startswith("demo done in")
-    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)  # re-run replaces
+    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)  # replaces
     (tmp_path / "other" / "demo-seed42").mkdir(parents=True)
     with pytest.raises(UserError, match="not a previous demo run"):
-        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append)
+        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append, eval_n=0)
