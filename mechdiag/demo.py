@@ -73,7 +73,8 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
         t = time.perf_counter()
         run = train(cfg, run_dir)
         runs.append(run)
-        echo(f"trained seed {seed} ({max_steps} steps) in {time.perf_counter() - t:.0f}s -> {run.path}")
+        echo(f"trained seed {seed} ({run.summary().get('steps', max_steps)} of {max_steps} steps) in "
+             f"{time.perf_counter() - t:.0f}s -> {run.path}")
     if eval_n:
         evaluate_seeds(cfg, runs, eval_n, echo)
     for run in runs:
