@@ -78,3 +78,7 @@ def test_long_commands_print_progress_lines_into_a_log(tiny_run, tmp_path):
     proc = run_cli("shift", str(bundled_path()), str(tiny_run / "final"), "--prompts", str(prompts), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     assert "shift prompts: 2/2" in proc.stderr and proc.stdout.startswith("[")
+    proc = run_cli("eval", str(bundled_path()), "--task", "arith", "--n", "3", "--k", "1", "--max-new-tokens", "8",
+                   "--device", "cpu", "--out", str(tmp_path / "eval"))
+    assert proc.returncode == 0, proc.stderr
+    assert "eval arith/test base: 3/3 problems" in proc.stderr
