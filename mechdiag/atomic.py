@@ -131,12 +131,3 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
             except ValueError as e:  # json counts lines within the one line it was given: name the file's line
                 raise ValueError(f"line {number} is not valid JSON ({getattr(e, 'msg', e)})") from None
     return out
-
-
-def truncate_jsonl(path: str | os.PathLike, keep: callable) -> None:
-    """Rewrite a JSON Lines file keeping only records for which keep(record) is true (used on resume)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    records = [r for r in read_jsonl(path) if keep(r)]
-    write_text(path, "".join(dumps(r) + "\n" for r in records))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
@@ -68,10 +69,12 @@ def report(runs, out):
     Example:
       mechdiag report runs/a runs/b --out reports/ab.html
     """
+    from mechdiag.integrations.readers import read_any_run
     from mechdiag.report import write_report
+    from mechdiag.run import load_runs
 
     check_output(out, "--out", "file" if _is_html(out) else "dir")
-    click.echo(str(write_report(list(runs), out)))
+    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
 
 
 def _is_html(path: str | None) -> bool:
@@ -195,8 +198,6 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
 
 def _records(df) -> list[dict]:
     """DataFrame -> flat JSON-ready records: pandas NA/NaN become None, numpy scalars Python numbers."""
-    import math
-
     out = []
     for rec in df.to_dict("records"):
         clean = {}
@@ -215,10 +216,15 @@ def _rows_table(df, title: str) -> str:
 
     rows = []
     for rec in _records(df):
-        rows.append([float("nan") if v is None and rec.get("nonfinite") and c.endswith("fro") else v
-                     for c, v in rec.items()])
+        rows.append([math.inf if v is None and c == "rel_fro" and rec.get("ref_fro") == 0 and not rec.get("nonfinite")
+                     else math.nan if v is None and rec.get("nonfinite") and c.endswith("fro") else v
+                     for c, v in rec.items()])  # inf: a zero reference that moved (docs/metrics.md); JSON says null
     return render_table(title, list(df.columns), rows,
                         keep=["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer", "ref_fro"])
+
+
+_checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), default=None,
+                                  help="Tuned side a run directory: use its checkpoints/step-N, not final/.")
 
 
 @main.command(short_help="How far checkpoint B moved from A, per tensor/module/layer.")
@@ -226,14 +232,17 @@ def _rows_table(df, title: str) -> str:
 @click.argument("b", type=click.Path())
 @click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
               "base_model_name_or_path is not a local folder).")
+@_checkpoint_option
 @click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
-@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
+              "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
-def displacement(a, b, base, by, fmt, out, spectral, html):
-    """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
+def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
+    """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
+    a PEFT adapter folder or a run directory).
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
     study's WDisp and each group's update mass.
@@ -246,11 +255,14 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
     from mechdiag import atomic
     from mechdiag.displacement import compare, group_wdisp, rows_frame
+    from mechdiag.models import checkpoint_folder
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
     check_output(out, "--out")
     check_output(html, "--html")
+    a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
+    base = None if base is None else checkpoint_folder(base)
     err = Console(stderr=True)
     progress_cb, bar = None, None
     if err.is_terminal:
@@ -313,15 +325,17 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
 @click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, or auto")
+@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@_checkpoint_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="write the rows here instead of stdout")
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
-def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, fmt, out,
-              html):
-    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders).
+def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
+              fmt, out, html):
+    """Per-layer activation shift of TUNED against BASE (each: bundled, a model folder, a PEFT adapter folder or a
+    run directory).
 
     \b
     Example:
@@ -333,7 +347,9 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
     import transformers
 
     from mechdiag import atomic
+    from mechdiag import models as M
     from mechdiag.probes import prompts as probe_prompts
+    from mechdiag.probes.load import resolve
     from mechdiag.probes.shift import note, shift, write_html
 
     transformers.logging.set_verbosity_error()
@@ -344,15 +360,12 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         raise UserError("--format parquet needs --out PATH")
     check_output(out, "--out")
     check_output(html, "--html")
-    from mechdiag.models import resolve_device
-
-    device = resolve_device(device)
+    device = M.device(device)
+    base, tuned = M.checkpoint_folder(base), M.checkpoint_folder(tuned, checkpoint)
     if prompts_file:
         prompts = probe_prompts.read_prompts(prompts_file, n)
     else:
-        from mechdiag.probes.load import load_tokenizer, resolve
-
-        prompts = probe_prompts.task_prompts(task, load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+        prompts = probe_prompts.task_prompts(task, M.load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
     from mechdiag.console import Progress
 
     lines = Progress("shift prompts", total=len(prompts))
@@ -412,15 +425,16 @@ def recommend(runs, out, fmt):
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
-    from mechdiag.integrations.readers import foreign_kind
+    from mechdiag.integrations.readers import foreign_kind, read_any_run
     from mechdiag.recommend import recommend as run_recommend
+    from mechdiag.run import load_runs
 
     check_output(out, "--out")
     trl_out = None
     if any(foreign_kind(r) == "trl" for r in runs):  # a TRL user also gets GRPOConfig/LoraConfig fields
         trl_out = None if out is None else str(Path(out).with_suffix("")) + ".trl.py"
         check_output(trl_out, "--out (its .trl.py beside it)")
-    rec = run_recommend(list(runs))
+    rec = run_recommend(load_runs(runs, read_any_run))
     if out:
         configlib.save(rec.cfg, out, rec.header)
     snippet = None
@@ -556,10 +570,11 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     from transformers.utils import logging as hf_logging
 
     from mechdiag import evaluate as E
+    from mechdiag import models as M
 
     hf_logging.set_verbosity_error()  # "sequence longer than the maximum": prompts are cut to fit before the model
     check_output(out, "--out", "dir")
-    device = E.resolve_device(device)
+    device = M.device(device)
     options = {}
     for item in task_options:
         key, sep, value = item.partition("=")
@@ -576,7 +591,9 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
                      progress=lambda line: click.echo(line, err=True))
     if fmt == "table":
-        click.echo(E.render_table(res.rows, color=sys.stdout.isatty()))
+        from mechdiag.eval_table import render_table
+
+        click.echo(render_table(res.rows, color=sys.stdout.isatty()))
     elif fmt == "json":
         from mechdiag.atomic import dumps
 

@@ -15,6 +15,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
 EVERY_S = 10.0
 TEXT_MIN = 20  # the narrowest a wrapping text column is allowed to become when deciding what fits
 DIGITS = (4, 3, 2)
@@ -28,8 +32,10 @@ def terminal_width() -> int:
 def number(v, digits: int = 4) -> str:
     if v is None:
         return "-"
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN/Inf"
+    if isinstance(v, float) and math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN/Inf"  # callers mark a non-finite tensor norm as nan
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         return str(v)
     if isinstance(v, int):
@@ -41,29 +47,27 @@ def _is_number(v) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
-def render_table(title: str, columns: Sequence[str], rows: Sequence[Sequence], width: int | None = None,
-                 digits: int = 4, keep: Sequence[str] = ()) -> str:
+def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence], width: int | None = None,
+                 digits: int = 4, keep: Sequence[str] = (), styles: Sequence[Sequence[str | None]] | None = None,
+                 color: bool = False) -> str:
     """A table as text no wider than `width` (default: the terminal). Cells are values: numbers are formatted
     here, everything else is shown as str(value). When columns must go, those named in `keep` go last (in that
-    order of importance), the others from the right."""
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
+    order of importance), the others from the right. styles[r][c] colours a cell (a rich colour name, applied
+    as a style, never parsed from the value) when `color` is set."""
     width = width or terminal_width()
     columns = list(columns)
     importance = [columns.index(k) for k in keep if k in columns]
     importance += [i for i in range(len(columns)) if i not in importance]
     numeric = [bool(rows) and all(_is_number(r[i]) for r in rows) for i in range(len(columns))]
 
-    def layout(n_cols: int, d: int) -> list[tuple[str, bool, list[str]]]:
-        """(header, numeric, formatted cells) of the n_cols most important columns, in their given order."""
-        return [(columns[i], numeric[i], [number(r[i], d) if numeric[i] else str(r[i]) for r in rows])
+    def layout(n_cols: int, d: int) -> list[tuple[str, bool, list[str], int]]:
+        """(header, numeric, formatted cells, index) of the n_cols most important columns, in their given order."""
+        return [(columns[i], numeric[i], [number(r[i], d) if numeric[i] else str(r[i]) for r in rows], i)
                 for i in sorted(importance[:n_cols])]
 
     def need(cols) -> int:
         w = 1
-        for head, is_num, cells in cols:
+        for head, is_num, cells, _ in cols:
             longest = max([len(c) for c in cells] + [len(head)])
             w += 3 + (longest if is_num else min(longest, TEXT_MIN))
         return w
@@ -76,17 +80,19 @@ def render_table(title: str, columns: Sequence[str], rows: Sequence[Sequence], w
     if chosen is None:  # not even one column fits: the most important one anyway, wrapping
         chosen = layout(1, DIGITS[-1])
     hidden = n_all - len(chosen)
-    table = Table(title=Text(title), caption=Text(f"{hidden} more column(s) need a wider terminal or --format json")
-                  if hidden else None)
-    for head, is_num, cells in chosen:
+    table = Table(title=Text(title) if title else None,
+                  caption=Text(f"{hidden} more column(s) need a wider terminal or --format json") if hidden else None)
+    for head, is_num, cells, _ in chosen:
         if is_num:  # fixed width: rich never narrows it, so a number is never cut
             table.add_column(Text(head), justify="right", overflow="fold", width=max(len(c) for c in cells + [head]))
         else:
             table.add_column(Text(head), justify="left", overflow="fold")
-    for r in zip(*(cells for _, _, cells in chosen), strict=True):
-        table.add_row(*(Text(c) for c in r))
+    for j, r in enumerate(zip(*(cells for _, _, cells, _ in chosen), strict=True)):
+        table.add_row(*(Text(c, style=(styles[j][i] or "") if color and styles else "")
+                        for c, (_, _, _, i) in zip(r, chosen, strict=True)))
     buf = io.StringIO()
-    Console(file=buf, width=width, force_terminal=False, no_color=True, highlight=False).print(table)
+    Console(file=buf, width=width, force_terminal=color, no_color=not color, highlight=False,
+            color_system="standard" if color else None).print(table)
     return buf.getvalue()
 
 

@@ -1,5 +1,7 @@
 """The one exception type for bad user input: the CLI turns it into one stderr line and exit code 2."""
 
+import re
+
 
 class UserError(Exception):
     """Bad input (missing or corrupt file, invalid config, mismatched shapes...). The message is shown as is."""
@@ -9,8 +11,6 @@ def first_line(e: BaseException, limit: int = 300) -> str:
     """An exception as one readable line. torch's "Error(s) in loading state_dict for X:" headline says nothing on
     its own, so the first mismatch below it is kept too (shapes in short form): the line that tells the user which
     base the adapter expects."""
-    import re
-
     text = str(e).strip()
     if not text:
         return type(e).__name__

@@ -1,19 +1,136 @@
-"""Which way is better for each metric: the one direction table that colours and counts deltas everywhere."""
+"""Metric definitions shared by the CLI, the report and recommend: which way is better, display order, mean and
+std over seeds, the pass@k / maj@k estimators, and update mass (docs/metrics.md has the formulas)."""
 
 from __future__ import annotations
 
-# +1 higher is better, -1 lower is better, 0 neither (reported, never coloured or counted: entropy and length
-# move both ways in healthy runs). Keys match a metric exactly, its sub-keys ("reward/correctness"), or, for
-# keys ending in "@", every k ("pass@1", "maj@5").
-DIRECTION = {"accuracy": 1, "eval_reward": 1, "reward": 1, "pass@": 1, "maj@": 1, "format_rate": 1, "score": 1,
-             "exact_match": 1, "f1": 1,
-             "truncation_rate": -1, "loss": -1, "error_rate": -1, "ppl": -1,
+import itertools
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+
+# Which way is better: +1 higher, -1 lower, 0 neither (reported, never coloured, judged or counted). Keys ending in
+# "@" or "/" are families (pass@k, reward/<component>); the first matching key wins.
+# Entropy, length and KL move both ways in healthy runs, so they stay neutral.
+DIRECTION = {"accuracy": 1, "eval_reward": 1, "reward": 1, "reward/": 1, "pass@": 1, "maj@": 1, "format_rate": 1,
+             "score": 1, "exact_match": 1, "f1": 1,
+             "truncation_rate": -1, "completion_clipped_ratio": -1, "loss": -1, "error_rate": -1, "ppl": -1,
              "entropy": 0, "completion_length": 0, "length": 0, "kl": 0}
+SCORES = ("accuracy", "pass@", "maj@")  # what `mechdiag eval`'s summary line counts (the study counts pass@k cells)
+ORDER = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
+
+
+def _matches(metric: str, key: str) -> bool:
+    return metric == key or (key.endswith(("@", "/")) and metric.startswith(key))
 
 
 def direction(metric: str) -> int:
-    m = metric.lower()
-    for key, d in DIRECTION.items():
-        if m == key or m.startswith(key + "/") or (key.endswith("@") and m.startswith(key)):
-            return d
-    return 0
+    return next((d for key, d in DIRECTION.items() if _matches(metric, key)), 0)
+
+
+def is_score(metric: str) -> bool:
+    return any(_matches(metric, s) for s in SCORES)
+
+
+def metric_order(metric: str) -> tuple:
+    """accuracy, pass@k by k, maj@k by k, then the quality metrics in ORDER, then the rest by name."""
+    if metric.startswith(("pass@", "maj@")):
+        fam, _, k = metric.partition("@")
+        return (1 if fam == "pass" else 2, int(k) if k.isdigit() else 0, metric)
+    return (0 if metric == "accuracy" else 3, ORDER.index(metric) if metric in ORDER else 99, metric)
+
+
+# ---- numbers ----------------------------------------------------------------------------------------------------
+def is_number(v) -> bool:
+    """A finite int or float (not a bool): what may enter a mean."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def mean_std(values: Iterable) -> tuple[float | None, float | None]:
+    """Mean and sample std (Bessel) over the finite numbers given (seeds); std None for one value, both None
+    for none, 0 for seeds that agree to 1e-9."""
+    vals = [float(v) for v in values if is_number(v)]
+    if not vals:
+        return None, None
+    mean = math.fsum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, None
+    std = statistics.stdev(vals)
+    return mean, 0.0 if std <= 1e-9 * max(1.0, abs(mean)) else std  # equal seeds: no float noise
+
+
+# ---- estimators -------------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+    Computed as a product, which stays exact in floating point for any n (the binomials overflow first).
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def maj_at_k(keys: list, correct: list[bool], k: int, max_subsets: int = 2000, seed: int = 0) -> float:
+    """Expected accuracy of a plurality vote over k of the n samples.
+
+    keys[i] is the answer sample i gave (None: no answer, no vote). The expectation is over all k-subsets of the n
+    samples (a seeded random 2000 of them when there are more), ties broken uniformly at random; the winning answer
+    scores the fraction of its samples that are correct (one answer, one verdict, whatever its spelling).
+    """
+    n = len(keys)
+    if len(correct) != n or not 1 <= k <= n:
+        raise ValueError(f"maj@k needs 1 <= k <= n = len(keys) = len(correct), got k={k}, {n}, {len(correct)}")
+    right: dict = {}
+    for key, ok in zip(keys, correct, strict=True):
+        if key is not None:
+            right.setdefault(key, []).append(bool(ok))
+    if not right:
+        return 0.0
+    score = {key: sum(v) / len(v) for key, v in right.items()}
+    if math.comb(n, k) <= max_subsets:
+        subsets: Iterable = itertools.combinations(range(n), k)
+        count = math.comb(n, k)
+    else:
+        rng = random.Random(seed)
+        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
+        count = max_subsets
+    total = 0.0
+    for sub in subsets:
+        votes = Counter(keys[i] for i in sub if keys[i] is not None)
+        if votes:
+            top = max(votes.values())
+            winners = [key for key, v in votes.items() if v == top]
+            total += sum(score[w] for w in winners) / len(winners)
+    return total / count
+
+
+# ---- update mass ------------------------------------------------------------------------------------------------
+def last_step(rows: list[dict]) -> list[dict]:
+    """The rows of the last recorded step (displacement.jsonl holds one block of rows per recorded step)."""
+    steps = [r["step"] for r in rows if is_number(r.get("step"))]
+    return [r for r in rows if r.get("step") == max(steps)] if steps else []
+
+
+def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False) -> dict:
+    """Each group's share of the squared displacement: ||dW_g||^2 / sum_h ||dW_h||^2, summed over the rows
+    (tensors) of a group keyed by row[by] as weights.py names it (GPT-2's attn.c_proj and mlp.c_proj stay apart).
+
+    size_normalised: each group's ||dW_g||^2 is first divided by its ||W_g||^2 (its WDisp^2), so a module does not
+    carry "the update" just for being a bigger matrix. Rows without finite norms are left out; {} when nothing
+    moved (or, size-normalised, when a group has no reference norm)."""
+    mass: dict = {}
+    ref: dict = {}
+    for r in rows:
+        if is_number(r.get("delta_fro")) and r.get(by) is not None and not r.get("nonfinite"):
+            key = r[by]
+            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
+            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0)
+    if size_normalised:
+        if any(ref[k] <= 0 for k in mass):
+            return {}
+        mass = {k: v / ref[k] for k, v in mass.items()}
+    total = math.fsum(mass.values())
+    return {k: v / total for k, v in mass.items()} if total > 0 else {}

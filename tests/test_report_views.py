@@ -8,10 +8,19 @@ import re
 
 import pytest
 
+from mechdiag import report
 from mechdiag.metrics import direction
-from mechdiag.report import render, write_report
+from mechdiag.run import load_runs
 from tests import chromium
 from tests.synth_runs import make_run
+
+
+def render(paths) -> str:
+    return report.render(load_runs(paths))
+
+
+def write_report(paths, out):
+    return report.write_report(load_runs(paths), out)
 
 
 def _figures(html: str) -> list[dict]:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import io
 import pickle
+import types
 import zipfile
 from pathlib import Path
 
+from mechdiag import config as C
 from mechdiag.errors import UserError
 
 TRAINING_ARGS = "training_args.bin"
@@ -103,8 +105,6 @@ def find_training_args(output_dir: Path) -> Path | None:
 def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
     (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-    from mechdiag import config as C
-
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     g = int(args.num_generations or 8)
     sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
@@ -158,10 +158,6 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
 def config_from_output_dir(output_dir: Path, lora: dict | None, model: str | None):
     """The run's real GRPOConfig (training_args.bin, read safely) with the adapter's LoRA layout and base model;
     None when the output_dir holds no training_args.bin."""
-    import types
-
-    from mechdiag import config as C
-
     path = find_training_args(output_dir)
     if path is None:
         return None

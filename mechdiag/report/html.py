@@ -17,15 +17,56 @@ import math
 import re
 import secrets
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
-from mechdiag.metrics import direction
+from mechdiag.config import to_yaml
+from mechdiag.metrics import direction, mean_std
 from mechdiag.report import figures as F
-from mechdiag.report.load import Group, Run
+from mechdiag.run import Group, Run, base_eval, final_eval
 
 MAX_COMPLETION_CHARS = 3000
 MAX_PAIRS = 6
 MAX_ROLLOUTS = 8
+
+
+@dataclass
+class Shown:
+    """A finding as the page shows it, whatever the recommender's own class looks like."""
+
+    rule: str
+    symptom: str
+    evidence: str
+    change: str
+    confidence: float | None
+    reason: str = ""
+
+
+@dataclass
+class Advice:
+    findings: list[Shown] = field(default_factory=list)
+    note: str = ""  # shown where there is no finding
+    refined_yaml: str | None = None  # the refined config, when the recommender returns one
+
+
+def _shown(f) -> Shown:
+    change = getattr(f, "change", None)
+    if change is None:  # mechdiag.recommend: a list of Change(key, old, new)
+        change = "; ".join(str(c) for c in getattr(f, "changes", None) or []) or "none (advice only)"
+    ev = getattr(f, "evidence", "")
+    return Shown(rule=str(getattr(f, "rule", "")), symptom=str(getattr(f, "symptom", "")),
+                 evidence=ev if isinstance(ev, str) else json.dumps(ev, default=str, ensure_ascii=False),
+                 change=str(change), confidence=getattr(f, "confidence", None), reason=str(getattr(f, "reason", "")))
+
+
+def advice_from(result) -> Advice:
+    """Findings (and the refined config) from what recommend returned: a Recommendation or a list of findings."""
+    findings = getattr(result, "findings", result)
+    advice = Advice([_shown(f) for f in findings or []], "No recommendation: no rule fired on these runs.")
+    cfg = getattr(result, "cfg", None)
+    if cfg is not None and hasattr(cfg, "model_dump"):
+        advice.refined_yaml = to_yaml(cfg, getattr(result, "header", "") or "")
+    return advice
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -56,17 +97,6 @@ def _delta_class(delta: float | None, direction: int) -> str:
     if delta is None or direction == 0 or abs(delta) < 1e-12:
         return ""
     return "up" if delta * direction > 0 else "down"
-
-
-def _mean_std(vals: list[float]) -> tuple[float | None, float | None]:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return None, None
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, None
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
-    return m, 0.0 if sd <= 1e-9 * max(1.0, abs(m)) else sd  # equal seeds: no float noise
 
 
 def _pm(mean, std) -> str:
@@ -152,7 +182,7 @@ def section_runs(groups: list[Group]) -> str:
             cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in columns)
             src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
-                        f"<td class=path title='{esc(r.rundir.path)}'>{esc(r.name)}{src}</td>"
+                        f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
     note = (f"<p class=note>highlighted: config keys that differ between runs ({esc(', '.join(differ))})</p>"
             if differ else "")
@@ -161,19 +191,10 @@ def section_runs(groups: list[Group]) -> str:
 
 
 def _base_final(run: Run) -> tuple[dict, dict, str]:
-    """Base and final eval numbers: summary.json ({"base": {...}, "final": {...}} or flat base_X / final_X keys),
-    else the first (step 0) and last records of eval.jsonl."""
-    s = run.summary or {}
-    if isinstance(s.get("base"), dict) or isinstance(s.get("final"), dict):
-        return s.get("base") or {}, s.get("final") or {}, "summary.json"
-    flat = [{k.removeprefix(p): v for k, v in s.items() if k.startswith(p)} for p in ("base_", "final_")]
-    if any(flat):
-        return flat[0], flat[1], "summary.json"
-    ev = sorted((e for e in run.read("eval") if isinstance(e.get("step"), (int, float))), key=lambda e: e["step"])
-    if not ev:
-        return {}, {}, ""
-    base = ev[0] if ev[0]["step"] == 0 and len(ev) > 1 else {}
-    return base, ev[-1], "eval.jsonl"
+    """Base and final eval numbers (mechdiag.run.base_eval / final_eval) and where they come from."""
+    src = "summary.json" if any(k.startswith(("base_", "final_")) for k in run.summary) else "eval.jsonl"
+    base, final = base_eval(run), final_eval(run)
+    return base, final, src if base or final else ""
 
 
 def section_summary(groups: list[Group], advice) -> str:
@@ -184,8 +205,8 @@ def section_summary(groups: list[Group], advice) -> str:
         metrics = dict.fromkeys(k for b, f, _ in pairs for k in [*b, *f]
                                 if k != "step" and _num(f.get(k, b.get(k))) is not None)
         for k in metrics:
-            bm, bs = _mean_std([_num(b.get(k)) for b, _, _ in pairs])
-            fm, fs = _mean_std([_num(f.get(k)) for _, f, _ in pairs])
+            bm, bs = mean_std([_num(b.get(k)) for b, _, _ in pairs])
+            fm, fs = mean_std([_num(f.get(k)) for _, f, _ in pairs])
             d = fm - bm if fm is not None and bm is not None else None
             cls = _delta_class(d, direction(k))
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
@@ -291,10 +312,10 @@ def section_benchmarks(groups: list[Group]) -> str:
     for b in benches:
         tds = []
         for m in metrics:
-            base_mean, _ = _mean_std(cells.get((b, m), {}).get("base", []))
+            base_mean, _ = mean_std(cells.get((b, m), {}).get("base", []))
             for c in columns:
                 vals = cells.get((b, m), {}).get(c, [])
-                mean, std = _mean_std(vals)
+                mean, std = mean_std(vals)
                 if std is None and len(vals) == 1 and stds.get((b, m, c)):
                     std = stds[(b, m, c)][0]
                 d = mean - base_mean if c != "base" and mean is not None and base_mean is not None else None
@@ -473,11 +494,9 @@ d.setAttribute('data-report-status','ok');},function(e){window.__reportError('pl
 def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) -> str:
     """The whole page. `advice`: mechdiag.report.Advice (findings, or the note shown in their place)."""
     if advice is None:
-        from mechdiag.report import Advice
-
         advice = Advice(note="Recommendations not requested.")
     if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+        from plotly.offline import get_plotlyjs  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
         plotly_js = get_plotlyjs()
     if "</script" in plotly_js.lower():
