@@ -124,7 +124,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     if not text.endswith("\n"):
         lines = lines[:-1]  # partial last line
     out = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:  # json counts lines within the one line it was given: name the file's line
+                raise ValueError(f"line {number} is not valid JSON ({getattr(e, 'msg', e)})") from None
     return out

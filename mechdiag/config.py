@@ -279,6 +279,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise UserError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"--set {item!r}: the key before '=' is empty or has an empty part (use key.sub=value)")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 
-import click
-
+from mechdiag.console import render_table as render_text_table
 from mechdiag.metrics import is_score
 
 BASE = "base"  # the column of the untrained model
@@ -35,22 +34,27 @@ def _fmt(v: float | None, metric: str) -> str:
     return f"{v:.1f}" if metric == "completion_length" else f"{v:.3f}"
 
 
-def render_table(rows: list[dict], color: bool = False) -> str:
-    """The study's table: benchmark x metric rows, base and tuned columns, Δ marked (+ green, - red)."""
-
+def render_table(rows: list[dict], color: bool = False, width: int | None = None) -> str:
+    """The study's table: benchmark x metric rows, base and tuned columns, Δ marked (▲ green, ▼ red), fitted to
+    the terminal by mechdiag.console (cells are plain text; on a narrow terminal the base column goes first, as
+    each tuned cell carries its Δ against it)."""
     cols = list(dict.fromkeys(r["model"] for r in rows))
     cols = [BASE] + [c for c in cols if c != BASE] if BASE in cols else cols
     by = {(r["benchmark"], r["metric"], r["model"]): r for r in rows}
     keys = list(dict.fromkeys((r["benchmark"], r["metric"]) for r in rows))
     seeds = {c: max((r["seeds"] for r in rows if r["model"] == c), default=1) for c in cols}
     head = ["benchmark", "metric"] + [c if seeds[c] == 1 else f"{c} (x{seeds[c]})" for c in cols]
-    body: list[list[tuple[str, str | None]]] = []
+    body: list[list[str]] = []
+    styles: list[list[str | None]] = []
+    prev = None
     for b, m in keys:
-        line: list[tuple[str, str | None]] = [(b, None), (m, None)]
+        line, style = ["" if b == prev else b, m], [None, None]
+        prev = b
         for c in cols:
             r = by.get((b, m, c))
             if r is None:
-                line.append(("", None))
+                line.append("")
+                style.append(None)
                 continue
             text = _fmt(r["value"], m) + (f" ± {_fmt(r['std'], m)}" if r["std"] is not None else "")
             if c != BASE and r["delta"] is not None and math.isfinite(r["delta"]):
@@ -59,23 +63,10 @@ def render_table(rows: list[dict], color: bool = False) -> str:
                     text += " ="
                 else:
                     text += f" {mark}{r['delta']:+.3f}" if m != "completion_length" else f" {mark}{r['delta']:+.1f}"
-            line.append((text, {"improve": "green", "regress": "red"}.get(r["status"])))
+            line.append(text)
+            style.append({"improve": "green", "regress": "red"}.get(r["status"]))
         body.append(line)
-    widths = [max(len(h), *(len(row[i][0]) for row in body)) if body else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
-           "  ".join("-" * w for w in widths)]
-    prev = None
-    for row in body:
-        cells = []
-        for i, ((text, colour), w) in enumerate(zip(row, widths, strict=True)):
-            if i == 0 and text == prev:
-                text = ""
-            cell = text.ljust(w)
-            cells.append(click.style(cell, fg=colour) if color and colour else cell)
-        prev = row[0][0]
-        out.append("  ".join(cells).rstrip())
-    for s in summary(rows):
-        out.append(summary_line(s))
-    return "\n".join(out)
-
-
+        styles.append(style)
+    keep = head[:2] + head[3:] + head[2:3]  # base last: each tuned cell carries its Δ against it
+    table = render_text_table(None, head, body, width=width, keep=keep, styles=styles, color=color)
+    return table + "".join(summary_line(s) + "\n" for s in summary(rows))

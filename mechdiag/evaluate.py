@@ -35,6 +35,7 @@ import torch
 
 from mechdiag import atomic, models
 from mechdiag import tasks as T
+from mechdiag.console import Progress
 from mechdiag.errors import UserError
 from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
@@ -434,12 +435,16 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
             for bench in benches:
                 for label in models.labels():
                     t0 = time.perf_counter()
-                    head = {"step": 0, "kind": "eval", "benchmark": bench.name, "model": label,
+                    head = {"step": 0, "split": "eval", "benchmark": bench.name, "model": label,
                             "group": group_of.get(label, BASE)}
+                    lines = Progress(f"eval {bench.name} {label}", total=len(bench.examples))
+                    done = Counter()
 
-                    def write(records, head=head):
+                    def write(records, head=head, lines=lines, done=done):
                         f.write("".join(atomic.dumps({**head, **r}) + "\n" for r in records))
                         f.flush()
+                        done["problems"] += sum(1 for r in records if r["sample"] == -1)
+                        lines.update(done["problems"], "problems")  # a log line at most every ~10 s
                         key = (head["benchmark"], head["model"])
                         room = max(report_samples - n_shown[key], 0)
                         greedy = [r for r in records if r["sample"] == -1][:room]

@@ -12,9 +12,11 @@ from collections.abc import Iterable
 
 # Which way is better: +1 higher, -1 lower, 0 neither (reported, never coloured, judged or counted). Keys ending in
 # "@" or "/" are families (pass@k, reward/<component>); the first matching key wins.
+# Entropy, length and KL move both ways in healthy runs, so they stay neutral.
 DIRECTION = {"accuracy": 1, "eval_reward": 1, "reward": 1, "reward/": 1, "pass@": 1, "maj@": 1, "format_rate": 1,
-             "truncation_rate": -1, "completion_clipped_ratio": -1, "loss": -1, "entropy": 0,
-             "completion_length": 0}
+             "score": 1, "exact_match": 1, "f1": 1,
+             "truncation_rate": -1, "completion_clipped_ratio": -1, "loss": -1, "error_rate": -1, "ppl": -1,
+             "entropy": 0, "completion_length": 0, "length": 0, "kl": 0}
 SCORES = ("accuracy", "pass@", "maj@")  # what `mechdiag eval`'s summary line counts (the study counts pass@k cells)
 ORDER = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
 

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint
 
@@ -117,8 +117,7 @@ def load_adapters(model, adapters: dict[str, Path]):
                 else:
                     out = PeftModel.from_pretrained(out, str(path), adapter_name=name)
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-            msg = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise UserError(f"cannot load adapter {path}: {msg[:300]}") from None
+            raise UserError(f"cannot load adapter {path}: {first_line(e)}") from None
     return out.eval()
 
 
@@ -260,8 +259,7 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", check
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, use_safetensors=True)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"cannot load model from {src}: {msg}") from e
+        raise UserError(f"cannot load model from {src}: {first_line(e)}") from e
     model.eval()
     return model
 

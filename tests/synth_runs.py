@@ -80,14 +80,14 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
                     rows.append({"step": s, "group": g, "prompt": f"What is {g} + {s}?",
                                  "completion": f"<reasoning>add</reasoning><answer>{g + s + i % 2}</answer>",
                                  "reward": 2.5 if i % 2 == 0 else 0.5, "advantage": 1.0 if i % 2 == 0 else -1.0,
-                                 "kind": "train"})
+                                 "split": "train"})
         for i in range(4):
             bad = f"{XSS_SCRIPT} {XSS_IMG}" if hostile and i == 0 else f"<answer>{i}</answer>"
             prompt = f"Q{i}: 7 * {i} = ? & <b>bold</b>" + (f" {XSS_MARK}" if hostile and i == 0 else "")
             rows.append({"step": 0, "group": i, "prompt": prompt, "completion": f"base says {i + 1}",
-                         "reward": 0.1, "kind": "eval", "model": "base", "correct": False})
+                         "reward": 0.1, "split": "eval", "model": "base", "correct": False})
             rows.append({"step": steps, "group": i, "prompt": prompt, "completion": bad, "reward": 2.1,
-                         "kind": "eval", "model": "tuned", "correct": i % 2 == 1})
+                         "split": "eval", "model": "tuned", "correct": i % 2 == 1})
         run.append("samples", rows)
     if summary:
         run.write_summary({"base_accuracy": 0.1, "base_eval_reward": 0.5, "base_completion_length": 38.0,

@@ -169,10 +169,12 @@ def test_compare_groups_seeds_and_marks_changes():
     summ = {s["model"]: s for s in eval_table.summary(rows)}  # counts score metrics only (pass@k here)
     assert (summ["grpo"]["improve"], summ["grpo"]["regress"], summ["grpo"]["total"]) == (1, 1, 2)
     assert (summ["lowkl"]["improve"], summ["lowkl"]["same"], summ["lowkl"]["total"]) == (1, 1, 2)
-    text = eval_table.render_table(rows)
+    text = eval_table.render_table(rows, width=100)
     assert "grpo (x2)" in text and "0.650 ± 0.071 ▲+0.150" in text and "▼-0.100" in text
     assert "grpo: 1 of 2 benchmark-metric configurations improve on the base (1 regress, 0 equal)" in text
     assert "\x1b[" not in text and "\x1b[32m" in eval_table.render_table(rows, color=True)
+    narrow = eval_table.render_table(rows, width=60)  # the base column goes before a tuned one's Δ
+    assert max(len(x) for x in narrow.splitlines()[:-2]) <= 60 and "▲+0.150" in narrow
 
 
 def test_parse_tasks_and_adapters(tmp_path):
@@ -242,7 +244,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     # samples file: every completion, greedy (-1) and sampled, per benchmark x model x problem
     recs = read_jsonl(both.samples_path)
     assert len(recs) == 2 * 3 * 3 * (1 + 3)
-    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["kind"] == "eval" for r in recs)
+    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["split"] == "eval" for r in recs)
     assert all("prompt" in r for r in recs if r["sample"] == -1)
     # determinism: the same seed gives the same completions; another seed other samples, same greedy ones
     again = _run(stories260k, E.parse_adapters([f"r@1={adapters[0]}", f"r@2={adapters[1]}"]), tmp_path / "again")
@@ -261,7 +263,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     assert r["value"] == pytest.approx(sum(vals) / 2) and r["seeds"] == 2 and r["n"] == 3
     assert set(r) >= {"benchmark", "metric", "model", "value", "std", "n", "step"}
     shown = read_jsonl(both.out_dir / "samples.jsonl")  # the report's base-vs-tuned pairs
-    assert len(shown) == 2 * 3 * 3 and all(s["kind"] == "eval" and s["prompt"] for s in shown)
+    assert len(shown) == 2 * 3 * 3 and all(s["split"] == "eval" and s["prompt"] for s in shown)
 
 
 def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
@@ -352,8 +354,9 @@ def test_end_to_end_bundled_base_vs_trained_adapter(tmp_path, cli):
                "--n", "6", "--k", "1,3", "--samples", "3", "--max-new-tokens", "48", "--threads", "1",
                "--out", str(run.path))
     assert proc.returncode == 0, proc.stderr
-    head = proc.stdout.splitlines()[0].split()
-    assert head == ["benchmark", "metric", "base", "run"], proc.stdout
+    head = next(x for x in proc.stdout.splitlines() if "benchmark" in x).strip("┃ ").split()
+    assert [h for h in head if h != "┃"] == ["benchmark", "metric", "base", "run"], proc.stdout
+    assert max(len(x) for x in proc.stdout.splitlines()[:-1]) <= 100  # fits a 100-column pipe (console)
     # 3 benchmarks x (accuracy, pass@1, pass@3, maj@3) configurations are counted
     assert re.search(r"^run: \d+ of 12 benchmark-metric configurations improve", proc.stdout, re.M), proc.stdout
     rows = run.read("eval_benchmarks")  # in the training run's directory, where the report reads it

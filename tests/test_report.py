@@ -320,7 +320,7 @@ def test_odd_text_survives(tmp_path):
     run = make_run(tmp_path / "odd", 1, steps=5, streams=())
     # a lone surrogate is valid JSON (another writer's file) but cannot be encoded as UTF-8
     (run.path / "samples.jsonl").write_text('{"step": 5, "group": 0, "prompt": "p\\u0000", "completion": '
-                                            '"a\\ud800b ' + "x" * 5000 + '", "kind": "train", "reward": null}\n')
+                                            '"a\\ud800b ' + "x" * 5000 + '", "split": "train", "reward": null}\n')
     html = write_report([run.path], tmp_path / "odd.html").read_text(encoding="utf-8")
     assert "a\ufffdb" in html
     assert "2004 more characters" in html  # long completions are cut with a note
@@ -330,7 +330,7 @@ def test_missing_keys_tolerated(tmp_path):
     run = make_run(tmp_path / "nokl", 42, steps=20, streams=(), summary=False)
     run.append("metrics", [{"step": s, "reward": 0.1 * s, "loss": None} for s in range(1, 21)])
     run.append("eval", [{"step": 20, "accuracy": None}])
-    run.append("samples", [{"step": 5, "completion": None, "kind": "eval"}])
+    run.append("samples", [{"step": 5, "completion": None, "split": "eval"}])
     run.append("displacement", [{"step": 10, "name": "lm_head", "layer": None, "module": None,
                                  "ref_fro": 1.0, "delta_fro": 0.1}])
     html = render([run.path])
@@ -390,14 +390,14 @@ def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
 
     monkeypatch.setattr(demo, "train", train)  # synthetic runs: the demo's own steps, not minutes of training
     lines = []
-    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)
+    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)
     assert SEEDS == (42, 3407)
     assert calls == [(42, 20, 5, "demo-seed42"), (3407, 20, 5, "demo-seed3407")]
     assert out == tmp_path / "demo.html"
     html = out.read_text()
     assert "mechdiag report: demo</title>" in html and "n=2 seeds" in html
     assert lines[-1].startswith("demo done in")
-    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)  # re-run replaces
+    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)  # replaces
     (tmp_path / "other" / "demo-seed42").mkdir(parents=True)
     with pytest.raises(UserError, match="not a previous demo run"):
-        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append)
+        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append, eval_n=0)

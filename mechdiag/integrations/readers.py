@@ -30,6 +30,7 @@ from mechdiag import atomic, tasks
 from mechdiag import config as C
 from mechdiag.displacement import compare
 from mechdiag.errors import UserError
+from mechdiag.integrations.trl_args import config_from_output_dir
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import STREAMS, Run, RunDir, load_run
@@ -259,10 +260,11 @@ def _fresh(into) -> RunDir:
     return rd
 
 
-def _config_from_adapter(output_dir: Path):
-    """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
-    adapter. Everything else stays at mechdiag's defaults (the TRL arguments are only in training_args.bin, a
-    pickle we do not load)."""
+def _config_from_output_dir(output_dir: Path):
+    """(Config, real) for what a TRL output_dir says about itself: its GRPOConfig from training_args.bin (read by
+    a restricted unpickler, mechdiag.integrations.trl_args) and the LoRA layout and base model of its latest
+    adapter (adapter_config.json). real is False when there is no training_args.bin: the TRL keys then stay at
+    mechdiag's defaults."""
 
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
@@ -286,7 +288,8 @@ def _config_from_adapter(output_dir: Path):
             if a.get("base_model_name_or_path"):
                 data["model"] = {"name_or_path": str(a["base_model_name_or_path"])}
             break
-    return C.from_dict(data)
+    real = config_from_output_dir(output_dir, data.get("lora"), data.get("model", {}).get("name_or_path"))
+    return (real, True) if real is not None else (C.from_dict(data), False)
 
 
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
@@ -324,9 +327,10 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
         raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
                         "not a TRL output directory")
     rd = _fresh(into)
-    cfg = C.load(cb.config_path) if cb is not None else _config_from_adapter(output_dir)
-    header = "read from TRL output_dir " + str(output_dir) + ("" if cb is not None else
-                                                             "; keys other than lora/model are mechdiag defaults")
+    cfg, real = (C.load(cb.config_path), True) if cb is not None else _config_from_output_dir(output_dir)
+    header = "read from TRL output_dir " + str(output_dir) + (
+        "" if cb is not None else "; its GRPOConfig (training_args.bin) and adapter_config.json" if real
+        else "; keys other than lora/model are mechdiag defaults (no training_args.bin)")
     C.save(cfg, rd.config_path, header=header)
     weights = reward_weights if reward_weights is not None else tasks.reward_weights(cfg) if cb is not None else None
     group_size = group_size or (cfg.group_size if cb is not None else None)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from mechdiag import config as C
 from mechdiag.alerts import Watcher
+from mechdiag.console import Progress
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
@@ -39,6 +40,7 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.integrations.trl_args import config_from_grpo
 from mechdiag.metrics import max_reward
 from mechdiag.models import load_model_and_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
@@ -46,7 +48,7 @@ from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
-from mechdiag.tasks import get_task, resolve_rewards
+from mechdiag.tasks import get_task, resolve_rewards, reward_weights
 from mechdiag.train.lora import resolve
 from mechdiag.train.trainer import Trainer
 
@@ -268,60 +270,6 @@ def peft_lora_config(model, lora):
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
 
 
-def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
-    """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
-    (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-
-    n = max(1, int(getattr(args, "world_size", 1) or 1))
-    g = int(args.num_generations or 8)
-    sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
-    warm = args.warmup_steps
-    data = {
-        "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),
-        "grad_accum": args.gradient_accumulation_steps, "epsilon": args.epsilon,
-        "epsilon_high": None if args.epsilon_high in (None, args.epsilon) else args.epsilon_high,
-        "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
-        "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
-        "learning_rate": args.learning_rate, "lr_schedule": sched.get(str(getattr(args.lr_scheduler_type, "value",
-                                                                                  args.lr_scheduler_type))),
-        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else None,
-        "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2, "weight_decay": args.weight_decay,
-        "max_grad_norm": args.max_grad_norm, "temperature": args.temperature, "top_p": args.top_p,
-        "max_completion_tokens": args.max_completion_length, "seed": args.seed,
-        "max_steps": args.max_steps if args.max_steps and args.max_steps > 0 else None,
-        "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
-        else 0,
-    }
-    if reward_names:
-        w = args.reward_weights or [1.0] * len(reward_names)
-        data["rewards"] = {"weights": dict(zip(reward_names, [float(x) for x in w], strict=False))}
-    pc = getattr(model, "peft_config", None) or {}
-    lc = pc.get("default") if isinstance(pc, dict) else None
-    if lc is not None and getattr(lc, "r", None):
-        lora = {"r": lc.r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout, "use_rslora": lc.use_rslora}
-        if isinstance(lc.target_modules, (set, list)) and lc.target_modules:
-            lora["target_modules"] = sorted(lc.target_modules)
-        if lc.layers_to_transform is not None:
-            lora["layers"] = [lc.layers_to_transform] if isinstance(lc.layers_to_transform, int) \
-                else list(lc.layers_to_transform)
-        data["lora"] = lora
-    elif model is not None:
-        data["lora"] = {"enabled": False}
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if name:
-        data["model"] = {"name_or_path": str(name)}
-    kept: dict = {}
-    for k, v in data.items():  # one key at a time, so one odd value costs only itself
-        if v is None:
-            continue
-        try:
-            C.from_dict({**kept, k: v})
-        except UserError:
-            continue
-        kept[k] = v
-    return C.from_dict(kept)
-
-
 # ---- the callback --------------------------------------------------------------------------------------------
 def _peft(model):
     """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
@@ -380,6 +328,7 @@ class MechdiagCallback(TrainerCallback):
         self.recorder_s = 0.0
         self._pending: dict | None = None
         self._last_eval_step = -1
+        self._last_shift_step = -1
         self._evals: list[dict] = []
         self._derived = False
 
@@ -425,10 +374,22 @@ class MechdiagCallback(TrainerCallback):
         self._alerts.update(evals=[rec])
         self._evals.append(rec)
         self._last_eval_step = step
+        self._record_shift(step, model, tokenizer)
+
+    def _record_shift(self, step: int, model, tokenizer) -> None:
+        peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
             rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
                                   step=step)
             self.run.append("shift", [{**r, "step": step} for r in rows])
+            self._last_shift_step = step
+
+    def _record_displacement(self, step: int, model) -> None:
+        peft_model = _peft(model)
+        if peft_model is not None:
+            rows = [{"step": step, **r} for r in lora_rows(peft_model)]
+            self.run.append("displacement", rows)
+            self._alerts.update(displacement=rows)
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
@@ -448,7 +409,7 @@ class MechdiagCallback(TrainerCallback):
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
-        self._alerts = Watcher(max_reward(cfg.rewards.weights))  # prints each live alert once
+        self._alerts = Watcher(max_reward(reward_weights(cfg)))  # prints each live alert once
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
 
@@ -465,11 +426,7 @@ class MechdiagCallback(TrainerCallback):
             return
         step = state.global_step
         if self.displacement_every and step % self.displacement_every == 0:
-            peft_model = _peft(model)
-            if peft_model is not None:
-                rows = [{"step": step, **r} for r in lora_rows(peft_model)]
-                self.run.append("displacement", rows)
-                self._alerts.update(displacement=rows)
+            self._record_displacement(step, model)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
@@ -493,8 +450,13 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         self._flush(args)
-        if self.evaluate is not None and self._last_eval_step != state.global_step:
-            self._record_eval(state.global_step, model, processing_class)
+        step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
+        if self.displacement_every and step % self.displacement_every:
+            self._record_displacement(step, model)
+        if self.evaluate is not None and self._last_eval_step != step:
+            self._record_eval(step, model, processing_class)
+        elif self._last_shift_step != step:
+            self._record_shift(step, model, processing_class)
         evals = [e for e in self._evals if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
                    "recorder_s": self.recorder_s}
@@ -509,6 +471,21 @@ class MechdiagCallback(TrainerCallback):
 
 
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
+class ProgressLines(TrainerCallback):
+    """TRL's logs as mechdiag's progress lines (rank 0, at most every ~10 s) instead of raw dicts on stdout."""
+
+    KEYS = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completions/mean_length", "length"))
+
+    def __init__(self, total: int):
+        self.lines = Progress("train step", total=total, force=True)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs:
+            note = "  ".join(f"{name} {logs[k]:.4g}" for k, name in self.KEYS
+                             if isinstance(logs.get(k), (int, float)))
+            self.lines.update(state.global_step, note, final="train_runtime" in logs)
+
+
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
     length, pass@k), so both backends report the same held-out numbers."""
@@ -561,6 +538,14 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    from transformers.trainer_callback import (  # noqa: PLC0415 - next to the trainer whose callbacks it edits
+        PrinterCallback,
+        ProgressCallback,
+    )
+
+    trainer.remove_callback(PrinterCallback)  # prints each log dict
+    trainer.remove_callback(ProgressCallback)  # a tqdm bar that also writes each log dict
+    trainer.add_callback(ProgressLines(args.max_steps))
     return trainer, run, cb
 
 

@@ -118,9 +118,10 @@ def bootstrap_ci(ratio: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: 
 
 def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_size: int = 16,
             ref_ctx=contextlib.nullcontext, tuned_ctx=contextlib.nullcontext, keep_bos: bool = False,
-            bos_id: int | None = None) -> ShiftSums:
-    """Run both models on the same batches and reduce each batch into per-prompt sums. Position 0 is left out
-    only where it holds `bos_id` (the tokenizer added a BOS, or the prompt text began with it) and not keep_bos."""
+            bos_id: int | None = None, progress=None) -> ShiftSums:
+    """Run both models on the same batches and reduce each batch into per-prompt sums (progress(done, total)
+    after each batch, when given). Position 0 is left out only where it holds `bos_id` (the tokenizer added a BOS,
+    or the prompt text began with it) and not keep_bos."""
     if ref.n_layers != tuned.n_layers:
         raise UserError(f"base has {ref.n_layers} layers, tuned has {tuned.n_layers}")
     if batch_size < 1:
@@ -140,6 +141,8 @@ def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_
         first = torch.tensor([not keep_bos and bos_id is not None and seqs[i][0] == bos_id for i in idx])
         sums.add(idx, cap_ref, cap_tuned, lens_ref, lens_tuned, batch.attention_mask, first)
         del cap_ref, cap_tuned, lens_ref, lens_tuned
+        if progress is not None:
+            progress(min(start + batch_size, len(order)), len(order))
     return sums
 
 
@@ -156,7 +159,7 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
 
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
           max_length: int | None = None, dtype: str = "float32", device: str = "cpu", n_boot: int = N_BOOT,
-          seed: int = 0):
+          seed: int = 0, progress=None):
     """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame.
 
     prompts: a list of strings, or a pathlib.Path to a probe file (see read_prompts).
@@ -175,7 +178,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
     sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,
-                   pair.tuned_ctx, keep_bos, pair.tokenizer.bos_token_id)
+                   pair.tuned_ctx, keep_bos, pair.tokenizer.bos_token_id, progress)
     df = pd.DataFrame(sums.rows(n_boot, seed), columns=COLUMNS)
     df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared, bos_dropped=int(sums.bos.sum()),
                     n_prompts=len(seqs))

@@ -142,9 +142,9 @@ def _small_multiples(groups: list[Group], panels: list[tuple[str, str, str]], co
                           row=row, col=col)
             in_legend.add(gi)
         if not drawn:
+            # row/col: plotly picks this panel's axes (hand-built "x{i+1}" names drift from the grid's)
             fig.add_annotation(text="not recorded", showarrow=False, font=dict(color="#999"),
-                               xref=f"x{i + 1 if i else ''} domain", yref=f"y{i + 1 if i else ''} domain",
-                               x=0.5, y=0.5)
+                               xref="x domain", yref="y domain", x=0.5, y=0.5, row=row, col=col)
     fig.update_xaxes(title_text="step", row=rows)
     return _layout(fig, 140 + height_per_row * rows)
 
@@ -181,7 +181,22 @@ def other_signals(groups: list[Group]) -> go.Figure | None:
     panels = panels[:16 - len(evals)] + evals
     if not panels:
         return None
-    return _small_multiples(groups, panels, cols=4, height_per_row=190)
+    fig = _small_multiples(groups, panels, cols=4, height_per_row=190)
+    keys = [k for _, k, _ in panels]
+    if "policy_clip_fraction" in keys and clip_is_zero_by_construction(groups):
+        i = keys.index("policy_clip_fraction")
+        fig.add_annotation(text="0 by construction: num_iterations = 1, so the<br>ratio is exactly 1 and "
+                                "nothing is clipped", showarrow=False, font=dict(color="#666", size=10),
+                           xref="x domain", yref="y domain", x=0.5, y=0.8, row=i // 4 + 1, col=i % 4 + 1)
+    return fig
+
+
+def clip_is_zero_by_construction(groups: list[Group]) -> bool:
+    """Every run updates once per rollout (num_iterations = 1) and recorded a clip fraction of exactly 0."""
+    runs = [r for g in groups for r in g.runs]
+    values = [v for r in runs for v in _series(r.read("metrics"), "policy_clip_fraction").values()]
+    iters = [(r.config or {}).get("num_iterations", 1) for r in runs]
+    return bool(values) and all(v == 0 for v in values) and all(n == 1 for n in iters)
 
 
 def _module_order(modules) -> list[str]:
@@ -276,7 +291,7 @@ def weight_heatmap(group: Group) -> go.Figure | None:
                                  hovertemplate="layer %{y} step %{x}<br>WDisp = %{z:.3g}<extra></extra>",
                                  ygap=1), row=1, col=2)
         fig.update_xaxes(title_text="step", row=1, col=2)
-        fig.update_yaxes(autorange="reversed", row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=2, **LAYER_TICKS)
     label = _safe(group.label)
     title = f"{label}: weight displacement at step {{}}" + (" (left) and per layer over steps (right)" if two else "")
     if len(steps) > 1:
@@ -284,7 +299,7 @@ def weight_heatmap(group: Group) -> go.Figure | None:
             active=len(steps) - 1, currentvalue=dict(prefix="step "), pad=dict(t=40), len=0.5 if two else 1.0,
             steps=[dict(label=f"{s:g}", method="update",
                         args=[{"z": [z(s)]}, {"title.text": title.format(f"{s:g}")}, [0]]) for s in steps])])
-    fig.update_yaxes(title_text="layer", dtick=1 if len(layers) <= 40 else None, autorange="reversed", row=1, col=1)
+    fig.update_yaxes(title_text="layer", autorange="reversed", row=1, col=1, **LAYER_TICKS)
     fig.update_xaxes(title_text="module", showgrid=False, row=1, col=1)
     return _layout(fig, max(320, 60 + 18 * len(layers)) + (90 if len(steps) > 1 else 0),
                    title=dict(text=title.format(f"{last:g}"), x=0, font=dict(size=13)))
@@ -340,6 +355,9 @@ def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
     return _layout(fig, 360, barmode="group")
 
 
+# Layers are whole numbers: ticks only on integers (plotly's auto ticks put 0.5s on a 2-5 layer axis).
+LAYER_TICKS = dict(tick0=0, dtick=1, tickformat="d")
+
 SHIFT_PANELS = [("shift", "activation shift (relative L2)"), ("increment", "block increment shift"),
                 ("logit_kl", "logit-lens KL"), ("cos_dist", "cosine distance")]
 
@@ -385,5 +403,5 @@ def activation_shift(groups: list[Group]) -> go.Figure | None:
                                                    "%{y:.4g}<extra></extra>"),
                           row=1, col=col)
             seen.add(name)
-        fig.update_xaxes(title_text="layer", row=1, col=col)
+        fig.update_xaxes(title_text="layer", row=1, col=col, **LAYER_TICKS)
     return _layout(fig, 380)

@@ -152,19 +152,42 @@ RUN_COLUMNS = [("seed", "seed"), ("learning_rate", "lr"), ("beta", "β"), ("epsi
                ("lora.alpha", "α"), ("lora.target_modules", "modules"), ("lora.layers", "layers")]
 
 
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (cfg or {}).items():
+        if isinstance(v, dict) and k not in ("weights", "options"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose values are not the same in every run (the seed aside: seeds are pooled)."""
+    flats = [_flat(r.config) for r in runs]
+    keys = dict.fromkeys(k for f in flats for k in f)
+    return [k for k in keys if k != "seed"
+            and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+
+
 def section_runs(groups: list[Group]) -> str:
-    head = "".join(f"<th>{esc(t)}</th>" for _, t in RUN_COLUMNS)
+    runs = [r for g in groups for r in g.runs]
+    differ = differing_keys(runs) if len(runs) > 1 else []
+    columns = RUN_COLUMNS + [(k, k) for k in differ if k not in dict(RUN_COLUMNS)]
+    head = "".join(f"<th{' class=diff' if k in differ else ''}>{esc(t)}</th>" for k, t in columns)
     rows = []
     for g in groups:
         for r in g.runs:
             steps = [x.get("step") for x in r.read("metrics") if isinstance(x.get("step"), (int, float))]
-            cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in RUN_COLUMNS)
+            cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in columns)
             src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
-    return (f"<table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
-            + "".join(rows) + "</table>")
+    note = (f"<p class=note>highlighted: config keys that differ between runs ({esc(', '.join(differ))})</p>"
+            if differ else "")
+    return (f"<div class=scroll><table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
+            + "".join(rows) + "</table></div>" + note)
 
 
 def _base_final(run: Run) -> tuple[dict, dict, str]:
@@ -300,9 +323,10 @@ def section_benchmarks(groups: list[Group]) -> str:
                 tip = f" title='Δ vs base {d:+.4g}'" if d is not None else ""
                 tds.append(f"<td class='{cls}'{tip}>{_pm(mean, std) if mean is not None else '–'}</td>")
         body.append(f"<tr><th class=bench>{esc(b)}</th>{''.join(tds)}</tr>")
-    return (f"<table class='cmp bench'><tr><th rowspan=2>benchmark</th>{head1}</tr><tr>{head2}</tr>"
-            + "".join(body) + "</table><p class=note>mean ± std over seeds (or the recorded std); "
-            "<span class=up>green</span>: better than base, <span class=down>red</span>: worse.</p>")
+    return (f"<div class=scroll><table class='cmp bench'><tr><th rowspan=2>benchmark</th>{head1}</tr>"
+            f"<tr>{head2}</tr>" + "".join(body) + "</table></div><p class=note>mean ± std over seeds "
+            "(or the recorded std); <span class=up>green</span>: better than base, "
+            "<span class=down>red</span>: worse; entropy and length are not judged.</p>")
 
 
 def _metric_order(m: str):
@@ -350,16 +374,26 @@ def _badge(s: dict) -> str:
     return "".join(bits)
 
 
+def _is_base(s: dict) -> bool:
+    """mechdiag eval labels the untrained model "base"; a training run's eval at step 0 is the untrained model."""
+    return s.get("model") == "base" if "model" in s else (_num(s.get("step")) or 0.0) == 0.0
+
+
 def _pairs(run: Run) -> tuple[list[tuple[str, dict, dict]], float | None]:
-    ev = [s for s in run.read("samples") if s.get("kind") == "eval"]
-    tuned = [s for s in ev if s.get("model", "tuned") != "base"]
-    base = {str(s.get("prompt")): s for s in ev if s.get("model") == "base"}
+    """(prompt, base, tuned) eval completions: the untrained model against the last evaluated step."""
+    ev = [s for s in run.read("samples") if s.get("split") == "eval"]
+    tuned = [s for s in ev if not _is_base(s)]
+
+    def key(s):
+        return str(s.get("prompt") if s.get("prompt") is not None else s.get("example_id"))
+
+    base = {key(s): s for s in ev if _is_base(s)}
     if not tuned:
         return [], None
     last = max((_num(s.get("step")) or 0.0) for s in tuned)
     out, seen = [], set()
     for s in tuned:
-        p = str(s.get("prompt"))
+        p = key(s)
         if (_num(s.get("step")) or 0.0) == last and p not in seen:
             seen.add(p)
             out.append((p, base.get(p, {}), s))
@@ -376,17 +410,18 @@ def section_samples(groups: list[Group]) -> str:
         pairs, last = _pairs(run)
         out.append(f"<h3><span class=sw style='background:{g.color}'></span>{esc(g.label)} "
                    f"<span class=sub>({esc(run.name)}, eval at step {_fmt(last)})</span></h3>")
+        tuned_label = f"tuned, step {_fmt(last)}" if last else "tuned"
         for prompt, b, t in pairs:
             bcell = (f"{_badge(b)}{_completion(b.get('completion'))}" if b
                      else "<p class=missing>no base completion recorded for this prompt.</p>")
             out.append(f"<div class=pair><div class=prompt><b>prompt</b><pre class=completion>{esc(prompt)}</pre>"
-                       f"</div><div class=side><div><b>base</b> {bcell}</div><div><b>tuned</b> {_badge(t)}"
+                       f"</div><div class=side><div><b>base</b> {bcell}</div><div><b>{tuned_label}</b> {_badge(t)}"
                        f"{_completion(t.get('completion'))}</div></div></div>")
     rollouts = _rollouts(groups)
     if not out and not rollouts:
         return _missing("No sample completions recorded (samples.jsonl missing or empty)")
     if not out:
-        out.append(_missing("No eval completions recorded (samples with kind=eval)"))
+        out.append(_missing("No eval completions recorded (samples with split=eval)"))
     return "".join(out) + rollouts
 
 
@@ -394,7 +429,7 @@ def _rollouts(groups: list[Group]) -> str:
     """One training group of the last sampled step: G completions with their rewards and advantages."""
     for g in groups:
         for r in g.runs:
-            train = [s for s in r.read("samples") if s.get("kind", "train") == "train"]
+            train = [s for s in r.read("samples") if s.get("split", "train") == "train"]
             if not train:
                 continue
             last = max((_num(s.get("step")) or 0.0) for s in train)
@@ -428,6 +463,7 @@ pre.completion{white-space:pre-wrap;word-break:break-word;background:#f7f7f9;bor
 margin:3px 0;max-height:320px;overflow:auto;font-size:12px}.cut{color:#999;font-size:11px}
 .pair{border-top:1px solid #eee;padding:6px 0}.side{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 td.ev{max-width:520px;font-size:12px}td.path{font-family:monospace}
+.scroll{max-width:100%;overflow-x:auto}table.bench td{white-space:nowrap}th.diff{background:#fff3cd}
 #report-errors{display:none;background:#fdecea;color:#a61b1b;padding:8px 28px;white-space:pre-wrap}
 """
 

@@ -17,6 +17,7 @@ import sys
 import time
 
 from mechdiag.alerts import Watcher
+from mechdiag.console import Progress as Lines
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.metrics import max_reward
@@ -100,6 +101,11 @@ class DisplacementRecorder(Hook):
         if self.every and step % self.every == 0:
             self._record(trainer, step)
 
+    def on_train_end(self, trainer, summary):
+        # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
+        if self.every and trainer.step % self.every:
+            self._record(trainer, trainer.step)
+
 
 class ShiftRecorder(Hook):
     """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
@@ -148,10 +154,12 @@ class Checkpointer(Hook):
 
 
 class ProgressBar(Hook):
-    """A rich progress bar with live reward and accuracy (a plain line per eval when not on a terminal)."""
+    """A rich progress bar with live reward and accuracy; when stderr is not a terminal (nohup, CI logs), a plain
+    line per eval and a progress line at most every ~10 s (mechdiag.console.Progress)."""
 
     def __init__(self):
         self.progress = None
+        self.lines = None
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
@@ -160,6 +168,7 @@ class ProgressBar(Hook):
 
         self.console = Console(stderr=True)
         if not self.console.is_terminal:
+            self.lines = Lines("train step", total=trainer.total_steps)
             return
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console, transient=False)
@@ -168,9 +177,11 @@ class ProgressBar(Hook):
                                            info="")
 
     def on_step_end(self, trainer, step, metrics, rollout):
+        info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
         if self.progress is not None:
-            info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
             self.progress.update(self.task, completed=step, info=info)
+        elif self.lines is not None:
+            self.lines.update(step, info)
 
     def on_eval(self, trainer, step, metrics):
         self.acc = metrics["accuracy"]

@@ -84,6 +84,19 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
 
 
+def check_data(cfg: Config) -> None:
+    """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
+    examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
+    main = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+    if not main.examples(cfg.task.train_split, n=1, seed=cfg.seed):
+        raise UserError(f"task {cfg.task.name} has no training examples in split {cfg.task.train_split!r}")
+    if not main.examples(cfg.task.eval_split, n=1, seed=0):
+        raise UserError(f"task {cfg.task.name} has no examples in eval split {cfg.task.eval_split!r}")
+    for s in cfg.task.mixture:
+        if not tasks.get_task(s.name, s.path, **s.options).examples("train", n=1, seed=cfg.seed):
+            raise UserError(f"mixture task {s.name} has no training examples")
+
+
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
@@ -289,14 +302,14 @@ class Trainer:
         try:
             done, ent_sum, ent_n = greedy(model, self.tokenizer, self.eval_prompts, cfg.max_completion_tokens,
                                           cfg.max_prompt_tokens, batch_size)
-            for smp, ex in zip(done, self.eval_examples, strict=True):
+            for smp, ex, prompt in zip(done, self.eval_examples, self.eval_prompts, strict=True):
                 r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
                 ok = bool(self.task.correct(smp.text, ex))
                 correct.append(ok)
                 rewards.append(r)
                 if len(samples) < 16:
-                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
-                                    "correct": ok, "reward": r})
+                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "prompt": prompt,
+                                    "completion": smp.text, "correct": ok, "reward": r})
             out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
                    "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / len(done)}
             out.update(self._pass_at_k(step))
