@@ -84,7 +84,7 @@ def _is_html(path: str | None) -> bool:
 
 
 # ---- watch -------------------------------------------------------------------------------------------------
-@main.command("watch")
+@main.command("watch", short_help="Watch a run live: its signals, trends and alerts.")
 @click.argument("run", type=click.Path(path_type=str))
 @click.option("--once", is_flag=True, help="Print the current state and exit.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
@@ -92,7 +92,12 @@ def _is_html(path: str | None) -> bool:
 @click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
               help="Seconds between reads of the run while it is written.")
 def watch_cmd(run, once, fmt, interval):
-    """Live view of RUN as it is written: the eight signals with trend lines, and alerts (docs/recommendations.md)."""
+    """Live view of RUN as it is written: the eight signals with trend lines, and alerts (docs/recommendations.md).
+
+    \b
+    Example:
+      mechdiag watch runs/default-s42 --once --format json
+    """
     from mechdiag.watch import watch
 
     watch(run, once=once, fmt=fmt, interval=interval, echo=click.echo)
