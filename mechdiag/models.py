@@ -1,8 +1,9 @@
 """Load models and tokenizers: the bundled arith base, a local Hugging Face folder, or a hub name.
 
 "bundled" is the tiny Llama shipped in mechdiag/assets/arith-base (made by scripts/make_base.py), so the
-default run works offline. Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on
-load, so it is refused with a line saying how to convert it.
+default run works offline; "bundled:deep" is its 8-layer sibling in mechdiag/assets/arith-deep
+(docs/base-model.md). Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on load, so
+it is refused with a line saying how to convert it.
 
 Pad token: a tokenizer without one gets its EOS token as pad (else UNK, else BOS). Generation pads on the left
 and masks the pad positions, so the choice never changes what the model sees.
@@ -17,6 +18,7 @@ from mechdiag.errors import UserError
 from mechdiag.paths import ASSETS
 
 BUNDLED = "bundled"
+BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
 SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
@@ -28,16 +30,17 @@ TEMPLATE_WORDS = ["has", "gets", "finds", "more", "gives", "away", "loses", "end
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 
 
-def bundled_path() -> Path:
-    return ASSETS / "arith-base"
+def bundled_path(name: str = BUNDLED) -> Path:
+    return ASSETS / BUNDLED_ASSETS[name]
 
 
 def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
-    """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
-    if str(name_or_path) == BUNDLED:
-        path = bundled_path()
+    """'bundled' (or 'bundled:deep') -> the asset folder; an existing folder holding `need` -> itself; else a
+    hub name."""
+    if str(name_or_path) in BUNDLED_ASSETS:
+        path = bundled_path(str(name_or_path))
         if not (path / "config.json").exists():
-            raise UserError(f"the bundled base model is missing from {path}; reinstall mechdiag")
+            raise UserError(f"the bundled base model {name_or_path} is missing from {path}; reinstall mechdiag")
         return str(path)
     path = Path(name_or_path).expanduser()
     if path.exists():

@@ -466,6 +466,16 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
     return (sum(e) / len(e)) / max(sum(m) / len(m), 1e-12)
 
 
+def _causal(s: Signals, by: str) -> dict:
+    """Causal share per layer or module recorded by `mechdiag attribute --save`, mean over the runs ({} if none)."""
+    from mechdiag.attribute import causal_shares, recorded
+
+    return _mean_dicts([causal_shares(recorded(p), by) for p in s.runs])
+
+
+DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
+
+
 @rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
 def reduced_layers(s: Signals):
     n = s.n_layers
@@ -476,11 +486,15 @@ def reduced_layers(s: Signals):
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    if s.layer_mass:
-        ratios["displacement"] = _end_ratio(s.layer_mass, n)
-    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-    if s.shift:
-        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    causal = {int(k): v for k, v in _causal(s, "layer").items()}
+    if causal:  # measured importance overrules the correlates
+        ratios["causal share"] = _end_ratio(causal, n)
+    else:
+        if s.layer_mass:
+            ratios["displacement"] = _end_ratio(s.layer_mass, n)
+        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+        if s.shift:
+            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
@@ -492,6 +506,12 @@ def reduced_layers(s: Signals):
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                                f"; strong: > {END_RATIO_STRONG})"))
+    if causal:
+        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
+        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
+              "output KL lost when a layer is removed"
+    else:
+        ev += DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
                     "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
@@ -499,7 +519,8 @@ def reduced_layers(s: Signals):
 
 @rule("reduced_modules", "update mass concentrated in a few module types")
 def reduced_modules(s: Signals):
-    mass, current = s.module_mass, list(s.cfg.lora.target_modules)
+    causal = _causal(s, "module")
+    mass, current = causal or s.module_mass, list(s.cfg.lora.target_modules)
     m = len(mass)
     if not s.cfg.lora.enabled or m <= MIN_MODULES:
         return None
@@ -513,12 +534,14 @@ def reduced_modules(s: Signals):
         return None
     keep = {mod for mod, _ in ranked[:k]}
     new = [mod for mod in current if mod in keep]
-    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} of the update mass ({k} of {m} modules, "
-          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})")
+    what = "of the causal share (output KL lost without the module; attribution)" if causal else \
+        "of the update mass"
+    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} {what} ({k} of {m} modules, "
+          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
                     "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
-                    modules=",".join(new))
+                    modules=",".join(new), source="causal share" if causal else "displacement")
 
 
 @rule("entropy_collapse", "policy entropy collapses: the model stops exploring")

@@ -7,6 +7,7 @@
     RUN/displacement.jsonl rows: step, name, layer, module, ref_fro, delta_fro, rel_fro
     RUN/shift.jsonl        rows: step, layer, shift, ci_low, ci_high, cos_dist, increment, logit_kl
     RUN/eval_benchmarks.jsonl  rows of `mechdiag eval`
+    RUN/attribution.jsonl  rows of `mechdiag attribute --save` (mechdiag.attribute.COLUMNS)
     RUN/checkpoints/step-N/, RUN/final/, RUN/summary.json
 """
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from mechdiag import atomic
 from mechdiag.errors import UserError
 
-STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks")
+STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "attribution")
 
 
 @dataclass

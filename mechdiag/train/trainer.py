@@ -114,6 +114,41 @@ def get_task(name: str, path: str | None, options: dict):
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
 
 
+# ---- evaluation -------------------------------------------------------------------------------------------
+@torch.inference_mode()
+def greedy_eval(model, tokenizer, task, examples: list, prompts: list[str], cfg: Config, batch_size: int = 256,
+                tokens: list | None = None) -> tuple[dict, list]:
+    """The trainer's held-out eval: greedy accuracy, eval reward, entropy and completion length of `model` on
+    `examples`, and per problem (Sample, correct, reward). `tokens`, if a list, gets each batch's
+    (prompt_ids, prompt_mask, completion_ids, completion_mask)."""
+    device = next(model.parameters()).device
+    was = model.training
+    model.eval()
+    eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
+    rows, ent_sum, ent_n = [], 0.0, 0
+    try:
+        for s in range(0, len(prompts), batch_size):
+            ids, mask = encode_prompts(tokenizer, prompts[s:s + batch_size], cfg.max_prompt_tokens)
+            ent: list = []
+            comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device),
+                                               max_new_tokens=cfg.max_completion_tokens, eos=eos, pad=pad,
+                                               temperature=0.0, entropy=ent)
+            if tokens is not None:
+                tokens.append((ids, mask, comp, cmask))
+            ent_sum += float((ent[0] * cmask).sum())
+            ent_n += int(cmask.sum())
+            for j, smp in enumerate(samples_from(tokenizer, comp, cmask, trunc)):
+                ex = examples[s + j]
+                r, _ = task.reward(smp.text, ex, cfg.rewards.weights)
+                rows.append((smp, bool(task.correct(smp.text, ex)), r))
+    finally:
+        model.train(was)
+    n = len(rows)
+    out = {"accuracy": sum(ok for _, ok, _ in rows) / n, "eval_reward": sum(r for _, _, r in rows) / n,
+           "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(smp.length for smp, _, _ in rows) / n}
+    return out, rows
+
+
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
@@ -189,39 +224,14 @@ class Trainer:
         return [rng.choice(self.train_examples[s]) for s in picks]
 
     # ---- evaluation -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
         """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, tok, model = self.cfg, self.tokenizer, self.sampler()
-        was = model.training
-        model.eval()
-        eos, pad = eos_ids(model, tok), pad_id(tok)
-        correct, rewards, lengths, ent_sum, ent_n, samples = [], [], [], 0.0, 0, []
-        try:
-            for s in range(0, len(self.eval_prompts), batch_size):
-                ids, mask = encode_prompts(tok, self.eval_prompts[s:s + batch_size], cfg.max_prompt_tokens)
-                ent: list = []
-                comp, cmask, trunc = sample_tokens(model, ids.to(self.device), mask.to(self.device),
-                                                   max_new_tokens=cfg.max_completion_tokens, eos=eos, pad=pad,
-                                                   temperature=0.0, entropy=ent)
-                ent_sum += float((ent[0] * cmask).sum())
-                ent_n += int(cmask.sum())
-                for j, smp in enumerate(samples_from(tok, comp, cmask, trunc)):
-                    ex = self.eval_examples[s + j]
-                    r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
-                    ok = bool(self.task.correct(smp.text, ex))
-                    correct.append(ok)
-                    rewards.append(r)
-                    lengths.append(smp.length)
-                    if len(samples) < 16:
-                        samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
-                                        "correct": ok, "reward": r})
-            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
-                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(lengths) / len(lengths)}
-            out.update(self._pass_at_k(step))
-        finally:
-            model.train(was)
-        self.run.append("samples", samples)
+        out, rows = greedy_eval(self.sampler(), self.tokenizer, self.task, self.eval_examples, self.eval_prompts,
+                                self.cfg, batch_size)
+        out.update(self._pass_at_k(step))
+        self.run.append("samples", [{"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
+                                     "correct": ok, "reward": r}
+                                    for ex, (smp, ok, r) in zip(self.eval_examples, rows[:16], strict=False)])
         return out
 
     def _pass_at_k(self, step: int) -> dict:
