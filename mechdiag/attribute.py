@@ -140,7 +140,8 @@ class Attribution:
                         w.zero_()
 
     # ---- measuring ----------------------------------------------------------------------------------------
-    def _sampler_model(self):
+    def eval_model(self):
+        """The module the trainer evaluates: the merged sampler brought up to date with the adapter, or the model."""
         if self._sampler is None:
             return self.model
         from mechdiag.train.lora import merge_into
@@ -152,7 +153,7 @@ class Attribution:
         """The trainer's greedy eval of the current adapter state, and its output KL from the tuned model."""
         from mechdiag.train.trainer import greedy_eval
 
-        model = self._sampler_model()
+        model = self.eval_model()
         tokens: list | None = [] if self._tuned_tokens is None else None
         metrics, _ = greedy_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg,
                                  tokens=tokens)
