@@ -161,8 +161,12 @@ def main(argv=None) -> dict:
 
     # 2. the other selections on every seed, same steps
     for name, (lay, mods) in selections.items():
-        if name != "uniform":
-            runs[name] = [train_once(make_cfg(args, s, lay, mods), out / f"{name}-{s}") for s in args.seeds]
+        if name == "uniform":
+            continue
+        if (lay, mods) == selections["uniform"]:  # no LoRA rule fired: the recommendation is the uniform runs
+            runs[name] = runs["uniform"]
+            continue
+        runs[name] = [train_once(make_cfg(args, s, lay, mods), out / f"{name}-{s}") for s in args.seeds]
 
     # 3. scores
     scores = {name: [score(r, args.ood_n) for r in rs] for name, rs in runs.items()}
