@@ -79,8 +79,8 @@ def bench_trl(args, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from mechdiag.models import load_model_and_tokenizer as load_model
     from mechdiag.tasks import get_task
-    from mechdiag.train.trainer import load_model
 
     cfg = C.load(None, common(args))
     model, tok = load_model(args.model)

@@ -61,9 +61,9 @@ def train_once(cfg, out: Path) -> Path:
 
 def site_params(model_name: str, r: int) -> tuple[int, dict[str, int]]:
     """(number of layers, LoRA parameters per layer for each module type) of the base model at rank r."""
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model
 
-    model, _ = load_model(model_name)
+    model = load_model(model_name)
     n = model.config.num_hidden_layers
     per = {}
     for name, mod in model.named_modules():
@@ -104,7 +104,7 @@ def random_selections(n_layers: int, per: dict[str, int], target: int, exclude: 
 def score(run: Path, ood_n: int) -> dict:
     """Held-out (the run's own final eval) and OOD greedy accuracy and reward of the run's final model."""
     from mechdiag.attribute import Attribution
-    from mechdiag.train.trainer import greedy_eval
+    from mechdiag.train.trainer import heldout_eval
 
     summary = json.loads((run / "summary.json").read_text())
     out = {("heldout", "accuracy"): summary["final_accuracy"], ("heldout", "eval_reward"): summary["final_eval_reward"]}
@@ -112,7 +112,7 @@ def score(run: Path, ood_n: int) -> dict:
     for split in OOD_SPLITS:
         ex = att.task.examples(split, n=ood_n, seed=0)
         prompts = [att.task.prompt(e, att.tokenizer) for e in ex]
-        m, _ = greedy_eval(att.eval_model(), att.tokenizer, att.task, ex, prompts, att.cfg)
+        m, _ = heldout_eval(att.eval_model(), att.tokenizer, att.task, ex, prompts, att.cfg)
         for metric in METRICS:
             out[(split, metric)] = m[metric]
     return out
@@ -137,7 +137,7 @@ def main(argv=None) -> dict:
 
     from mechdiag.attribute import STREAM, Attribution
     from mechdiag.recommend import recommend
-    from mechdiag.run import RunDir
+    from mechdiag.run import RunDir, load_run
 
     # 1. uniform on every seed; the first seed's run is attributed and recommended from
     runs: dict[str, list[Path]] = {"uniform": [train_once(make_cfg(args, s), out / f"uniform-{s}")
@@ -146,7 +146,7 @@ def main(argv=None) -> dict:
     if not RunDir(first).stream(STREAM).exists():
         rows = Attribution(first).rows("both")
         atomic.write_text(RunDir(first).stream(STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
-    rec = recommend([first])
+    rec = recommend([load_run(first)])
     base_cfg = make_cfg(args, args.seeds[0])
     n_layers, per = site_params(args.model, base_cfg.lora.r)
     layers = parse_layers(rec.cfg.lora.layers, n_layers)

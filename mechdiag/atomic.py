@@ -128,12 +128,3 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         if line.strip():
             out.append(json.loads(line))
     return out
-
-
-def truncate_jsonl(path: str | os.PathLike, keep: callable) -> None:
-    """Rewrite a JSON Lines file keeping only records for which keep(record) is true (used on resume)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    records = [r for r in read_jsonl(path) if keep(r)]
-    write_text(path, "".join(dumps(r) + "\n" for r in records))

@@ -4,8 +4,9 @@ The final adapter of a run is evaluated on the run's own held-out problems with 
 (`*_without`) and with every other part's zeroed (`*_only`). A part is one layer (all its adapted modules) or one
 module type across the layers. Zeroing B makes that part's s*B@A exactly zero, so "without" is exactly the tuned
 model without that part; the factors are zeroed and restored in place (no reloads). Evaluation is the trainer's
-own (`greedy_eval`, through the merged sampler when the run used one), so two reference rows are exact:
-part "none" (nothing removed) reproduces summary.json's final_accuracy and part "all" its base_accuracy.
+own (train.trainer.heldout_eval over generate.greedy, through the merged sampler when the run used one), so the
+two reference rows are exact: part "none" (nothing removed) reproduces summary.json's final_accuracy and part
+"all" its base_accuracy.
 
     output_kl = mean over the tuned model's greedy completion tokens of KL(tuned || variant)(next token)
 
@@ -15,17 +16,27 @@ counterpart of the displacement share disp_share).
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from mechdiag import config as configlib
+from mechdiag import models, tasks
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
+from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
+from mechdiag.run import RunDir
+from mechdiag.train.lora import lora_modules, merge_into
+from mechdiag.train.rollout import policy_logits
+from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
 
 COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
            "accuracy_only", "output_kl_only"]
 STREAM = "attribution"
-REFERENCE = "reference"
 
 
 @dataclass
@@ -54,15 +65,10 @@ def check_out(out: str | None, fmt: str) -> None:
 
 def open_run(path):
     """(RunDir, Config) of a finished native LoRA run, checked before any model is loaded."""
-    from mechdiag import config as configlib
-    from mechdiag.integrations.readers import is_trl_dir
-    from mechdiag.run import RunDir
-
     run = RunDir(path)
-    if is_trl_dir(run.path):
-        raise UserError(f"{run.path} is a TRL output directory; attribute reads mechdiag runs (mechdiag train)")
     if not run.config_path.is_file():
-        raise UserError(f"{run.path} has no config.yaml: not a mechdiag run directory")
+        raise UserError(f"{run.path} has no config.yaml: not a mechdiag run directory (attribute reads runs of "
+                        "mechdiag train)")
     cfg = configlib.load(run.config_path)
     if not cfg.lora.enabled:
         raise UserError(f"{run.path} is not a LoRA run (lora.enabled is false): nothing to attribute")
@@ -79,13 +85,6 @@ class Attribution:
     """The final model of a LoRA run, with parts of its adapter switched off and on in place."""
 
     def __init__(self, path, n: int | None = None):
-        import torch
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        from mechdiag.train.lora import lora_modules
-        from mechdiag.train.trainer import auto_threads, get_task, prepare_model
-
         self.run, self.cfg = open_run(path)
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or auto_threads())  # the trainer's setting: same kernels, same numbers
@@ -96,7 +95,7 @@ class Attribution:
             raise UserError(f"cannot load {self.run.final / 'adapter_model.safetensors'}: "
                             f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
         self.model.eval()
-        self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
         examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)  # the trainer's held-out set
         self.examples = examples[:n] if n else examples
         self.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.examples]
@@ -128,8 +127,6 @@ class Attribution:
 
     def keep(self, names) -> None:
         """Restore the factors of the modules in `names`, zero every other's."""
-        import torch
-
         names = set(names)
         with torch.no_grad():
             for short, pairs in self._factors.items():
@@ -144,36 +141,42 @@ class Attribution:
         """The module the trainer evaluates: the merged sampler brought up to date with the adapter, or the model."""
         if self._sampler is None:
             return self.model
-        from mechdiag.train.lora import merge_into
-
         merge_into(self.model, self._sampler)
         return self._sampler
 
     def evaluate(self, kl: bool = True) -> dict:
-        """The trainer's greedy eval of the current adapter state, and its output KL from the tuned model."""
-        from mechdiag.train.trainer import greedy_eval
-
+        """The trainer's held-out eval (train.trainer.heldout_eval) of the current adapter state, and its output KL
+        from the tuned model."""
         model = self.eval_model()
-        tokens: list | None = [] if self._tuned_tokens is None else None
-        metrics, _ = greedy_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg,
-                                 tokens=tokens)
-        if tokens is not None:  # the first evaluation is the tuned model's: its completions carry the KL
-            self._tuned_tokens = tokens
-            self._tuned_logp = [self._logp(model, t) for t in tokens]
+        metrics, scored = heldout_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg)
+        if self._tuned_tokens is None:  # the first evaluation is the tuned model's: its completions carry the KL
+            self._tuned_tokens = self._batches([smp for smp, _, _ in scored])
+            self._tuned_logp = [self._logp(model, t) for t in self._tuned_tokens]
             metrics["output_kl"] = 0.0
         elif kl:
             metrics["output_kl"] = self._kl(model)
         return metrics
 
+    def _batches(self, samples, batch_size: int = 256) -> list:
+        """(prompt_ids, prompt_mask, completion_ids, completion_mask) batches of the tuned greedy completions."""
+        pad = models.pad_id(self.tokenizer)
+        out = []
+        for s in range(0, len(self.prompts), batch_size):
+            ids, mask = models.encode_prompts(self.tokenizer, self.prompts[s:s + batch_size],
+                                              self.cfg.max_prompt_tokens)
+            chunk = samples[s:s + batch_size]
+            width = max(1, max(len(x.token_ids) for x in chunk))
+            comp = torch.tensor([x.token_ids + [pad] * (width - len(x.token_ids)) for x in chunk], dtype=torch.long)
+            cmask = torch.tensor([[1] * len(x.token_ids) + [0] * (width - len(x.token_ids)) for x in chunk],
+                                 dtype=torch.long)
+            out.append((ids, mask, comp, cmask))
+        return out
+
     def _logp(self, model, batch):
-        import torch
-
-        from mechdiag.train.rollout import policy_logits
-
-        ids, mask, comp, cmask = batch
+        device = next(model.parameters()).device
         with torch.inference_mode():
-            logits = policy_logits(model, ids, mask, comp, cmask)
-        return torch.log_softmax(logits.double(), dim=-1)
+            logits = policy_logits(model, *(t.to(device) for t in batch))
+        return torch.log_softmax(logits.double(), dim=-1).cpu()
 
     def _kl(self, model) -> float:
         total, count = 0.0, 0
@@ -186,15 +189,9 @@ class Attribution:
         return total / max(count, 1)
 
     def disp_shares(self, by: str) -> dict:
-        """The displacement share (update mass) of each layer or module type of the final adapter."""
-        import pandas as pd
-
-        from mechdiag.displacement import lora_rows, update_mass
-
+        """The displacement share (metrics.update_mass) of each layer or module type of the final adapter."""
         self.keep(self.sites)
-        df = update_mass(pd.DataFrame(lora_rows(self.model)), by=by)
-        return {(int(k) if by == "layer" else str(k)): float(v) for k, v in zip(df[by], df["update_mass"],
-                                                                               strict=True)}
+        return {(int(k) if by == "layer" else str(k)): v for k, v in update_mass(lora_rows(self.model), by).items()}
 
     def rows(self, by: str = "both", progress=None) -> list[dict]:
         parts = self.parts(by)
@@ -207,8 +204,8 @@ class Attribution:
         self.keep([])
         base = self.evaluate()
         advance()
-        rows = [_row(Part("none", REFERENCE, None, None), None, tuned, base),
-                _row(Part("all", REFERENCE, None, None), None, base, tuned)]
+        rows = [_row(Part("none", ATTRIBUTION_REFERENCE, None, None), None, tuned, base),
+                _row(Part("all", ATTRIBUTION_REFERENCE, None, None), None, base, tuned)]
         for p in parts:
             self.keep([n for n in everything if n not in set(p.names)])
             without = self.evaluate()
@@ -230,41 +227,3 @@ def _row(p: Part, disp_share, without: dict, only: dict) -> dict:
             "accuracy_without": without["accuracy"], "reward_without": without["eval_reward"],
             "output_kl_without": without["output_kl"], "accuracy_only": only["accuracy"],
             "output_kl_only": only["output_kl"]}
-
-
-# ---- reading the recorded stream (report, recommend) -------------------------------------------------------
-def recorded(run_path) -> list[dict]:
-    """The rows `mechdiag attribute --save` wrote into a run (empty when none)."""
-    from mechdiag.run import RunDir
-
-    rd = RunDir(run_path)
-    return rd.read(STREAM) if rd.stream(STREAM).exists() else []
-
-
-def causal_shares(rows: list[dict], by: str) -> dict:
-    """Per layer or module: its output_kl_without over the sum of the parts of that `by` (sums to 1)."""
-    parts = [r for r in rows if r.get("by") == by and _finite(r.get("output_kl_without"))]
-    total = sum(float(r["output_kl_without"]) for r in parts)
-    if total <= 0:
-        return {}
-    key = "layer" if by == "layer" else "module"
-    return {(int(r[key]) if by == "layer" else r[key]): float(r["output_kl_without"]) / total for r in parts}
-
-
-def reference(rows: list[dict], part: str) -> dict | None:
-    return next((r for r in rows if r.get("by") == REFERENCE and r.get("part") == part), None)
-
-
-def rank_correlation(a: dict, b: dict) -> float | None:
-    """Spearman's rho between two shares over their common keys (None with fewer than 3 or a constant side)."""
-    keys = sorted(set(a) & set(b), key=str)
-    if len(keys) < 3:
-        return None
-    from scipy.stats import spearmanr
-
-    rho = spearmanr([a[k] for k in keys], [b[k] for k in keys]).statistic
-    return None if rho is None or not math.isfinite(float(rho)) else float(rho)
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)

@@ -62,9 +62,11 @@ def main():
               help="HTML file to write (default: reports/NAME.html; a folder puts NAME.html in it).")
 def report(runs, out):
     """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled)."""
+    from mechdiag.integrations.readers import read_any_run
     from mechdiag.report import write_report
+    from mechdiag.run import load_runs
 
-    click.echo(str(write_report(list(runs), out)))
+    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
@@ -189,7 +191,9 @@ def _rows_table(df, title: str):
     for rec in _records(df):
         cells = []
         for c, v in rec.items():
-            if v is None:
+            if v is None and c == "rel_fro" and rec.get("ref_fro") == 0 and not rec.get("nonfinite"):
+                cells.append("inf")  # a zero reference that moved (docs/metrics.md); JSON can only say null
+            elif v is None:
                 cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
             elif isinstance(v, float):
                 cells.append(f"{v:.4g}")
@@ -199,19 +203,26 @@ def _rows_table(df, title: str):
     return table
 
 
+_checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), default=None,
+                                  help="Tuned side a run directory: use its checkpoints/step-N, not final/.")
+
+
 @main.command()
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
 @click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
               "base_model_name_or_path is not a local folder).")
+@_checkpoint_option
 @click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
-@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
+              "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
-def displacement(a, b, base, by, fmt, out, spectral, html):
-    """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
+def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
+    """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
+    a PEFT adapter folder or a run directory).
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
     study's WDisp and each group's update mass."""
@@ -221,9 +232,12 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
     from mechdiag import atomic
     from mechdiag.displacement import compare, group_wdisp, rows_frame
+    from mechdiag.models import checkpoint_folder
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
+    a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
+    base = None if base is None else checkpoint_folder(base)
     err = Console(stderr=True)
     progress_cb, bar = None, None
     if err.is_terminal:
@@ -260,7 +274,8 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
         text = result.to_csv(index=False)
     else:
         buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else (240 if spectral else 160),
+                force_terminal=False).print(
             _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
         text = buf.getvalue()
     if out:
@@ -282,22 +297,26 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
 @click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
-@click.option("--device", default="cpu", show_default=True, help="cpu, cuda, or auto")
+@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@_checkpoint_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="write the rows here instead of stdout")
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
-def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, fmt, out,
-              html):
-    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders)."""
+def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
+              fmt, out, html):
+    """Per-layer activation shift of TUNED against BASE (each: bundled, a model folder, a PEFT adapter folder or a
+    run directory)."""
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import transformers
 
     from mechdiag import atomic
+    from mechdiag import models as M
     from mechdiag.probes import prompts as probe_prompts
+    from mechdiag.probes.load import resolve
     from mechdiag.probes.shift import note, shift, write_html
 
     transformers.logging.set_verbosity_error()
@@ -306,12 +325,12 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         raise UserError("give exactly one of --prompts FILE or --task NAME")
     if fmt == "parquet" and not out:
         raise UserError("--format parquet needs --out PATH")
+    device = M.device(device)
+    base, tuned = M.checkpoint_folder(base), M.checkpoint_folder(tuned, checkpoint)
     if prompts_file:
         prompts = probe_prompts.read_prompts(prompts_file, n)
     else:
-        from mechdiag.probes.load import load_tokenizer, resolve
-
-        prompts = probe_prompts.task_prompts(task, load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+        prompts = probe_prompts.task_prompts(task, M.load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
     df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
                device=device)
     if df.attrs.get("truncated"):
@@ -368,9 +387,11 @@ def recommend(runs, out, fmt):
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
+    from mechdiag.integrations.readers import read_any_run
     from mechdiag.recommend import recommend as run_recommend
+    from mechdiag.run import load_runs
 
-    rec = run_recommend(list(runs))
+    rec = run_recommend(load_runs(runs, read_any_run))
     if out:
         configlib.save(rec.cfg, out, rec.header)
     if fmt == "json":
@@ -515,7 +536,9 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
                      progress=lambda line: click.echo(line, err=True))
     if fmt == "table":
-        click.echo(E.render_table(res.rows, color=sys.stdout.isatty()))
+        from mechdiag.eval_table import render_table
+
+        click.echo(render_table(res.rows, color=sys.stdout.isatty()))
     elif fmt == "json":
         from mechdiag.atomic import dumps
 

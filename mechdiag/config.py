@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mechdiag import atomic
 from mechdiag.errors import UserError
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -125,6 +126,9 @@ class Config(_Strict):
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
+    # model-written code: "strict" refuses to run it without OS isolation (bubblewrap); see mechdiag.sandbox
+    sandbox: Literal["auto", "strict"] = "auto"
+
     # schedule
     seed: int = 42
     max_steps: int | None = Field(40, ge=1)
@@ -147,10 +151,6 @@ class Config(_Strict):
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
         return self
-
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
 
 
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
@@ -325,6 +325,5 @@ def to_yaml(cfg: Config, header: str = "") -> str:
 
 
 def save(cfg: Config, path: str | Path, header: str = "") -> None:
-    from mechdiag import atomic
 
     atomic.write_text(path, to_yaml(cfg, header))

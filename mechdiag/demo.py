@@ -7,12 +7,15 @@ findings, and writes one HTML report of both seeds. Budget: at most 8 minutes on
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from pathlib import Path
 
+from mechdiag import atomic, config
 from mechdiag.errors import UserError
+from mechdiag.report import advise, write_report
+from mechdiag.run import RunDir, group_runs, load_run
+from mechdiag.train.trainer import train
 
 SEEDS = (42, 3407)
 MAX_STEPS = 40
@@ -29,7 +32,7 @@ def demo_overrides(max_steps: int) -> list[str]:
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
-        if not path.is_dir() or not ((path / "config.yaml").exists() or (path / "metrics.jsonl").exists()):
+        if not path.is_dir() or not (RunDir(path).config_path.exists() or RunDir(path).stream("metrics").exists()):
             raise UserError(f"{path} exists and is not a previous demo run; pass --out to another folder")
         shutil.rmtree(path)
     return path
@@ -37,10 +40,6 @@ def _fresh(path: Path) -> Path:
 
 def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
              echo=print) -> Path:
-    from mechdiag import atomic, config
-    from mechdiag.report import advise, write_report
-    from mechdiag.report.load import group_runs, load_run
-    from mechdiag.train.trainer import train
 
     out_dir = Path(out_dir)
     rp = Path(report) if report is not None else None
@@ -59,8 +58,8 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
         for stream in ("displacement", "shift"):
             if not run.read(stream):
                 echo(f"note: {run.path.name} recorded no {stream}; the report says so")
-    with contextlib.ExitStack() as stack:
-        advice = advise(group_runs([load_run(r.path, stack) for r in runs]))
+    loaded = [load_run(r.path) for r in runs]
+    advice = advise(group_runs(loaded))
     for f in advice.findings[:3]:
         echo(f"recommend: {f.change}  ({f.symptom})")
     if not advice.findings:
@@ -68,7 +67,7 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
     if advice.refined_yaml:
         atomic.write_text(out_dir / "refined.yaml", advice.refined_yaml)
         echo(f"refined config -> {out_dir / 'refined.yaml'}")
-    path = write_report([r.path for r in runs], report if report is not None else Path("reports") / "demo.html",
+    path = write_report(loaded, report if report is not None else Path("reports") / "demo.html",
                         findings=advice)
     echo(f"demo done in {time.perf_counter() - t0:.0f}s")
     return path

@@ -13,8 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mechdiag import config as configlib
-from mechdiag.compare import Run, base_eval, final_eval, group_runs, load_runs
+from mechdiag.compare import side_by_side
 from mechdiag.config import Config, parse_layers
+from mechdiag.errors import UserError
+from mechdiag.metrics import causal_shares, last_step, update_mass
+from mechdiag.metrics import is_number as _num
+from mechdiag.run import Run, base_eval, final_eval, group_runs
 
 # ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
 WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
@@ -128,10 +132,6 @@ def confidence(margin: float, n_points: int) -> float:
 
 
 # ---- pooled signals ----------------------------------------------------------------------------------------
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
     """Per step, the mean over runs of every numeric key."""
     acc: dict[int, dict[str, list[float]]] = {}
@@ -144,34 +144,6 @@ def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
                 if k != "step" and _num(v):
                     slot.setdefault(k, []).append(float(v))
     return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in sorted(acc.items())}
-
-
-def _last_step_rows(rows: list[dict]) -> list[dict]:
-    steps = [r["step"] for r in rows if _num(r.get("step"))]
-    if not steps:
-        return []
-    last = max(steps)
-    return [r for r in rows if r.get("step") == last]
-
-
-def _shares(rows: list[dict], by: str, relative: bool = False) -> dict:
-    """Share of the update mass per group: squared delta_fro summed per `by` over the total (the study's update
-    mass; mechdiag.displacement.update_mass computes the same from a frame). relative: each group's mass is
-    first divided by its squared ref_fro (its WDisp^2), so a module is not "carrying the update" just for being
-    a bigger matrix (a Llama MLP projection has several times the entries of an attention one)."""
-    mass: dict = {}
-    ref: dict = {}
-    for r in rows:
-        if _num(r.get("delta_fro")) and r.get(by) is not None:
-            key = str(r[by]).rsplit(".", 1)[-1] if by == "module" else r[by]  # "self_attn.v_proj" -> "v_proj"
-            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
-            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if _num(r.get("ref_fro")) else 0.0)
-    if relative:
-        if any(ref.get(k, 0.0) <= 0 for k in mass):
-            return {}
-        mass = {k: v / ref[k] for k, v in mass.items()}
-    total = sum(mass.values())
-    return {k: v / total for k, v in mass.items()} if total > 0 else {}
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:
@@ -194,25 +166,29 @@ class Signals:
     base: dict[str, float]
     final: dict[str, float]
     n_layers: int | None
+    # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
+    causal: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
         cfg = runs[0].cfg
         # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
         adapted = set(cfg.lora.target_modules)
-        disp = [[row for row in _last_step_rows(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
+        disp = [[row for row in last_step(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
                  in adapted] for r in runs]
-        shift_rows = [_last_step_rows(r.shift) for r in runs]
+        shift_rows = [last_step(r.shift) for r in runs]
         layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
         by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
         return cls(
             cfg=cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
-            layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
-            module_mass=_mean_dicts([_shares(rows, "module", relative=True) for rows in disp]),
+            layer_mass={int(k): v for k, v in _mean_dicts([update_mass(rows, "layer") for rows in disp]).items()},
+            module_mass=_mean_dicts([update_mass(rows, "module", size_normalised=True) for rows in disp]),
             shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
-            n_layers=max(layers) + 1 if layers else None)
+            n_layers=max(layers) + 1 if layers else None,
+            causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
+                    for by in ("layer", "module")})
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -273,7 +249,7 @@ def _raise_temperature(cfg: Config) -> Change | None:
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
-    if cfg.clip_high >= EPSILON_HIGH_TARGET - 1e-9:
+    if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
 
@@ -466,13 +442,6 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
     return (sum(e) / len(e)) / max(sum(m) / len(m), 1e-12)
 
 
-def _causal(s: Signals, by: str) -> dict:
-    """Causal share per layer or module recorded by `mechdiag attribute --save`, mean over the runs ({} if none)."""
-    from mechdiag.attribute import causal_shares, recorded
-
-    return _mean_dicts([causal_shares(recorded(p), by) for p in s.runs])
-
-
 DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
 
 
@@ -486,7 +455,7 @@ def reduced_layers(s: Signals):
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    causal = {int(k): v for k, v in _causal(s, "layer").items()}
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
     if causal:  # measured importance overrules the correlates
         ratios["causal share"] = _end_ratio(causal, n)
     else:
@@ -519,7 +488,7 @@ def reduced_layers(s: Signals):
 
 @rule("reduced_modules", "update mass concentrated in a few module types")
 def reduced_modules(s: Signals):
-    causal = _causal(s, "module")
+    causal = s.causal.get("module", {})
     mass, current = causal or s.module_mass, list(s.cfg.lora.target_modules)
     m = len(mass)
     if not s.cfg.lora.enabled or m <= MIN_MODULES:
@@ -532,10 +501,10 @@ def reduced_modules(s: Signals):
     concentration = cover / (k / m)
     if k > m // 2 or concentration < MODULE_CONCENTRATION:
         return None
-    keep = {mod for mod, _ in ranked[:k]}
+    keep = {str(mod).rsplit(".", 1)[-1] for mod, _ in ranked[:k]}  # LoRA targets by name: "attn.c_proj" -> c_proj
     new = [mod for mod in current if mod in keep]
     what = "of the causal share (output KL lost without the module; attribution)" if causal else \
-        "of the update mass"
+        "of the size-normalised update mass"
     ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} {what} ({k} of {m} modules, "
           f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
@@ -643,12 +612,15 @@ class Recommendation:
         return header(self.findings, self.runs)
 
 
-def recommend(paths) -> Recommendation:
-    """Diagnose the runs and refine their config. With several configs among the runs, the rules read the group
+def recommend(runs: list[Run]) -> Recommendation:
+    """Diagnose loaded runs and refine their config. With several configs among the runs, the rules read the group
     with the best mean final accuracy (the comparison of all groups comes with it)."""
-    from mechdiag.compare import side_by_side
-
-    runs = load_runs(paths)
+    if not runs:
+        raise UserError("give at least one run directory")
+    for r in runs:
+        r.cfg  # noqa: B018 - validates config.yaml (UserError when missing or invalid) before any rule reads it
+        if not r.metrics and not r.eval:
+            raise UserError(f"{r.path} has neither metrics.jsonl nor eval.jsonl records: nothing to diagnose")
     groups = group_runs(runs)
     comparison = side_by_side(runs) if len(runs) > 1 else []
     best = max(groups, key=lambda g: sum(final_eval(r).get("accuracy", -1.0) for r in g.runs) / len(g.runs))

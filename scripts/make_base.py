@@ -29,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag.atomic import write_json  # noqa: E402
-from mechdiag.models import build_char_tokenizer, bundled_path, generate  # noqa: E402
+from mechdiag.models import bundled_path, generate  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
+from mechdiag.tasks.arith import build_char_tokenizer  # noqa: E402
 from mechdiag.tasks.rewards import format_ok  # noqa: E402
 
 MAX_NEW_TOKENS = 64

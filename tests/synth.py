@@ -66,8 +66,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
     rd.append("shift", [{"step": s, "layer": layer, "shift": (shift(layer) if shift else 0.02) * s / steps,
                          "ci_low": 0.0, "ci_high": 0.1, "cos_dist": 0.001, "logit_kl": 0.01}
                         for s in eval_steps[1:] for layer in range(n_layers)])
-    rd.write_summary({"base": {k: v for k, v in evals[0].items() if k != "step"},
-                      "final": {k: v for k, v in evals[-1].items() if k != "step"}})
+    rd.write_summary({**{f"base_{k}": v for k, v in evals[0].items() if k != "step"},
+                      **{f"final_{k}": v for k, v in evals[-1].items() if k != "step"}})
     return rd
 
 

@@ -90,7 +90,7 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
                          "kind": "eval", "model": "tuned", "correct": i % 2 == 1})
         run.append("samples", rows)
     if summary:
-        run.write_summary({"base": {"accuracy": 0.1, "eval_reward": 0.5, "completion_length": 38.0},
-                           "final": {"accuracy": 0.55 + rng.gauss(0, 0.01), "eval_reward": 2.3,
-                                     "completion_length": 29.0}, "steps": steps})
+        run.write_summary({"base_accuracy": 0.1, "base_eval_reward": 0.5, "base_completion_length": 38.0,
+                           "final_accuracy": 0.55 + rng.gauss(0, 0.01), "final_eval_reward": 2.3,
+                           "final_completion_length": 29.0, "steps": steps})
     return run

@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 from mechdiag import attribute as A
+from mechdiag.metrics import attribution_reference, causal_shares, last_step, update_mass
+from mechdiag.recommend import Signals, reduced_layers, reduced_modules
+from mechdiag.run import RunDir, load_runs
 from tests.helpers import assert_bad_input, run_cli
 
 # lr 5e-3 for 4 steps moves held-out accuracy on 48 problems, so the "none" and "all" rows differ
@@ -36,7 +39,7 @@ def test_reference_rows_reproduce_the_summary_exactly(saved):
     run, rows = saved
     summary = json.loads((run / "summary.json").read_text())
     assert summary["final_accuracy"] != summary["base_accuracy"]  # the two ends are distinguishable
-    none, allr = A.reference(rows, "none"), A.reference(rows, "all")
+    none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
     assert none["accuracy_without"] == summary["final_accuracy"]
     assert none["reward_without"] == summary["final_eval_reward"]
     assert allr["accuracy_without"] == summary["base_accuracy"]
@@ -59,19 +62,13 @@ def test_rows_cover_every_layer_and_module(saved):
         assert sum(r["disp_share"] for r in group) == pytest.approx(1.0, abs=1e-12)
         assert all(r["output_kl_without"] > 0 and r["output_kl_only"] > 0 for r in group)
         assert all(0 <= r["accuracy_without"] <= 1 and 0 <= r["accuracy_only"] <= 1 for r in group)
-    assert sum(A.causal_shares(rows, "layer").values()) == pytest.approx(1.0)
+    assert sum(causal_shares(rows, "layer").values()) == pytest.approx(1.0)
 
 
 def test_disp_share_is_the_recorded_update_mass(saved):
     """The final adapter's shares equal those of the displacement stream at the last step (same quantity)."""
-    from mechdiag.displacement import update_mass
-    from mechdiag.run import RunDir
-
     run, rows = saved
-    disp = RunDir(run).frame("displacement")
-    last = disp[disp["step"] == disp["step"].max()]
-    mass = update_mass(last.drop(columns="step"), by="layer")
-    recorded = dict(zip(mass["layer"].astype(int), mass["update_mass"], strict=True))
+    recorded = update_mass(last_step(RunDir(run).read("displacement")), "layer")
     for r in rows:
         if r["by"] == "layer":
             assert r["disp_share"] == pytest.approx(recorded[r["layer"]], rel=1e-9)
@@ -94,8 +91,6 @@ def test_toggling_restores_the_adapter(lora_run):
 
 def test_save_writes_the_stream_and_report_shows_it(saved, tmp_path):
     run, rows = saved
-    from mechdiag.run import RunDir
-
     assert RunDir(run).read("attribution") == rows
     html = tmp_path / "r.html"
     proc = run_cli("report", str(run), "--out", str(html))
@@ -114,9 +109,6 @@ def _copy_run(run: Path, dest: Path, rows: list[dict] | None) -> Path:
 
 
 def _signals(path: Path):
-    from mechdiag.compare import load_runs
-    from mechdiag.recommend import Signals
-
     return Signals.from_runs(load_runs([path]))
 
 
@@ -127,11 +119,9 @@ def _with_kl(rows: list[dict], by: str, kl: dict) -> list[dict]:
 
 
 def test_reduced_modules_uses_causal_share_when_recorded(saved, tmp_path):
-    from mechdiag.recommend import _causal, reduced_modules
-
     run, rows = saved
     s = _signals(run)
-    assert _causal(s, "module") == pytest.approx(A.causal_shares(rows, "module"))
+    assert s.causal["module"] == pytest.approx(causal_shares(rows, "module"))
     # displacement says MLP; the recorded attribution says v_proj and o_proj: attribution wins and is quoted
     kl = {"q_proj": 0.001, "k_proj": 0.001, "v_proj": 0.05, "o_proj": 0.03, "gate_proj": 0.001, "up_proj": 0.001,
           "down_proj": 0.001}
@@ -151,8 +141,6 @@ def test_reduced_modules_uses_causal_share_when_recorded(saved, tmp_path):
 
 
 def test_reduced_layers_uses_causal_share_when_recorded(saved, tmp_path):
-    from mechdiag.recommend import reduced_layers
-
     run, rows = saved
     n = 8
     ends = {0, 1, 6, 7}

@@ -7,7 +7,14 @@ import json
 
 import torch
 
-from mechdiag.models import BUNDLED_ASSETS, bundled_path, load_model_and_tokenizer, load_tokenizer
+from mechdiag.models import (
+    BUNDLED_ASSETS,
+    bundled_path,
+    checkpoint_folder,
+    generate,
+    load_model_and_tokenizer,
+    load_tokenizer,
+)
 from mechdiag.tasks import get_task
 
 torch.set_num_threads(1)
@@ -29,8 +36,6 @@ def test_deep_loads_with_the_bundled_tokenizer_and_answers_in_band():
     card = json.loads((bundled_path("bundled:deep") / "base_card.json").read_text())
     assert 0.20 <= card["heldout_greedy_accuracy"] <= 0.60
     # the card's figure is the model's: greedy on the first 100 held-out problems lands in the same band
-    from mechdiag.models import generate
-
     task = get_task("arith")
     ex = task.examples("test", 100)
     comps = generate(model, tok, [task.prompt(e, tok) for e in ex], 64, do_sample=False, batch_size=100)
@@ -42,3 +47,20 @@ def test_train_accepts_the_deep_name(cli, tmp_path):
     proc = cli("train", "--set", "model.name_or_path=bundled:deep", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert "layers.7." in proc.stdout
+
+
+def test_deep_name_is_a_model_form_everywhere(cli, tmp_path):
+    """`bundled:deep` resolves like `bundled` in displacement, shift and eval (models.checkpoint_folder)."""
+    deep = bundled_path("bundled:deep")
+    assert checkpoint_folder("bundled:deep") == deep
+    proc = cli("displacement", "bundled:deep", str(deep), "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert any(r.get("layer") == 7 for r in rows) and all(r["delta_fro"] == 0 for r in rows)
+    proc = cli("shift", "bundled:deep", str(deep), "--task", "arith", "--n", "2", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert len(json.loads(proc.stdout)) >= 8
+    proc = cli("eval", "bundled:deep", "--task", "arith", "--n", "2", "--k", "1", "--max-new-tokens", "4",
+               "--format", "json", "--out", str(tmp_path / "e"))
+    assert proc.returncode == 0, proc.stderr
+    assert any(r["metric"] == "accuracy" for r in json.loads(proc.stdout))

@@ -63,9 +63,9 @@ def test_asymmetric_clip_and_fractions():
     # A < 0: min(-rho, -clip) -> -1.5, -0.8, -1.25, -0.9
     assert sur[0].tolist() == pytest.approx([-1.5, -0.8, -1.25, -0.9])
     f = obj.clip_fractions(rho, pos, mask, 0.2, 0.3)
-    assert f == {"clip_low": 0.0, "clip_high": 0.25, "policy_clip_fraction": 0.25}
+    assert f == {"clip_fraction_low": 0.0, "clip_fraction_high": 0.25, "policy_clip_fraction": 0.25}
     f = obj.clip_fractions(rho, neg, mask, 0.2, 0.3)
-    assert f["clip_low"] == 0.25 and f["clip_high"] == 0.0
+    assert f["clip_fraction_low"] == 0.25 and f["clip_fraction_high"] == 0.0
 
 
 def test_aggregation_variants_by_hand():
@@ -144,8 +144,8 @@ def test_loss_and_gradient_match_trl(loss_type):
     assert ours.item() == pytest.approx(theirs.item(), abs=1e-5)
     assert torch.allclose(ours_logits.grad, trl_logits.grad, atol=1e-5)
     assert st["kl"] == pytest.approx(metrics["kl"][0], abs=1e-5)
-    assert st["clip_low"] == pytest.approx(metrics["clip_ratio/low_mean"][0], abs=1e-6)
-    assert st["clip_high"] == pytest.approx(metrics["clip_ratio/high_mean"][0], abs=1e-6)
+    assert st["clip_fraction_low"] == pytest.approx(metrics["clip_ratio/low_mean"][0], abs=1e-6)
+    assert st["clip_fraction_high"] == pytest.approx(metrics["clip_ratio/high_mean"][0], abs=1e-6)
     assert st["policy_clip_fraction"] == pytest.approx(metrics["clip_ratio/region_mean"][0], abs=1e-6)
     assert st["policy_clip_fraction"] > 0  # the case really exercises the clip
     ent = obj.masked_mean(obj.token_entropy(base), mask).item()

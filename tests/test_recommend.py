@@ -7,9 +7,10 @@ import pytest
 
 from mechdiag import config as configlib
 from mechdiag import recommend as R
-from mechdiag.compare import load_runs, side_by_side
+from mechdiag.compare import side_by_side
 from mechdiag.errors import UserError
 from mechdiag.paths import REPO_ROOT
+from mechdiag.run import base_eval, final_eval, load_runs
 from tests.helpers import assert_bad_input
 from tests.synth import ends_heavy, write_run
 
@@ -26,7 +27,7 @@ def cfg_with(*overrides):
 
 def rec(tmp_path, cfg=None, name="run", **kw):
     write_run(tmp_path / name, cfg or cfg_with(), **kw)
-    return R.recommend([tmp_path / name])
+    return R.recommend(load_runs([tmp_path / name]))
 
 
 def fired(r):
@@ -215,7 +216,7 @@ def test_module_mass_ignores_tensors_lora_does_not_adapt(tmp_path):
              "module": "input_layernorm", "ref_fro": 1.0, "delta_fro": 0.5, "rel_fro": 0.5}]
     with open(tmp_path / "run" / "displacement.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
-    r = R.recommend([tmp_path / "run"])
+    r = R.recommend(load_runs([tmp_path / "run"]))
     assert changed(r) == {"lora.target_modules": ["v_proj", "o_proj"]}
 
 
@@ -229,11 +230,11 @@ def test_module_mass_is_size_normalised(tmp_path):
             r["delta_fro"] *= 3.0
             r["ref_fro"] *= 3.0
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert R.recommend([tmp_path / "run"]).findings == []
+    assert R.recommend(load_runs([tmp_path / "run"])).findings == []
     for r in rows:
         r["ref_fro"] = 1.0
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = R.recommend([tmp_path / "run"])
+    r = R.recommend(load_runs([tmp_path / "run"]))
     assert sorted(changed(r)["lora.target_modules"]) == ["gate_proj", "up_proj"]
 
 
@@ -278,7 +279,7 @@ def test_refined_config_round_trips_with_header(tmp_path, cli):
     proc = cli("recommend", str(tmp_path / "run"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     again = configlib.load(out)
-    expected = R.recommend([tmp_path / "run"]).cfg
+    expected = R.recommend(load_runs([tmp_path / "run"])).cfg
     assert again == expected
     assert (again.temperature, again.beta, again.lora.layers) == (0.7, R.BETA_FROM_ZERO, "first2+last2")
     head = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
@@ -331,7 +332,7 @@ def test_seeds_pool_and_treatments_compare(tmp_path, cli):
     assert acc["temperature=0.9"]["delta"] == pytest.approx(0.15, abs=0.01)
     assert acc["temperature=0.9"]["vs_base"] == pytest.approx(0.36, abs=0.01)  # base accuracy 0.2
     # the rules read the best group (the treated one, which truncates)
-    r = R.recommend(paths)
+    r = R.recommend(load_runs(paths))
     assert fired(r) == {"truncation"} and r.base_cfg.temperature == 0.9
     proc = cli("recommend", *map(str, paths))
     assert proc.returncode == 0, proc.stderr
@@ -372,7 +373,7 @@ def test_no_records_is_bad_input(tmp_path):
     rd.mkdir()
     configlib.save(configlib.load(), rd / "config.yaml")
     with pytest.raises(UserError, match="nothing to diagnose"):
-        R.recommend([rd])
+        R.recommend(load_runs([rd]))
 
 
 def test_every_threshold_and_rule_is_documented():
@@ -385,7 +386,6 @@ def test_every_threshold_and_rule_is_documented():
 
 
 def test_flat_summary_keys_give_base_and_final(tmp_path):
-    from mechdiag.compare import base_eval, final_eval
 
     write_run(tmp_path / "run", n_evals=2)
     (tmp_path / "run" / "eval.jsonl").write_text("")

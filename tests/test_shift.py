@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import mechdiag
+import mechdiag.errors
 from mechdiag.cli import main
 from mechdiag.probes.shift import bootstrap_ci, shift, shift_inmemory
 from mechdiag.tasks import REGISTRY, register
@@ -208,14 +208,13 @@ def test_bootstrap_interval():
     assert lo[0] == pytest.approx(0.3) and hi[0] == pytest.approx(0.3)
 
 
-def test_lazy_api_and_probe_file(tmp_path, tiny):
-    assert mechdiag.shift is shift
+def test_api_probe_file(tmp_path, tiny):
     probe = tmp_path / "p.jsonl"
     probe.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
-    from_file = mechdiag.shift(tiny["base"], tiny["tuned"], probe)
+    from_file = shift(tiny["base"], tiny["tuned"], probe)
     np.testing.assert_allclose(from_file["shift"], shift(tiny["base"], tiny["tuned"], PROMPTS[:3])["shift"])
     with pytest.raises(mechdiag.errors.UserError, match="list of strings"):
-        mechdiag.shift(tiny["base"], tiny["tuned"], str(probe))
+        shift(tiny["base"], tiny["tuned"], str(probe))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------

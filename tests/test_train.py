@@ -51,7 +51,7 @@ def test_run_directory_contract(stories260k, tmp_path):
     assert run.checkpoint_steps() == [2]
     assert (run.final / "adapter_model.safetensors").exists()
     s = run.summary()
-    assert s["steps"] == 3 and s["base_accuracy"] == evals[0]["accuracy"]
+    assert s["steps"] == 3 and s["base_accuracy"] == evals[0]["accuracy"] and s["sandbox"] == "bwrap"
     assert s["final_accuracy"] == evals[-1]["accuracy"]
     assert (run.path / "config.yaml").exists() and C.load(run.path / "config.yaml").max_steps == 3
 

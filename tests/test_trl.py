@@ -215,7 +215,7 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
         logp = objective.token_logprobs(policy_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask), completion_ids, cfg.temperature)
         ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, epsilon=cfg.epsilon,
-                                          epsilon_high=cfg.clip_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                          epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                           max_completion_tokens=cfg.max_completion_tokens)
     assert stats["policy_clip_fraction"] > 0 and stats["kl"] > 0
     assert abs(trl_loss - float(ours)) <= 1e-5 * max(1.0, abs(float(ours))), (trl_loss, float(ours))
@@ -240,7 +240,7 @@ def test_backend_trl_cli(stories260k, cli, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").exists()
     assert C.load(run.config_path).max_steps == 3
     s = run.summary()
-    assert s["backend"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
+    assert s["source"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
     proc = cli("recommend", str(out), "--format", "json")
     assert proc.returncode == 0, proc.stderr
 

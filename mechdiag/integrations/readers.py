@@ -22,11 +22,16 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from mechdiag import atomic
+from mechdiag import config as C
+from mechdiag.displacement import compare
 from mechdiag.errors import UserError
-from mechdiag.run import STREAMS, RunDir
+from mechdiag.run import STREAMS, Run, RunDir, load_run
+from mechdiag.weights import adapter_base, is_adapter
 
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 
@@ -35,7 +40,8 @@ TRL_TRAIN_KEYS = {
     "reward": "reward", "reward_std": "reward_std", "reward_cv": "reward_cv", "frac_reward_zero_std": "frac_zero_std",
     "kl": "kl", "entropy": "entropy", "completions/clipped_ratio": "completion_clipped_ratio",
     "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
-    "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high", "loss": "loss", "grad_norm": "grad_norm",
+    "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
+    "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
 }
 TRL_EVAL_KEYS = {
@@ -54,7 +60,7 @@ VERL_TRAIN_KEYS = {
     "entropy": ("actor/entropy", "actor/entropy_loss"),
     "kl": ("actor/kl_loss", "actor/reward_kl_penalty"),
     "policy_clip_fraction": ("actor/pg_clipfrac",),
-    "clip_low": ("actor/pg_clipfrac_lower",),
+    "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
     "grad_norm": ("actor/grad_norm",),
     "lr": ("actor/lr",),
@@ -161,7 +167,7 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     """(group stats, samples records) of one completions parquet. The weighted reward is sum_f w_f * r_f over the
     reward-function columns (weights default to 1, TRL's default reward_weights); groups are contiguous blocks
     of group_size when it is known, else equal prompts."""
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
     try:
         df = pd.read_parquet(path)
@@ -252,7 +258,6 @@ def _config_from_adapter(output_dir: Path):
     """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
     adapter. Everything else stays at mechdiag's defaults (the TRL arguments are only in training_args.bin, a
     pickle we do not load)."""
-    from mechdiag import config as C
 
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
@@ -281,8 +286,6 @@ def _config_from_adapter(output_dir: Path):
 
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
     """Per-tensor LoRA displacement of every checkpoint-N adapter against its base (when the base is local)."""
-    from mechdiag.displacement import compare
-    from mechdiag.weights import adapter_base, is_adapter
 
     rows = []
     for step, ck in _checkpoints(output_dir).items():
@@ -306,8 +309,6 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     Streams the MechdiagCallback recorded (output_dir/mechdiag/) are taken as they are; what it did not record is
     rebuilt from TRL's own files: metrics and eval from log_history, samples and reward_cv from the completions
     parquet, displacement from the checkpoint-N adapters."""
-    from mechdiag import atomic
-    from mechdiag import config as C
 
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -363,7 +364,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
                "steps": summary.get("steps", state.get("global_step", metrics[-1]["step"] if metrics else 0))}
     if evals and "final_accuracy" not in summary and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -447,7 +448,6 @@ def map_verl(data: dict) -> tuple[dict, dict]:
 
 def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
     """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
-    from mechdiag import atomic
 
     out = {}
     for p in rollout_dir.glob("*.jsonl"):
@@ -472,8 +472,6 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
     directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
     validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
-    from mechdiag import atomic
-    from mechdiag import config as C
 
     path = Path(jsonl_path)
     if path.is_dir():
@@ -512,7 +510,7 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     summary = {"source": "verl", "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0}
     if evals and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -538,3 +536,14 @@ def read_foreign(path, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(path, into=into)
     raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
+
+
+def read_any_run(path) -> Run:
+    """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""
+    kind = foreign_kind(path)
+    if kind is None:
+        return load_run(path)
+    with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
+        run = load_run(read_foreign(path, Path(tmp) / Path(path).name).path, source=kind)
+    run.path = Path(path)
+    return run

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -21,9 +23,12 @@ import types
 import warnings
 from pathlib import Path
 
+from mechdiag import config as C
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
     CALLBACK_DIR,
+    _contiguous_keys,
     completion_files,
     completions_rows,
     group_reward_stats,
@@ -33,7 +38,12 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.models import load_model_and_tokenizer
+from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
+from mechdiag.tasks import get_task
+from mechdiag.train.lora import resolve
+from mechdiag.train.trainer import Trainer
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -57,7 +67,7 @@ class GroupCV:
     """
 
     def __init__(self, reward_funcs, weights=None, group_size: int | None = None):
-        import torch
+        import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
 
         self.raw = list(reward_funcs)
         for f in self.raw:
@@ -93,15 +103,14 @@ class GroupCV:
             totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
         self._outs = {}
         try:
-            from accelerate import PartialState
+            from accelerate import PartialState  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
             if PartialState().num_processes > 1:
-                from accelerate.utils import gather_object
+                from accelerate.utils import gather_object  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 totals, prompts = gather_object(totals), gather_object(prompts)
         except ImportError:  # pragma: no cover - accelerate comes with trl
             pass
-        from mechdiag.integrations.readers import _contiguous_keys
 
         keys = _contiguous_keys(len(totals), self.group_size,
                                 [p if isinstance(p, str) else repr(p) for p in prompts])
@@ -158,8 +167,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
-    import torch
-    from trl import GRPOConfig
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     n = n_processes or world_size()
     micro = cfg.prompts_per_step * cfg.group_size
@@ -171,7 +180,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
         gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
-        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.clip_high,
+        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=_SCHED[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
@@ -200,10 +209,9 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
 
 def parse_trl_args(items) -> dict:
     """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
-    import dataclasses
 
-    import yaml
-    from trl import GRPOConfig
+    import yaml  # noqa: PLC0415 - only when writing the GRPOConfig
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     out = {}
@@ -213,7 +221,6 @@ def parse_trl_args(items) -> dict:
         if not sep or not key:
             raise UserError(f"--trl expects KEY=VALUE, got {item!r}")
         if key not in fields:
-            import difflib
 
             near = difflib.get_close_matches(key, sorted(fields), n=1)
             raise UserError(f"--trl {key}: GRPOConfig has no such field" + (f" (did you mean {near[0]}?)"
@@ -227,9 +234,7 @@ def parse_trl_args(items) -> dict:
 
 def peft_lora_config(model, lora):
     """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    from mechdiag.train.lora import resolve
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - peft is loaded only for LoRA runs
 
     modules, layers = resolve(model, lora)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
@@ -239,7 +244,6 @@ def peft_lora_config(model, lora):
 def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
     (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-    from mechdiag import config as C
 
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     g = int(args.num_generations or 8)
@@ -363,7 +367,6 @@ class MechdiagCallback(TrainerCallback):
             w = args.reward_weights or [1.0] * len(names)
             self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
             if self._derived:  # now the reward function names are known: config.yaml gets them
-                from mechdiag import config as C
 
                 self.config = C.from_dict({**self.config.model_dump(mode="json"),
                                            "rewards": {"weights": self.reward_weights}})
@@ -386,7 +389,6 @@ class MechdiagCallback(TrainerCallback):
         self._last_eval_step = step
         peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
-            from mechdiag.probes.shift import shift_inmemory
 
             rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
                                   step=step)
@@ -398,7 +400,6 @@ class MechdiagCallback(TrainerCallback):
         self._t0 = time.perf_counter()
         if not state.is_world_process_zero:
             return
-        from mechdiag import config as C
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
         if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
@@ -419,7 +420,7 @@ class MechdiagCallback(TrainerCallback):
         if self.max_time_s is not None:  # config max_time_s; rank 0's clock decides so all ranks stop together
             stop = time.perf_counter() - self._t0 > self.max_time_s
             if args.world_size > 1:
-                from accelerate.utils import broadcast_object_list
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
@@ -429,7 +430,6 @@ class MechdiagCallback(TrainerCallback):
         if self.displacement_every and step % self.displacement_every == 0:
             peft_model = _peft(model)
             if peft_model is not None:
-                from mechdiag.displacement import lora_rows
 
                 self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
@@ -470,12 +470,10 @@ class MechdiagCallback(TrainerCallback):
         self.run.write_summary(summary)
 
 
-
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
     length, pass@k), so both backends report the same held-out numbers."""
-    from mechdiag.train.trainer import Trainer
 
     def evaluate(model, tokenizer, step):
         m = _peft(model) or model
@@ -494,20 +492,18 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
 def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
     directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
-    import torch
-    from datasets import Dataset
-    from trl import GRPOTrainer
-
-    from mechdiag.train.trainer import get_task, load_model
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+    from datasets import Dataset  # noqa: PLC0415 - datasets is loaded only for hf: task paths
+    from trl import GRPOTrainer  # noqa: PLC0415 - trl is an optional extra
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
     torch.manual_seed(cfg.seed)
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
-    task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
     if not train_ex:
@@ -533,7 +529,6 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
-    from mechdiag import config as C
 
     t0 = time.perf_counter()
     run_path = Path(out_dir)
@@ -553,7 +548,7 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
         return run
     trainer.processing_class.save_pretrained(str(run.final))
     summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n, "backend": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+               "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
                "planned_steps": cfg.max_steps,
                "wall_time_s": time.perf_counter() - t0}
     run.write_summary(summary)

@@ -26,9 +26,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mechdiag import atomic
 from mechdiag.errors import UserError
+from mechdiag.models import pad_id
 from mechdiag.probes.capture import Captured, Probe, pad_batch
-from mechdiag.probes.prompts import encode, max_length_of, pad_id_of, read_prompts
+from mechdiag.probes.load import load_pair
+from mechdiag.probes.prompts import encode, max_length_of, read_prompts
 
 DELTA_H = 1e-12  # delta_h of eq. 13: guards the denominator only
 N_BOOT = 1000
@@ -154,9 +157,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     base, tuned: model folders or PEFT adapter folders (see mechdiag.probes.load). df.attrs carries
     truncated (prompts cut to max_length), max_length, shared (one model with the adapter toggled).
     """
-    import pandas as pd
-
-    from mechdiag.probes.load import load_pair
+    import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
     if isinstance(prompts, Path):
         prompts = read_prompts(prompts)
@@ -165,7 +166,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
-    sums = measure(pair.ref, pair.tuned, seqs, pad_id_of(pair.tokenizer), batch_size, pair.ref_ctx,
+    sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,
                    pair.tuned_ctx, keep_bos)
     df = pd.DataFrame(sums.rows(n_boot, seed), columns=COLUMNS)
     df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared)
@@ -186,7 +187,7 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
     was_training = model.training
     model.eval()
     try:
-        sums = measure(probe, probe, seqs, pad_id_of(tokenizer), batch_size, model.disable_adapter,
+        sums = measure(probe, probe, seqs, pad_id(tokenizer), batch_size, model.disable_adapter,
                        contextlib.nullcontext, keep_bos)
     finally:
         model.train(was_training)
@@ -196,10 +197,8 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
 # ---- output -------------------------------------------------------------------------------------------------
 def write_html(df, path: str | Path, title: str = "Activation shift") -> None:
     """One offline page: shift with its 95% interval, and the companion measures, per layer."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    from mechdiag import atomic
+    import plotly.graph_objects as go  # noqa: PLC0415 - plotly loads only when a figure is drawn
+    from plotly.subplots import make_subplots  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
     fig = make_subplots(rows=2, cols=2, subplot_titles=("shift (mean over prompts, 95% CI)", "cosine distance",
                                                         "block increment", "logit-lens KL (last token)"))

@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.report.load import Group
+from mechdiag.metrics import last_step, update_mass
+from mechdiag.run import Group
 
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+           "#7f7f7f", "#bcbd22"]
 MAX_POINTS = 400
 MAX_SLIDER_STEPS = 40
 
@@ -23,6 +27,18 @@ TRAIN_SIGNALS = [("reward", "train reward"), ("reward_cv", "reward CV (within gr
                  ("kl", "KL to reference"), ("completion_clipped_ratio", "completion clipped ratio")]
 EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), ("entropy", "eval entropy"),
                 ("completion_length", "eval completion length")]
+
+
+@dataclass
+class Coloured(Group):
+    """A group as the report draws it: one colour for its runs (seeds as mean and band)."""
+
+    color: str = PALETTE[0]
+
+
+def coloured(groups: list[Group]) -> list[Coloured]:
+    return [Coloured(g.label, g.runs, PALETTE[i % len(PALETTE)]) for i, g in enumerate(groups)]
+
 
 _FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12, color="#222")
 _AXIS = dict(gridcolor="#eee", zerolinecolor="#ccc", linecolor="#999", showline=True, ticks="outside")
@@ -286,19 +302,8 @@ def _wdisp_by_step(run) -> dict[float, float]:
 
 
 def _module_mass(run) -> dict[str, float]:
-    """Share of the squared displacement sum_g ||dW_g||^2 carried by each module type, at the last step."""
-    rows = run.read("displacement")
-    steps = [_num(r.get("step")) for r in rows if _num(r.get("step")) is not None]
-    if not steps:
-        return {}
-    last = max(steps)
-    mass = defaultdict(float)
-    for r in rows:
-        delta = _num(r.get("delta_fro"))
-        if _num(r.get("step")) == last and delta is not None and r.get("module") is not None:
-            mass[str(r["module"])] += delta * delta
-    total = sum(mass.values())
-    return {m: v / total for m, v in mass.items()} if total > 0 else {}
+    """Update mass per module type at the last recorded step (mechdiag.metrics.update_mass)."""
+    return update_mass(last_step(run.read("displacement")), "module")
 
 
 def displacement_dynamics(groups: list[Group]) -> go.Figure | None:

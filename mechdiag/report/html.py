@@ -17,16 +17,56 @@ import math
 import re
 import secrets
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
+from mechdiag.config import to_yaml
+from mechdiag.metrics import attribution_reference, causal_shares, direction, mean_std, rank_correlation
 from mechdiag.report import figures as F
-from mechdiag.report.load import Group, Run
+from mechdiag.run import Group, Run, base_eval, final_eval
 
 MAX_COMPLETION_CHARS = 3000
 MAX_PAIRS = 6
 MAX_ROLLOUTS = 8
-HIGHER_IS_BETTER = ("accuracy", "eval_reward", "reward", "pass@", "score", "exact", "f1")
-NEUTRAL = ("entropy", "completion_length", "length", "kl", "step", "n")
+
+
+@dataclass
+class Shown:
+    """A finding as the page shows it, whatever the recommender's own class looks like."""
+
+    rule: str
+    symptom: str
+    evidence: str
+    change: str
+    confidence: float | None
+    reason: str = ""
+
+
+@dataclass
+class Advice:
+    findings: list[Shown] = field(default_factory=list)
+    note: str = ""  # shown where there is no finding
+    refined_yaml: str | None = None  # the refined config, when the recommender returns one
+
+
+def _shown(f) -> Shown:
+    change = getattr(f, "change", None)
+    if change is None:  # mechdiag.recommend: a list of Change(key, old, new)
+        change = "; ".join(str(c) for c in getattr(f, "changes", None) or []) or "none (advice only)"
+    ev = getattr(f, "evidence", "")
+    return Shown(rule=str(getattr(f, "rule", "")), symptom=str(getattr(f, "symptom", "")),
+                 evidence=ev if isinstance(ev, str) else json.dumps(ev, default=str, ensure_ascii=False),
+                 change=str(change), confidence=getattr(f, "confidence", None), reason=str(getattr(f, "reason", "")))
+
+
+def advice_from(result) -> Advice:
+    """Findings (and the refined config) from what recommend returned: a Recommendation or a list of findings."""
+    findings = getattr(result, "findings", result)
+    advice = Advice([_shown(f) for f in findings or []], "No recommendation: no rule fired on these runs.")
+    cfg = getattr(result, "cfg", None)
+    if cfg is not None and hasattr(cfg, "model_dump"):
+        advice.refined_yaml = to_yaml(cfg, getattr(result, "header", "") or "")
+    return advice
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -53,31 +93,10 @@ def _fmt(v, digits: int = 4) -> str:
     return esc(v)
 
 
-def _direction(metric: str) -> int:
-    """+1 when a larger value is better, 0 when neither (entropy, length...)."""
-    m = metric.lower()
-    if any(m == n or m.startswith(n + "/") for n in NEUTRAL) or "length" in m or "entropy" in m:
-        return 0
-    if m.endswith("loss") or "error" in m or "ppl" in m:
-        return -1
-    return 1 if any(h in m for h in HIGHER_IS_BETTER) else 0
-
-
 def _delta_class(delta: float | None, direction: int) -> str:
     if delta is None or direction == 0 or abs(delta) < 1e-12:
         return ""
     return "up" if delta * direction > 0 else "down"
-
-
-def _mean_std(vals: list[float]) -> tuple[float | None, float | None]:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return None, None
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, None
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
-    return m, 0.0 if sd <= 1e-9 * max(1.0, abs(m)) else sd  # equal seeds: no float noise
 
 
 def _pm(mean, std) -> str:
@@ -142,26 +161,17 @@ def section_runs(groups: list[Group]) -> str:
             cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in RUN_COLUMNS)
             src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
-                        f"<td class=path title='{esc(r.rundir.path)}'>{esc(r.name)}{src}</td>"
+                        f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
     return (f"<table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
             + "".join(rows) + "</table>")
 
 
 def _base_final(run: Run) -> tuple[dict, dict, str]:
-    """Base and final eval numbers: summary.json ({"base": {...}, "final": {...}} or flat base_X / final_X keys),
-    else the first (step 0) and last records of eval.jsonl."""
-    s = run.summary or {}
-    if isinstance(s.get("base"), dict) or isinstance(s.get("final"), dict):
-        return s.get("base") or {}, s.get("final") or {}, "summary.json"
-    flat = [{k.removeprefix(p): v for k, v in s.items() if k.startswith(p)} for p in ("base_", "final_")]
-    if any(flat):
-        return flat[0], flat[1], "summary.json"
-    ev = sorted((e for e in run.read("eval") if isinstance(e.get("step"), (int, float))), key=lambda e: e["step"])
-    if not ev:
-        return {}, {}, ""
-    base = ev[0] if ev[0]["step"] == 0 and len(ev) > 1 else {}
-    return base, ev[-1], "eval.jsonl"
+    """Base and final eval numbers (mechdiag.run.base_eval / final_eval) and where they come from."""
+    src = "summary.json" if any(k.startswith(("base_", "final_")) for k in run.summary) else "eval.jsonl"
+    base, final = base_eval(run), final_eval(run)
+    return base, final, src if base or final else ""
 
 
 def section_summary(groups: list[Group], advice) -> str:
@@ -172,10 +182,10 @@ def section_summary(groups: list[Group], advice) -> str:
         metrics = dict.fromkeys(k for b, f, _ in pairs for k in [*b, *f]
                                 if k != "step" and _num(f.get(k, b.get(k))) is not None)
         for k in metrics:
-            bm, bs = _mean_std([_num(b.get(k)) for b, _, _ in pairs])
-            fm, fs = _mean_std([_num(f.get(k)) for _, f, _ in pairs])
+            bm, bs = mean_std([_num(b.get(k)) for b, _, _ in pairs])
+            fm, fs = mean_std([_num(f.get(k)) for _, f, _ in pairs])
             d = fm - bm if fm is not None and bm is not None else None
-            cls = _delta_class(d, _direction(k))
+            cls = _delta_class(d, direction(k))
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td>{esc(k)}</td><td>{_pm(bm, bs)}</td><td>{_pm(fm, fs)}</td>"
                         f"<td class='{cls}'>{'–' if d is None else f'{d:+.4g}'}</td></tr>")
@@ -249,15 +259,13 @@ def section_shift(groups: list[Group], figs: _Figures) -> str:
 
 def section_attribution(groups: list[Group]) -> str:
     """Causal share (output KL lost without the part) beside displacement share, per layer and module."""
-    from mechdiag.attribute import causal_shares, rank_correlation, reference
-
     out = []
     for g in groups:
         for r in g.runs:
             rows = r.read("attribution")
             if not rows:
                 continue
-            none, allr = reference(rows, "none"), reference(rows, "all")
+            none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
             head = (f"<h3>{esc(r.name)}</h3><p>tuned accuracy {_fmt(none and none.get('accuracy_without'))}, "
                     f"without the whole adapter {_fmt(allr and allr.get('accuracy_without'))}</p>")
             tables = []
@@ -319,14 +327,14 @@ def section_benchmarks(groups: list[Group]) -> str:
     for b in benches:
         tds = []
         for m in metrics:
-            base_mean, _ = _mean_std(cells.get((b, m), {}).get("base", []))
+            base_mean, _ = mean_std(cells.get((b, m), {}).get("base", []))
             for c in columns:
                 vals = cells.get((b, m), {}).get(c, [])
-                mean, std = _mean_std(vals)
+                mean, std = mean_std(vals)
                 if std is None and len(vals) == 1 and stds.get((b, m, c)):
                     std = stds[(b, m, c)][0]
                 d = mean - base_mean if c != "base" and mean is not None and base_mean is not None else None
-                cls = _delta_class(d, _direction(m) or 1)
+                cls = _delta_class(d, direction(m))
                 tip = f" title='Δ vs base {d:+.4g}'" if d is not None else ""
                 tds.append(f"<td class='{cls}'{tip}>{_pm(mean, std) if mean is not None else '–'}</td>")
         body.append(f"<tr><th class=bench>{esc(b)}</th>{''.join(tds)}</tr>")
@@ -488,11 +496,9 @@ d.setAttribute('data-report-status','ok');},function(e){window.__reportError('pl
 def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) -> str:
     """The whole page. `advice`: mechdiag.report.Advice (findings, or the note shown in their place)."""
     if advice is None:
-        from mechdiag.report import Advice
-
         advice = Advice(note="Recommendations not requested.")
     if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+        from plotly.offline import get_plotlyjs  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
         plotly_js = get_plotlyjs()
     if "</script" in plotly_js.lower():

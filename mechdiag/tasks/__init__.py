@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
@@ -28,7 +29,6 @@ def register(name: str, target: str) -> None:
 
 
 def get_task(name: str, path: str | None = None, **options) -> Task:
-    import importlib
 
     target = REGISTRY.get(name) or (name if ":" in name else None)  # a user task class "package.module:Class"
     if target is None:

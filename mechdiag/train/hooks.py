@@ -15,9 +15,10 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-import warnings
 
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
+from mechdiag.probes.shift import shift_inmemory
 
 
 class Hook:
@@ -80,37 +81,16 @@ def sample_records(step: int, r) -> list[dict]:
             for i in range(len(r.texts))]
 
 
-class _Lazy(Hook):
-    """Calls a function of another part of mechdiag, warning once (and then staying quiet) if it is absent."""
-
-    target = ""
-    _warned = False
-
-    def _fn(self):
-        mod, attr = self.target.split(":")
-        try:
-            return getattr(importlib.import_module(mod), attr)
-        except ImportError as e:
-            if not self._warned:
-                warnings.warn(f"{type(self).__name__}: {self.target} is unavailable ({e}); not recording",
-                              stacklevel=2)
-                self._warned = True
-            return None
-
-
-class DisplacementRecorder(_Lazy):
+class DisplacementRecorder(Hook):
     """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base."""
-
-    target = "mechdiag.displacement:lora_rows"
 
     def __init__(self, every: int):
         self.every = every
 
     def _record(self, trainer, step):
-        fn = self._fn()
-        if fn is None or not trainer.cfg.lora.enabled:
+        if not trainer.cfg.lora.enabled:
             return
-        rows = fn(trainer.model)
+        rows = lora_rows(trainer.model)
         trainer.run.append("displacement", [{"step": step, **r} for r in rows])
 
     def on_step_end(self, trainer, step, metrics, rollout):
@@ -118,10 +98,8 @@ class DisplacementRecorder(_Lazy):
             self._record(trainer, step)
 
 
-class ShiftRecorder(_Lazy):
+class ShiftRecorder(Hook):
     """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
-
-    target = "mechdiag.probes.shift:shift_inmemory"
 
     def __init__(self, n: int):
         self.n = n
@@ -129,11 +107,8 @@ class ShiftRecorder(_Lazy):
     def on_eval(self, trainer, step, metrics):
         if step == 0:
             return
-        fn = self._fn()
-        if fn is None:
-            return
         prompts = trainer.eval_prompts[:self.n]
-        rows = fn(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
+        rows = shift_inmemory(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
         trainer.run.append("shift", [{**r, "step": step} for r in rows])
 
 
@@ -159,8 +134,8 @@ class ProgressBar(Hook):
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.console import Console  # noqa: PLC0415 - rich progress only when training on a terminal
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415 - rich progress only when training on a terminal
 
         self.console = Console(stderr=True)
         if not self.console.is_terminal:

@@ -79,22 +79,28 @@ def clipped_surrogate(logp: torch.Tensor, old_logp: torch.Tensor, advantages: to
 
 # ---- aggregation ------------------------------------------------------------------------------------------
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str = "grpo",
-              max_completion_tokens: int | None = None) -> torch.Tensor:
+              max_completion_tokens: int | None = None, n_rows: int | None = None,
+              n_tokens: int | None = None) -> torch.Tensor:
     """Reduce per-token terms to a scalar.
 
     grpo:    (1/B) sum_i (1/T_i) sum_t x_it        the study's per-sequence mean
     bnpo / dapo: sum x / sum mask                  token mean over the batch
     dr_grpo: sum x / (B * max_completion_tokens)   no length normalisation
+
+    B and sum mask are the micro-batch's: `n_rows` / `n_tokens` when rows with exactly zero loss were left out of
+    `per_token` (the trainer drops zero-advantage rows when beta = 0), else those of `per_token`.
     """
     m = mask.to(per_token.dtype)
+    rows = per_token.size(0) if n_rows is None else n_rows
     if loss_type == "grpo":
-        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+        return ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1.0)).sum() / max(rows, 1)
     if loss_type in ("dapo", "bnpo"):
-        return (per_token * m).sum() / m.sum().clamp(min=1.0)
+        tokens = m.sum() if n_tokens is None else torch.tensor(float(n_tokens), dtype=per_token.dtype)
+        return (per_token * m).sum() / tokens.clamp(min=1.0)
     if loss_type == "dr_grpo":
         if max_completion_tokens is None:
             raise ValueError("dr_grpo needs max_completion_tokens")
-        return (per_token * m).sum() / (per_token.size(0) * max_completion_tokens)
+        return (per_token * m).sum() / (max(rows, 1) * max_completion_tokens)
     raise ValueError(f"unknown loss_type {loss_type!r}")
 
 
@@ -104,33 +110,39 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def clip_fractions(rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, epsilon: float,
-                   epsilon_high: float) -> dict[str, float]:
-    """Token fractions where the clip is active: low (rho < 1-eps, A < 0), high (rho > 1+eps_high, A > 0)."""
+                   epsilon_high: float, n_tokens: int | None = None) -> dict[str, float]:
+    """Token fractions where the clip is active: low (rho < 1-eps, A < 0), high (rho > 1+eps_high, A > 0), over
+    `n_tokens` (the micro-batch's tokens, dropped rows included) or the tokens of `mask`."""
     adv = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
     low = (rho < 1 - epsilon) & (adv < 0)
     high = (rho > 1 + epsilon_high) & (adv > 0)
-    return {"clip_low": masked_mean(low.float(), mask).item(), "clip_high": masked_mean(high.float(), mask).item(),
-            "policy_clip_fraction": masked_mean((low | high).float(), mask).item()}
+    m = mask.float()
+    tokens = max(float(m.sum()) if n_tokens is None else float(n_tokens), 1.0)
+    frac = lambda x: float((x.float() * m).sum()) / tokens  # noqa: E731
+    return {"clip_fraction_low": frac(low), "clip_fraction_high": frac(high), "policy_clip_fraction": frac(low | high)}
 
 
 # ---- the loss ---------------------------------------------------------------------------------------------
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, *, epsilon: float = 0.2,
               epsilon_high: float | None = None, beta: float = 0.0, loss_type: str = "grpo",
-              max_completion_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
-    """-J of paper-notes §2 and its diagnostics. old_logp None means on-policy (rho = 1, value-wise)."""
+              max_completion_tokens: int | None = None, n_rows: int | None = None,
+              n_tokens: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+    """-J of paper-notes §2 and its diagnostics. old_logp None means on-policy (rho = 1, value-wise).
+
+    The whole weighting is here: with `n_rows` / `n_tokens` (the micro-batch's counts when rows with zero loss
+    were left out) the loss and the clip fractions are those of the whole micro-batch (see `aggregate`)."""
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     old_logp = logp.detach() if old_logp is None else old_logp
     surrogate, rho = clipped_surrogate(logp, old_logp, advantages, epsilon, epsilon_high)
     per_token = -surrogate
     stats: dict[str, float] = {}
-    if ref_logp is not None:  # KL is logged whenever a reference is given, and penalised when beta > 0
+    if beta != 0.0:  # the penalty, and its value as the logged KL (the trainer measures it itself when beta = 0)
+        if ref_logp is None:
+            raise ValueError("beta > 0 needs ref_logp")
         kl = kl_k3(logp, ref_logp)
-        if beta != 0.0:
-            per_token = per_token + beta * kl
+        per_token = per_token + beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask).item()
-    elif beta != 0.0:
-        raise ValueError("beta > 0 needs ref_logp")
-    loss = aggregate(per_token, mask, loss_type, max_completion_tokens)
-    stats.update(clip_fractions(rho.detach(), advantages, mask, epsilon, epsilon_high))
+    loss = aggregate(per_token, mask, loss_type, max_completion_tokens, n_rows, n_tokens)
+    stats.update(clip_fractions(rho.detach(), advantages, mask, epsilon, epsilon_high, n_tokens))
     return loss, stats

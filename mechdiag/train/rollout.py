@@ -7,11 +7,12 @@ under full fine-tuning. Each of the old and reference log-probs is one batched f
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens
+from mechdiag.generate import cache_kw, encode_prompts, eos_ids, pad_id, sample_tokens
 from mechdiag.train import objective as obj
 
 
@@ -33,7 +34,6 @@ class Rollout:
     ref_logp: torch.Tensor | None = None
     sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
     sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -67,9 +67,6 @@ def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mas
 def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
     """Token log-probs of the completions under `model` (no grad). Rows come in groups of `group_size` sharing
     one prompt, so each prompt is run once and its KV cache serves the group's completions."""
-    from transformers import DynamicCache
-
-    from mechdiag.generate import cache_kw
 
     g, t = group_size, r.completion_ids.size(1)
     if g == 1 or t == 1:
