@@ -632,3 +632,56 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in res.rows)
         click.echo(buf.getvalue(), nl=False)
     click.echo(f"run: {res.out_dir} (eval_benchmarks.jsonl, eval_models.jsonl, eval_samples.jsonl)", err=True)
+
+
+# ---- attribute ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("run", type=click.Path(file_okay=False, path_type=str))
+@click.option("--by", type=click.Choice(["layer", "module", "both"]), default="both", show_default=True)
+@click.option("--n", "n", type=click.IntRange(min=1), help="Use the first N of the run's held-out problems "
+              "(default: all of them; the reference rows match summary.json only then).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+              show_default=True)
+@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@click.option("--save", is_flag=True, help="Also write the rows into the run (attribution.jsonl) for report and "
+              "recommend.")
+def attribute(run, by, n, fmt, out, save):
+    """Causal share of each LoRA layer and module of RUN's final adapter: held-out accuracy, reward and output KL
+    with the part removed (*_without) and with only the part kept (*_only)."""
+    import io
+
+    import pandas as pd
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mechdiag import atomic
+    from mechdiag import attribute as A
+
+    A.check_out(out, fmt)
+    A.open_run(run)  # bad run directories fail here, before any model is loaded
+    att = A.Attribution(run, n=n)
+    with Progress(TextColumn("attribute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("evals", total=att.n_evals(by))
+        rows = att.rows(by, progress=lambda: bar.advance(task))
+    if save:
+        atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
+    df = pd.DataFrame(rows, columns=A.COLUMNS)
+    df["layer"] = df["layer"].astype("Int64")
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            df.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(rows) + "\n"
+    elif fmt == "csv":
+        text = df.to_csv(index=False)
+    else:
+        buf = io.StringIO()
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else 200, force_terminal=False).print(
+            _rows_table(df, f"attribution of {run} ({len(att.examples)} held-out problems)"))
+        text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)

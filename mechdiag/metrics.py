@@ -1,5 +1,6 @@
 """Metric definitions shared by the CLI, the report and recommend: which way is better, display order, mean and
-std over seeds, the pass@k / maj@k estimators, and update mass (docs/metrics.md has the formulas)."""
+std over seeds, the pass@k / maj@k estimators, update mass, and the causal share of `mechdiag attribute`
+(docs/metrics.md has the formulas)."""
 
 from __future__ import annotations
 
@@ -151,3 +152,48 @@ def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool 
         mass = {k: v / ref[k] for k, v in mass.items()}
     total = math.fsum(mass.values())
     return {k: v / total for k, v in mass.items()} if total > 0 else {}
+
+
+# ---- attribution (mechdiag attribute) -----------------------------------------------------------------------------
+ATTRIBUTION_REFERENCE = "reference"  # the `by` of the rows "none" (nothing removed) and "all" (everything removed)
+
+
+def attribution_reference(rows: list[dict], part: str) -> dict | None:
+    return next((r for r in rows if r.get("by") == ATTRIBUTION_REFERENCE and r.get("part") == part), None)
+
+
+def causal_shares(rows: list[dict], by: str) -> dict:
+    """Causal share per layer or module: its output_kl_without over the sum over the parts of that `by` (sums to 1;
+    {} when nothing was recorded)."""
+    parts = [r for r in rows if r.get("by") == by and is_number(r.get("output_kl_without"))]
+    total = math.fsum(float(r["output_kl_without"]) for r in parts)
+    if total <= 0:
+        return {}
+    return {(int(r["layer"]) if by == "layer" else r["module"]): float(r["output_kl_without"]) / total for r in parts}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):  # ties share their mean rank
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def rank_correlation(a: dict, b: dict) -> float | None:
+    """Spearman's rho between two shares over their common keys: Pearson's r of the (tie-averaged) ranks. None with
+    fewer than 3 common keys or a constant side."""
+    keys = sorted(set(a) & set(b), key=str)
+    if len(keys) < 3:
+        return None
+    x, y = _ranks([a[k] for k in keys]), _ranks([b[k] for k in keys])
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxy = math.fsum((u - mx) * (v - my) for u, v in zip(x, y, strict=True))
+    sxx, syy = math.fsum((u - mx) ** 2 for u in x), math.fsum((v - my) ** 2 for v in y)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)

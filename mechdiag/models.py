@@ -1,11 +1,13 @@
 """Model I/O, the one home for it: every model form a command accepts, tokenizers, PEFT adapters, devices.
 
-A model argument is `bundled`, a Hugging Face model folder (or hub name), a PEFT adapter folder, or a mechdiag
-run directory (its final/; a checkpoint with `checkpoint=N`); `checkpoint_folder` turns any of them into a folder.
+A model argument is `bundled` (or `bundled:deep`), a Hugging Face model folder (or hub name), a PEFT adapter
+folder, or a mechdiag run directory (its final/; a checkpoint with `checkpoint=N`); `checkpoint_folder` turns any
+of them into a folder.
 
 "bundled" is the tiny Llama shipped in mechdiag/assets/arith-base (made by scripts/make_base.py), so the
-default run works offline. Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on
-load, so it is refused with a line saying how to convert it.
+default run works offline; "bundled:deep" is its 8-layer sibling in mechdiag/assets/arith-deep
+(docs/base-model.md). Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on load, so
+it is refused with a line saying how to convert it.
 
 Pad token: a tokenizer without one gets its EOS token as pad (else UNK, else BOS). Generation pads on the left
 and masks the pad positions, so the choice never changes what the model sees.
@@ -30,19 +32,21 @@ from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint
 
 BUNDLED = "bundled"
+BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 
 
-def bundled_path() -> Path:
-    return ASSETS / "arith-base"
+def bundled_path(name: str = BUNDLED) -> Path:
+    return ASSETS / BUNDLED_ASSETS[name]
 
 
 def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
-    """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
-    if str(name_or_path) == BUNDLED:
-        path = bundled_path()
+    """'bundled' (or 'bundled:deep') -> the asset folder; an existing folder holding `need` -> itself; else a
+    hub name."""
+    if str(name_or_path) in BUNDLED_ASSETS:
+        path = bundled_path(str(name_or_path))
         if not (path / "config.json").exists():
-            raise UserError(f"the bundled base model is missing from {path}; reinstall mechdiag")
+            raise UserError(f"the bundled base model {name_or_path} is missing from {path}; reinstall mechdiag")
         return str(path)
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -78,10 +82,11 @@ def is_run_dir(folder: Path) -> bool:
 
 
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
-    """The folder behind a model argument: `bundled`, a model or adapter folder, or a run directory (its final/,
-    else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths pass through."""
-    if str(arg) == BUNDLED:
-        return Path(resolve(BUNDLED))
+    """The folder behind a model argument: `bundled` (or `bundled:deep`), a model or adapter folder, or a run
+    directory (its final/, else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths
+    pass through."""
+    if str(arg) in BUNDLED_ASSETS:
+        return Path(resolve(str(arg)))
     path = Path(arg).expanduser()
     if not path.is_dir() or not is_run_dir(path):
         if checkpoint is not None:

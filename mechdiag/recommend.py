@@ -24,6 +24,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
     FRAC_ZERO_STD_HIGH,
+    causal_shares,
     last_step,
     max_reward,
     update_mass,
@@ -180,6 +181,8 @@ class Signals:
     final: dict[str, float]
     n_layers: int | None
     samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
+    # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
+    causal: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -200,7 +203,9 @@ class Signals:
             final=_mean_dicts([final_eval(r) for r in runs]),
             n_layers=max(layers) + 1 if layers else None,
             samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
-                           key=lambda x: x.get("split") != "train"))
+                           key=lambda x: x.get("split") != "train"),
+            causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
+                    for by in ("layer", "module")})
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -534,6 +539,9 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
     return (sum(e) / len(e)) / max(sum(m) / len(m), 1e-12)
 
 
+DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
+
+
 @rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
 def reduced_layers(s: Signals):
     n = s.n_layers
@@ -544,11 +552,15 @@ def reduced_layers(s: Signals):
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    if s.layer_mass:
-        ratios["displacement"] = _end_ratio(s.layer_mass, n)
-    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-    if s.shift:
-        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
+    if causal:  # measured importance overrules the correlates
+        ratios["causal share"] = _end_ratio(causal, n)
+    else:
+        if s.layer_mass:
+            ratios["displacement"] = _end_ratio(s.layer_mass, n)
+        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+        if s.shift:
+            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
@@ -560,6 +572,12 @@ def reduced_layers(s: Signals):
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                                f"; strong: > {END_RATIO_STRONG})"))
+    if causal:
+        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
+        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
+              "output KL lost when a layer is removed"
+    else:
+        ev += DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
                     "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
@@ -567,7 +585,8 @@ def reduced_layers(s: Signals):
 
 @rule("reduced_modules", "update mass concentrated in a few module types")
 def reduced_modules(s: Signals):
-    mass, current = s.module_mass, list(s.cfg.lora.target_modules)
+    causal = s.causal.get("module", {})
+    mass, current = causal or s.module_mass, list(s.cfg.lora.target_modules)
     m = len(mass)
     if not s.cfg.lora.enabled or m <= MIN_MODULES:
         return None
@@ -581,13 +600,14 @@ def reduced_modules(s: Signals):
         return None
     keep = {str(mod).rsplit(".", 1)[-1] for mod, _ in ranked[:k]}  # LoRA targets by name: "attn.c_proj" -> c_proj
     new = [mod for mod in current if mod in keep]
-    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} of the size-normalised update mass "
-          f"({k} of {m} modules, "
-          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})")
+    what = "of the causal share (output KL lost without the module; attribution)" if causal else \
+        "of the size-normalised update mass"
+    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} {what} ({k} of {m} modules, "
+          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
                     "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
-                    modules=",".join(new))
+                    modules=",".join(new), source="causal share" if causal else "displacement")
 
 
 @rule("entropy_collapse", "policy entropy collapses and it costs something: diversity, pass@k or accuracy")

@@ -9,6 +9,7 @@
     RUN/eval_benchmarks.jsonl  rows of `mechdiag eval` (benchmark x metric x model group)
     RUN/eval_models.jsonl  the same per adapter, before grouping
     RUN/eval_samples.jsonl every completion `mechdiag eval` scored
+    RUN/attribution.jsonl  rows of `mechdiag attribute --save` (mechdiag.attribute.COLUMNS)
     RUN/checkpoints/step-N/ (complete when step-N/COMPLETE exists), RUN/final/, RUN/summary.json
 
 `Run` is a run directory read into memory (`load_run`); `group_runs` pools seeds of one config; `base_eval` and
@@ -32,7 +33,8 @@ from mechdiag import atomic
 from mechdiag import config as configlib
 from mechdiag.errors import UserError
 
-STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples")
+STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples",
+           "attribution")
 # summary.json, whoever writes it (native trainer, TRL callback, TRL and verl readers): flat keys, metrics of the
 # untrained and the final model as base_<metric> / final_<metric>.
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",

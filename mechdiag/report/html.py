@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
 from mechdiag.config import to_yaml
-from mechdiag.metrics import direction, mean_std
+from mechdiag.metrics import attribution_reference, causal_shares, direction, mean_std, rank_correlation
 from mechdiag.report import figures as F
 from mechdiag.run import Group, Run, base_eval, final_eval
 
@@ -280,6 +280,44 @@ def section_shift(groups: list[Group], figs: _Figures) -> str:
         "prompts.</p>")
 
 
+def section_attribution(groups: list[Group]) -> str:
+    """Causal share (output KL lost without the part) beside displacement share, per layer and module."""
+    out = []
+    for g in groups:
+        for r in g.runs:
+            rows = r.read("attribution")
+            if not rows:
+                continue
+            none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
+            head = (f"<h3>{esc(r.name)}</h3><p>tuned accuracy {_fmt(none and none.get('accuracy_without'))}, "
+                    f"without the whole adapter {_fmt(allr and allr.get('accuracy_without'))}</p>")
+            tables = []
+            for by in ("layer", "module"):
+                parts = [x for x in rows if x.get("by") == by]
+                if not parts:
+                    continue
+                causal = causal_shares(rows, by)
+                disp = {(x["layer"] if by == "layer" else x["module"]): x.get("disp_share") for x in parts
+                        if _num(x.get("disp_share")) is not None}
+                rho = rank_correlation(disp, causal)
+                body = "".join(
+                    f"<tr><th>{esc(x['part'])}</th><td>{_fmt(x.get('disp_share'), 3)}</td>"
+                    f"<td>{_fmt(causal.get(x['layer'] if by == 'layer' else x['module']), 3)}</td>"
+                    f"<td>{_fmt(x.get('accuracy_without'))}</td><td>{_fmt(x.get('accuracy_only'))}</td>"
+                    f"<td>{_fmt(x.get('output_kl_without'), 3)}</td></tr>" for x in parts)
+                tables.append(f"<table class=cmp><tr><th>{by}</th><th>displacement share</th><th>causal share</th>"
+                              f"<th>accuracy without</th><th>accuracy only</th><th>output KL without</th></tr>"
+                              f"{body}</table><p>Spearman rank correlation (displacement vs causal, by {by}): "
+                              f"{_fmt(rho, 3)}</p>")
+            out.append(head + "".join(tables))
+    if not out:
+        return _missing("No attribution recorded (attribution.jsonl missing; run `mechdiag attribute RUN --save`)")
+    return "".join(out) + (
+        "<p class=note>Causal share: a part's output KL(tuned || tuned without the part) on the held-out greedy "
+        "completions, over the sum for all parts of its kind. Displacement share: its share of Σ ||ΔW||². A rank "
+        "correlation near 1 means displacement predicted which parts mattered on this run.</p>")
+
+
 def section_benchmarks(groups: list[Group]) -> str:
     # (benchmark, metric) -> column -> values over seeds; the column is the model label, per group.
     cells: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -507,6 +545,7 @@ def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) 
         ("dynamics", "Training dynamics: the eight signals", section_dynamics(groups, figs)),
         ("displacement", "Weight displacement", section_displacement(groups, figs)),
         ("shift", "Activation shift", section_shift(groups, figs)),
+        ("attribution", "Attribution: causal vs displacement share", section_attribution(groups)),
         ("benchmarks", "Evaluation: base vs tuned", section_benchmarks(groups)),
         ("recommendations", "Recommendations", section_recommendations(advice)),
         ("samples", "Sample completions: base vs tuned", section_samples(groups)),

@@ -97,6 +97,28 @@ def check_data(cfg: Config) -> None:
             raise UserError(f"mixture task {s.name} has no training examples")
 
 
+# ---- held-out evaluation -----------------------------------------------------------------------------------
+@torch.inference_mode()
+def heldout_eval(model, tokenizer, task, examples: list, prompts: list[str], cfg: Config,
+                 batch_size: int = 256) -> tuple[dict, list]:
+    """The trainer's held-out numbers from the one greedy pass (generate.greedy): accuracy, eval reward, entropy
+    and completion length of `model` on `examples`, and per problem (Sample, correct, reward). `mechdiag attribute`
+    scores with it too, so its reference rows equal summary.json exactly."""
+    was = model.training
+    model.eval()
+    try:
+        done, ent_sum, ent_n = greedy(model, tokenizer, prompts, cfg.max_completion_tokens, cfg.max_prompt_tokens,
+                                      batch_size)
+    finally:
+        model.train(was)
+    scored = [(smp, bool(task.correct(smp.text, ex)), task.reward(smp.text, ex, tasks.reward_weights(cfg))[0])
+              for smp, ex in zip(done, examples, strict=True)]
+    n = len(scored)
+    out = {"accuracy": sum(ok for _, ok, _ in scored) / n, "eval_reward": sum(r for _, _, r in scored) / n,
+           "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / n}
+    return out, scored
+
+
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
@@ -292,30 +314,15 @@ class Trainer:
         return [rng.choice(self.train_examples[s]) for s in picks]
 
     # ---- evaluation -----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
         """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, model = self.cfg, self.sampler()
-        was = model.training
-        model.eval()
-        correct, rewards, samples = [], [], []
-        try:
-            done, ent_sum, ent_n = greedy(model, self.tokenizer, self.eval_prompts, cfg.max_completion_tokens,
-                                          cfg.max_prompt_tokens, batch_size)
-            for smp, ex, prompt in zip(done, self.eval_examples, self.eval_prompts, strict=True):
-                r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
-                ok = bool(self.task.correct(smp.text, ex))
-                correct.append(ok)
-                rewards.append(r)
-                if len(samples) < 16:
-                    samples.append({"step": step, "split": "eval", "example_id": ex.id, "prompt": prompt,
-                                    "completion": smp.text, "correct": ok, "reward": r})
-            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
-                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / len(done)}
-            out.update(self._pass_at_k(step))
-        finally:
-            model.train(was)
-        self.run.append("samples", samples)
+        out, scored = heldout_eval(self.sampler(), self.tokenizer, self.task, self.eval_examples, self.eval_prompts,
+                                   self.cfg, batch_size)
+        out.update(self._pass_at_k(step))
+        self.run.append("samples", [{"step": step, "split": "eval", "example_id": ex.id, "prompt": prompt,
+                                     "completion": smp.text, "correct": ok, "reward": r}
+                                    for ex, prompt, (smp, ok, r) in zip(self.eval_examples, self.eval_prompts,
+                                                                        scored[:16], strict=False)])
         return out
 
     def _pass_at_k(self, step: int) -> dict:
