@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 import shutil
 import sys
 import time
@@ -47,6 +48,14 @@ def _is_number(v) -> bool:
     return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool))
 
 
+# Text made only of numbers ("0.56 ± 0.014 (+0.36)"): kept whole like a number, never wrapped mid-figure.
+_NUMERIC_TEXT = re.compile(r"[\d.eE+\-±()% ]+|-|inf|nan|NaN/Inf")
+
+
+def _fixed(v) -> bool:
+    return _is_number(v) or (isinstance(v, str) and _NUMERIC_TEXT.fullmatch(v) is not None)
+
+
 def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence], width: int | None = None,
                  digits: int = 4, keep: Sequence[str] = (), styles: Sequence[Sequence[str | None]] | None = None,
                  color: bool = False) -> str:
@@ -59,10 +68,11 @@ def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Seque
     importance = [columns.index(k) for k in keep if k in columns]
     importance += [i for i in range(len(columns)) if i not in importance]
     numeric = [bool(rows) and all(_is_number(r[i]) for r in rows) for i in range(len(columns))]
+    fixed = [bool(rows) and all(_fixed(r[i]) for r in rows) for i in range(len(columns))]
 
     def layout(n_cols: int, d: int) -> list[tuple[str, bool, list[str], int]]:
-        """(header, numeric, formatted cells, index) of the n_cols most important columns, in their given order."""
-        return [(columns[i], numeric[i], [number(r[i], d) if numeric[i] else str(r[i]) for r in rows], i)
+        """(header, fixed width, formatted cells, index) of the n_cols most important columns, in their order."""
+        return [(columns[i], fixed[i], [number(r[i], d) if numeric[i] else str(r[i]) for r in rows], i)
                 for i in sorted(importance[:n_cols])]
 
     def need(cols) -> int:
@@ -83,7 +93,7 @@ def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Seque
     table = Table(title=Text(title) if title else None,
                   caption=Text(f"{hidden} more column(s) need a wider terminal or --format json") if hidden else None)
     for head, is_num, cells, _ in chosen:
-        if is_num:  # fixed width: rich never narrows it, so a number is never cut
+        if is_num:  # fixed width: rich never narrows it, so a number is never cut or wrapped
             table.add_column(Text(head), justify="right", overflow="fold", width=max(len(c) for c in cells + [head]))
         else:
             table.add_column(Text(head), justify="left", overflow="fold")
