@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag import atomic  # noqa: E402
 from mechdiag import config as configlib  # noqa: E402
-from mechdiag.compare import final_eval, load_run  # noqa: E402
+from mechdiag.run import final_eval, load_run  # noqa: E402
 from mechdiag.config import ALL_MODULES  # noqa: E402
 from mechdiag.tune import DEFAULT_TRAINER, load_train_fn, tune  # noqa: E402
 
