@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mechdiag import atomic  # noqa: E402
 from mechdiag import config as configlib  # noqa: E402
 from mechdiag.run import final_eval, load_run  # noqa: E402
+from mechdiag.tasks import reward_weights  # noqa: E402
 from mechdiag.config import ALL_MODULES  # noqa: E402
 from mechdiag.tune import DEFAULT_TRAINER, load_train_fn, tune  # noqa: E402
 
@@ -49,7 +50,9 @@ SPACE = {
 
 def draw(rng: random.Random, base: dict, seed: int) -> configlib.Config:
     d = configlib.apply_overrides(base, [f"seed={seed}"])
-    cfg = configlib.from_dict(d).model_dump(mode="json")
+    resolved = configlib.from_dict(d)
+    cfg = resolved.model_dump(mode="json")
+    cfg["rewards"]["weights"] = reward_weights(resolved)  # the task's weights when the config sets none
     for key, choices in SPACE.items():
         v = rng.choice(choices)
         if key == "rewards.correctness":
