@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag import atomic  # noqa: E402
 from mechdiag import config as configlib  # noqa: E402
+from mechdiag.config import ALL_MODULES  # noqa: E402
 from mechdiag.run import final_eval, load_run  # noqa: E402
 from mechdiag.tasks import reward_weights  # noqa: E402
-from mechdiag.config import ALL_MODULES  # noqa: E402
 from mechdiag.tune import DEFAULT_TRAINER, load_train_fn, tune  # noqa: E402
 
 POOR = {"temperature": 0.4, "beta": 0.0, "max_completion_tokens": 16,
