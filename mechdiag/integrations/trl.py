@@ -321,10 +321,11 @@ class MechdiagCallback(TrainerCallback):
     """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
 
     Every log: metrics.jsonl in canonical keys (reward_cv from a GroupCV wrapper's log, else from the completions
-    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps: displacement.jsonl
-    rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or every `eval_every`
-    steps of the callback's own schedule, and at the start and end when `evaluate` is given): eval.jsonl, with
-    `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, and shift.jsonl on `shift_prompts`.
+    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps and at the end:
+    displacement.jsonl rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or
+    every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
+    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, and shift.jsonl on
+    `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
     """
@@ -344,7 +345,7 @@ class MechdiagCallback(TrainerCallback):
         self.run: RunDir | None = None
         self.recorder_s = 0.0
         self._pending: dict | None = None
-        self._last_eval_step = -1
+        self._last_eval_step = self._last_displacement_step = -1
         self._evals: list[dict] = []
         self._derived = False
 
@@ -392,6 +393,14 @@ class MechdiagCallback(TrainerCallback):
                                   step=step)
             self.run.append("shift", [{**r, "step": step} for r in rows])
 
+    def _record_displacement(self, step: int, model) -> None:
+        peft_model = _peft(model)
+        if peft_model is not None and self._last_displacement_step != step:
+            from mechdiag.displacement import lora_rows
+
+            self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
+            self._last_displacement_step = step
+
     # ---- events -------------------------------------------------------------------------------------
     @_timed
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
@@ -427,11 +436,7 @@ class MechdiagCallback(TrainerCallback):
             return
         step = state.global_step
         if self.displacement_every and step % self.displacement_every == 0:
-            peft_model = _peft(model)
-            if peft_model is not None:
-                from mechdiag.displacement import lora_rows
-
-                self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
+            self._record_displacement(step, model)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
@@ -455,6 +460,8 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         self._flush(args)
+        if self.displacement_every:  # the final weights are always recorded, whatever the period
+            self._record_displacement(state.global_step, model)
         if self.evaluate is not None and self._last_eval_step != state.global_step:
             self._record_eval(state.global_step, model, processing_class)
         evals = [e for e in self._evals if "accuracy" in e]

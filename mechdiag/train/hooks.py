@@ -99,23 +99,30 @@ class _Lazy(Hook):
 
 
 class DisplacementRecorder(_Lazy):
-    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base."""
+    """Every `every` steps and at the last step, rel_fro per layer x module of the effective LoRA weights
+    against the base (the final weights are always recorded, so a short run has its end point)."""
 
     target = "mechdiag.displacement:lora_rows"
 
     def __init__(self, every: int):
         self.every = every
+        self.last = -1
 
     def _record(self, trainer, step):
         fn = self._fn()
-        if fn is None or not trainer.cfg.lora.enabled:
+        if fn is None or not trainer.cfg.lora.enabled or step == self.last:
             return
         rows = fn(trainer.model)
         trainer.run.append("displacement", [{"step": step, **r} for r in rows])
+        self.last = step
 
     def on_step_end(self, trainer, step, metrics, rollout):
-        if self.every and step % self.every == 0:
+        if self.every and (step % self.every == 0 or step == trainer.total_steps):
             self._record(trainer, step)
+
+    def on_train_end(self, trainer, summary):  # stopped early (max_time_s): the weights it ended with
+        if self.every and trainer.step > 0:
+            self._record(trainer, trainer.step)
 
 
 class ShiftRecorder(_Lazy):
