@@ -137,6 +137,7 @@ class Config(_Strict):
     save_every: int = Field(20, ge=0)
     max_bad_steps: int = Field(5, ge=1)  # non-finite updates in a row before the run stops
     merged_sampler: bool = True  # LoRA: decode with a merged adapter-free copy (faster; one more copy of weights)
+    device: str = "auto"  # auto (the GPU if any), cpu, cuda, cuda:N, mps; checked before the model loads
     threads: int | None = Field(None, ge=1)  # torch threads; None = the cores not already busy (2 when idle)
     hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
 

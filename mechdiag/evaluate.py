@@ -345,24 +345,11 @@ def parse_adapters(specs: Iterable[str], group: str | None = None) -> list[Tuned
     return out
 
 
-def resolve_device(device: str | None) -> str:
-    """None/"auto": the GPU when there is one, else the CPU; otherwise checked as given ("cpu", "cuda:1", "mps")."""
-    import torch
-
-    if device in (None, "auto"):
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device {device}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
-                        ) from None
-    return device
-
-
 class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
 
     def __init__(self, model_name: str, tuned: list[Tuned], dtype: str = "float32", device: str | None = None):
+        from mechdiag.models import resolve_device
         from mechdiag.train.trainer import load_model
 
         self.model_name = model_name

@@ -135,6 +135,43 @@ def _tokenizer_class(folder: Path) -> str | None:
         return None
 
 
+DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N or mps"
+
+
+def resolve_device(spec: str | None = "auto"):
+    """The torch.device that `spec` names, checked against this machine before any model is loaded.
+
+    "auto"/None: the first CUDA GPU, else Apple's MPS, else the CPU. A device that is not here is a UserError."""
+    import torch
+
+    s = "auto" if spec is None else str(spec).strip().lower()
+    if s == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", 0)
+        mps = getattr(torch.backends, "mps", None)
+        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
+    try:
+        dev = torch.device(s)
+    except (RuntimeError, ValueError):
+        raise UserError(f"device {spec!r} is not a device; use {DEVICE_HELP}") from None
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise UserError(f"device {spec!r}: no CUDA GPU here (torch {torch.__version__}); use --device cpu or auto")
+        index = 0 if dev.index is None else dev.index
+        if index >= n:
+            raise UserError(f"device {spec!r}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
+        return torch.device("cuda", index)
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise UserError(f"device {spec!r}: Apple MPS is not available here; use --device cpu or auto")
+        return torch.device("mps")
+    raise UserError(f"device {spec!r} is not supported; use {DEVICE_HELP}")
+
+
 def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM

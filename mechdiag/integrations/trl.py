@@ -158,7 +158,6 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
-    import torch
     from trl import GRPOConfig
 
     n = n_processes or world_size()
@@ -166,7 +165,9 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     if micro % n:
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
                         f"{n} processes; pick sizes it divides")
-    cuda = torch.cuda.is_available()
+    from mechdiag.models import resolve_device
+
+    cuda = resolve_device(cfg.device).type == "cuda"  # accelerate places the processes; cpu forces use_cpu
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,

@@ -65,7 +65,7 @@ def frozen_copy(model):
     return out
 
 
-def prepare_model(cfg: Config):
+def prepare_model(cfg: Config, device: torch.device | None = None):
     """(model, tokenizer, ref_model, sampler).
 
     LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
@@ -76,6 +76,7 @@ def prepare_model(cfg: Config):
     from mechdiag.train.lora import apply_lora
 
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model.to(device or torch.device("cpu"))  # before LoRA: peft puts the factors beside the base weights
     if cfg.lora.enabled:
         sampler = frozen_copy(model) if cfg.merged_sampler else None
         return apply_lora(model, cfg.lora), tok, None, sampler
@@ -121,8 +122,10 @@ class Trainer:
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
-        self.device = next(self.model.parameters()).device
+        from mechdiag.models import resolve_device
+
+        self.device = resolve_device(cfg.device)  # a device that is not here fails before the model loads
+        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
         self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
                                              for s in cfg.task.mixture]
