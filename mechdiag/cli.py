@@ -127,10 +127,13 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     device_ = resolve_device(cfg.device)  # a device that is not here: one line, exit 2, nothing loaded
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
-        from mechdiag.train.trainer import prepare_model
+        from mechdiag.train.trainer import param_bytes, prepare_model
 
         click.echo(C.to_yaml(cfg), nl=False)
-        model = prepare_model(cfg, device_)[0]
+        model, _, _, sampler = prepare_model(cfg, device_)
+        if sampler is not None:
+            mb = param_bytes(sampler) / 2**20
+            click.echo(f"# sampler: merged copy of the weights ({mb:.1f} MiB more; sampler=adapter drops it)")
         if cfg.lora.enabled:
             rows = lora_modules(model)
             click.echo(f"# LoRA trains {len(rows)} modules, {trainable_parameters(model)} parameters:")

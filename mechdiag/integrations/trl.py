@@ -181,7 +181,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="no", report_to=[], bf16=cuda and cfg.model.dtype == "bfloat16",
-        fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=False, use_cpu=not cuda,
+        fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
+        use_cpu=not cuda,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
         dataloader_num_workers=0,
         use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3

@@ -65,20 +65,42 @@ def frozen_copy(model):
     return out
 
 
+# The merged sampler pays where peft's per-module overhead is a large share of a decode step: small models (the
+# bundled base: ~30% of decode time). At 0.5B it costs a full copy of the weights for a few percent
+# (docs/benchmarks.md, bench/scale.py), so "auto" keeps it up to this many parameters.
+SAMPLER_AUTO_MAX_PARAMS = 100_000_000
+
+
+def sampler_choice(cfg: Config, n_params: int) -> str:
+    """"merged" or "adapter" (the model decodes itself): cfg.sampler, with "auto" decided by the model size."""
+    if not cfg.lora.enabled:
+        return "adapter"
+    if cfg.sampler == "auto":
+        return "merged" if n_params <= SAMPLER_AUTO_MAX_PARAMS else "adapter"
+    return cfg.sampler
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def prepare_model(cfg: Config, device: torch.device | None = None):
     """(model, tokenizer, ref_model, sampler).
 
     LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
-    frozen copy as the reference. `sampler` (LoRA with cfg.merged_sampler only) is an adapter-free copy of the
-    base into which the effective weights are written before each rollout and eval, because plain layers decode
-    faster; it is None otherwise and the model samples itself.
+    frozen copy as the reference. `sampler` (LoRA, when sampler_choice says "merged") is an adapter-free copy of
+    the base into which the effective weights are written before each rollout and eval, because plain layers
+    decode faster; it is None otherwise and the model samples itself.
     """
     from mechdiag.train.lora import apply_lora
 
     model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
     model.to(device or torch.device("cpu"))  # before LoRA: peft puts the factors beside the base weights
+    if cfg.gradient_checkpointing:  # only active in train mode: decoding (eval mode) keeps its KV cache
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
-        sampler = frozen_copy(model) if cfg.merged_sampler else None
+        n_params = sum(p.numel() for p in model.parameters())
+        sampler = frozen_copy(model) if sampler_choice(cfg, n_params) == "merged" else None
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
@@ -126,6 +148,11 @@ class Trainer:
 
         self.device = resolve_device(cfg.device)  # a device that is not here fails before the model loads
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
+        # what the copies cost: the reference (full fine-tuning) or the merged sampler (LoRA) is one more model
+        self.memory = {"weights_bytes": param_bytes(self.model),
+                       "sampler": "merged" if self._sampler is not None else "adapter",
+                       "sampler_bytes": param_bytes(self._sampler) if self._sampler is not None else 0,
+                       "reference_bytes": param_bytes(self.ref_model) if self.ref_model is not None else 0}
         self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
         self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
                                              for s in cfg.task.mixture]
@@ -435,7 +462,7 @@ class Trainer:
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
                        "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start}
+                       "wall_time_s": time.perf_counter() - t_start, "memory": self.memory}
             self.run.write_summary(summary)
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
