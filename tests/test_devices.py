@@ -109,12 +109,18 @@ def test_gradient_checkpointing_same_loss_and_gradient(stories260k, tmp_path):
     args = ("max_steps=1", "beta=0.04", "lora.dropout=0")
     plain = Trainer(C.load(None, small(stories260k, *args)), tmp_path / "plain")
     ckpt = Trainer(C.load(None, small(stories260k, *args, "gradient_checkpointing=true")), tmp_path / "ckpt")
-    roll = collect(plain.model, plain.tokenizer, plain.task, plain.batch(1), plain.cfg, torch.Generator().manual_seed(0))
+    roll = collect(plain.model, plain.tokenizer, plain.task, plain.batch(1), plain.cfg,
+                   torch.Generator().manual_seed(0))
     out = []
     for tr in (plain, ckpt):
-        saved = []  # tensors autograd keeps from the forward; checkpointed layers keep only their inputs
+        saved: list[int] = []  # tensors autograd keeps from the forward; checkpointed layers keep their inputs
+
+        def pack(t, saved=saved):
+            saved.append(t.numel())
+            return t
+
         tr.model.train()
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
         params = [p for p in tr.model.parameters() if p.requires_grad]
         out.append((loss.detach(), torch.autograd.grad(loss, params), sum(saved)))
