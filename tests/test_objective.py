@@ -150,3 +150,12 @@ def test_loss_and_gradient_match_trl(loss_type):
     assert st["policy_clip_fraction"] > 0  # the case really exercises the clip
     ent = obj.masked_mean(obj.token_entropy(base), mask).item()
     assert ent == pytest.approx(metrics["entropy"][0], abs=1e-5)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_equal_reward_groups_get_exactly_zero_advantage(scale):
+    # values whose float mean misses them by an ulp (0.1 x 8, 1.7 x 3, ...): still exactly 0, the skip's condition
+    for g in (2, 3, 4, 6, 8):
+        r = torch.cat([torch.full((g,), v) for v in (0.1, 1.7, 2.725, 0.225)] + [torch.arange(g) ** 2.0])
+        a = obj.group_advantages(r, g, scale)
+        assert (a[: 4 * g] == 0).all() and (a[4 * g:] != 0).all()

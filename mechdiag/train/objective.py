@@ -23,17 +23,19 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     rewards: (B,) with groups of `group_size` contiguous. std is the unbiased one (Bessel), as in TRL.
     A group whose rewards are all equal gets zero advantage.
     """
-    r = rewards.view(-1, group_size).to(torch.float32)
-    centred = r - r.mean(dim=1, keepdim=True)
+    r = rewards.view(-1, group_size).to(torch.float64)
+    # a group of equal rewards carries no signal: exactly 0 (its float mean can miss the value by an ulp, and
+    # the division by std + eps would blow that up to ~1e-3), which is what lets the trainer skip its rows
+    centred = torch.where((r == r[:, :1]).all(dim=1, keepdim=True), 0.0, r - r.mean(dim=1, keepdim=True))
     if scale == "none":
-        return centred.reshape(-1)
+        return centred.reshape(-1).to(torch.float32)
     if scale == "group":
         std = r.std(dim=1, keepdim=True)
     elif scale == "batch":
         std = r.reshape(-1).std() if r.numel() > 1 else torch.zeros(())
     else:
         raise ValueError(f"unknown scale_rewards {scale!r}")
-    return (centred / (std + STD_EPS)).reshape(-1)
+    return (centred / (std + STD_EPS)).reshape(-1).to(torch.float32)
 
 
 def group_stats(rewards: torch.Tensor, group_size: int) -> dict[str, float]:
