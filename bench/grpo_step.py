@@ -45,6 +45,7 @@ def bench_mechdiag(args, out: Path) -> dict:
                                        "record.shift_at_eval=true"])
     tr = Trainer(cfg, out / "mechdiag")
     recorders = [h for h in tr.hooks if not isinstance(h, H.Checkpointer)]
+    H.call(recorders, "on_train_start", tr)  # as fit() does: setup, not step time
     step_times, hook_times, lengths, zero = [], [], [], []
     prof = getattr(args, "profiler", None)
     if prof is not None:

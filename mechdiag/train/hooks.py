@@ -86,6 +86,9 @@ class _Lazy(Hook):
     target = ""
     _warned = False
 
+    def on_train_start(self, trainer):  # import now, in setup, not inside the first step that records
+        self._fn()
+
     def _fn(self):
         mod, attr = self.target.split(":")
         try:
