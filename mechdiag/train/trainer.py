@@ -293,14 +293,19 @@ class Trainer:
         for _ in range(cfg.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             finite = True
+            per_pass = self.rows_per_pass(roll)
             for s in range(0, n, micro):
                 rows = torch.arange(s, min(s + micro, n))
-                loss, st = self._micro_loss(roll, rows)
-                st["loss"] = loss.item()
-                finite = finite and math.isfinite(st["loss"])
-                if finite and loss.requires_grad:
-                    (loss / cfg.grad_accum).backward()
-                for k, v in st.items():
+                summed: dict[str, float] = {}
+                for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
+                    loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows)
+                    st["loss"] = loss.item()
+                    finite = finite and math.isfinite(st["loss"])
+                    if finite and loss.requires_grad:
+                        (loss / cfg.grad_accum).backward()
+                    for k, v in st.items():
+                        summed[k] = summed.get(k, 0.0) + v
+                for k, v in summed.items():
                     stats.setdefault(k, []).append(v)
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
@@ -335,8 +340,20 @@ class Trainer:
                    "skipped_updates": skipped}
         return metrics, roll
 
-    def _micro_loss(self, roll, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The loss of micro-batch `rows`, as a share of the whole micro-batch's aggregate.
+    def rows_per_pass(self, roll) -> int:
+        """cfg.update_rows, or the rows whose saved activations (~4 bytes x layers x (16 hidden + 6 MLP) per
+        token, measured on Qwen2 shapes) fit in half the weights' bytes, at least 256 MiB."""
+        if self.cfg.update_rows:
+            return self.cfg.update_rows
+        c = self.model.config
+        hidden, mlp = getattr(c, "hidden_size", 0), getattr(c, "intermediate_size", 0)
+        per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)
+        width = roll.prompt_ids.size(1) + roll.completion_ids.size(1)
+        budget = max(self.memory["weights_bytes"] // 2, 256 * 2**20)
+        return max(1, int(budget // max(per_token * width, 1)))
+
+    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """The loss of rows `rows` as their share of the aggregate over micro-batch `of` (default: rows itself).
 
         With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
         the forward pass (often half the batch: groups with equal rewards) and the aggregate rescaled to match.
@@ -345,7 +362,8 @@ class Trainer:
         keep = rows
         if cfg.beta == 0:
             keep = rows[roll.advantages[rows].cpu() != 0]
-        tokens_all = roll.completion_mask[rows].sum().clamp(min=1)
+        of = rows if of is None else of
+        tokens_all = roll.completion_mask[of].sum().clamp(min=1)
         if len(keep) == 0:
             return torch.zeros(()), {"clip_low": 0.0, "clip_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
@@ -355,7 +373,7 @@ class Trainer:
                                  epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
         token_share = (mb.completion_mask.sum() / tokens_all).item()
-        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(rows)
+        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(of)
         st = {k: v * token_share for k, v in st.items() if k != "kl"}
         return loss * share, st
 
