@@ -6,7 +6,7 @@ parameters, almost all in the layers), random init, written once as float32 safe
 samples, displacement at the end, shift at the final eval). A process's peak RSS (ru_maxrss) is divided by the
 float32 weight bytes; s/step is the step's own time from metrics.jsonl.
 
-    python bench/scale.py [--cases native,native-adapter,trl] [--model-dir DIR] [--threads 2] [--dtype float32]
+    python bench/scale.py [--cases native,native-merged,trl] [--model-dir DIR] [--threads 2] [--dtype float32]
 
 beta is 0.04 so that both trainers run the backward on every row (a random model's rewards are all equal, and
 with beta 0 mechdiag would skip them all).
@@ -93,7 +93,7 @@ def child(case: str, overrides: list[str], out: Path) -> dict:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--cases", default="native,native-adapter,trl")
+    ap.add_argument("--cases", default="native,native-merged,trl")
     ap.add_argument("--model-dir", type=Path, default=None, help="where the model is built (kept; default: a temp dir)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--group", type=int, default=8)
