@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mechdiag import evaluate as E  # noqa: E402
-from mechdiag.train.trainer import load_model  # noqa: E402
+from mechdiag.models import load_model_and_tokenizer as load_model  # noqa: E402
 
 
 def peer(model, tok, bench, samples: int, max_new: int, chunk: int) -> float:

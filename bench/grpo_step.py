@@ -9,6 +9,13 @@ first, and reports the median of the per-round ratios with their spread (min-max
 machine moves both sides of a ratio alike. `--profile` prints where mechdiag's step time goes (cProfile).
 
     python bench/grpo_step.py [--model bundled] [--steps 8] [--rounds 5] [--beta 0] [--threads 2] [--profile]
+
+With --skip (and --beta 0) it measures instead the trainer's beta = 0 shortcut, which leaves completions with
+A = 0 out of the update pass: the same trainer twice, alternating steps, once with exact-zero advantages for
+equal-reward groups (objective.group_advantages) and once with the float32 centring it had before (A ~ 1e-3,
+never 0, so the shortcut never fires). Reports the share of rows skipped and the median update time of each.
+
+    python bench/grpo_step.py --skip --beta 0 --steps 6 --warmup 1 --threads 1
 """
 
 from __future__ import annotations
@@ -76,6 +83,51 @@ def bench_mechdiag(args, out: Path) -> dict:
             "shift": "on" if _has("mechdiag.probes.shift") else "absent (not merged)"}
 
 
+def _float32_advantages(rewards, group_size, scale="group"):
+    """The advantage before issue 14's fix: centred in float32, so an equal-reward group is off by ~1 ulp."""
+    from mechdiag.train import objective as obj
+
+    r = rewards.view(-1, group_size).to(torch.float32)
+    centred = r - r.mean(dim=1, keepdim=True)
+    return (centred / (r.std(dim=1, keepdim=True) + obj.STD_EPS)).reshape(-1)
+
+
+def bench_skip(args, out: Path) -> dict:
+    """Update time with the zero-advantage skip firing (exact zeros) vs not (float32 centring), alternating."""
+    from unittest import mock
+
+    from mechdiag.train import objective as obj
+    from mechdiag.train.trainer import Trainer
+
+    if args.beta != 0:
+        raise SystemExit("--skip measures the beta = 0 shortcut: add --beta 0")
+    cfg = C.load(None, common(args) + ["record.displacement_every=0", "record.samples_every=0",
+                                       "record.shift_at_eval=false"])
+    peers = {"exact": Trainer(cfg, out / "exact"), "float32": Trainer(cfg, out / "float32")}
+    res = {k: {"update_s": [], "skipped": [], "zero_groups": [], "max_abs_a_equal": []} for k in peers}
+    for step in range(1, args.steps + args.warmup + 1):
+        order = list(peers) if step % 2 else list(peers)[::-1]  # alternate who goes first
+        for name in order:
+            patch = mock.patch.object(obj, "group_advantages", _float32_advantages) if name == "float32" else \
+                mock.patch.object(obj, "group_advantages", obj.group_advantages)
+            with patch:
+                metrics, roll = peers[name].train_step(step)
+            r = roll.rewards.view(-1, cfg.group_size)
+            equal = (r == r[:, :1]).all(dim=1)
+            a = roll.advantages.cpu().view(-1, cfg.group_size)
+            print(f"{name} step {step}: update {metrics['step_time'] - metrics['rollout_time']:.2f} s, "
+                  f"{(a == 0).float().mean():.0%} rows A = 0", file=sys.stderr, flush=True)
+            if step > args.warmup:
+                d = res[name]
+                d["update_s"].append(metrics["step_time"] - metrics["rollout_time"])
+                d["skipped"].append((a == 0).float().mean().item())
+                d["zero_groups"].append(equal.float().mean().item())
+                d["max_abs_a_equal"].append(a[equal].abs().max().item() if equal.any() else 0.0)
+    return {k: {"update_s": statistics.median(d["update_s"]), "skipped": statistics.mean(d["skipped"]),
+                "zero_groups": statistics.mean(d["zero_groups"]), "max_abs_a_equal": max(d["max_abs_a_equal"])}
+            for k, d in res.items()}
+
+
 def _has(mod: str) -> bool:
     import importlib.util
 
@@ -91,10 +143,11 @@ def bench_trl(args, out: Path) -> dict:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from mechdiag.tasks import get_task
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model_and_tokenizer as load_model
+    from mechdiag.tasks import get_task, reward_weights
 
     cfg = C.load(None, common(args))
+    weights = reward_weights(cfg)
     model, tok = load_model(args.model)
     task = get_task("arith")
     examples = task.examples("train", n=(args.steps + args.warmup) * args.prompts, seed=0)
@@ -102,7 +155,7 @@ def bench_trl(args, out: Path) -> dict:
     ds = Dataset.from_list([{"prompt": p} for p in by_prompt])
 
     def reward(prompts, completions, **kw):
-        return [task.reward(c, by_prompt[p], cfg.rewards.weights)[0] for p, c in zip(prompts, completions, strict=True)]
+        return [task.reward(c, by_prompt[p], weights)[0] for p, c in zip(prompts, completions, strict=True)]
 
     times, lengths = [], []
 
@@ -154,9 +207,21 @@ def main():
     ap.add_argument("--beta", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--skip", action="store_true", help="measure the beta = 0 zero-advantage skip (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
+    if args.skip:
+        with tempfile.TemporaryDirectory() as d:
+            res = bench_skip(args, Path(d))
+        print(f"model {args.model}, G={args.group}, prompts/step={args.prompts}, max completion {args.completion}, "
+              f"beta 0, LoRA r16, threads {args.threads}, {args.steps} measured steps, load avg at start {load:.1f}")
+        print(f"{'advantages':<10} {'equal groups':>13} {'rows A=0':>9} {'max |A| equal':>14} {'update s':>9}")
+        for name, r in res.items():
+            print(f"{name:<10} {r['zero_groups']:13.1%} {r['skipped']:9.1%} {r['max_abs_a_equal']:14.3g} "
+                  f"{r['update_s']:9.3f}")
+        print(f"update pass, float32 / exact: {res['float32']['update_s'] / res['exact']['update_s']:.2f}x")
+        return
     rounds = []
     with tempfile.TemporaryDirectory() as d:
         if args.profile:

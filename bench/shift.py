@@ -28,9 +28,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from mechdiag.models import pad_id as pad_id_of  # noqa: E402
 from mechdiag.paths import shared_path  # noqa: E402
 from mechdiag.probes.capture import Captured, pad_batch  # noqa: E402
-from mechdiag.probes.prompts import encode, pad_id_of  # noqa: E402
+from mechdiag.probes.prompts import encode  # noqa: E402
 from mechdiag.probes.shift import ShiftSums, measure  # noqa: E402
 
 

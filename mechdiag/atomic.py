@@ -124,16 +124,10 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
     if not text.endswith("\n"):
         lines = lines[:-1]  # partial last line
     out = []
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         if line.strip():
-            out.append(json.loads(line))
+            try:
+                out.append(json.loads(line))
+            except ValueError as e:  # json counts lines within the one line it was given: name the file's line
+                raise ValueError(f"line {number} is not valid JSON ({getattr(e, 'msg', e)})") from None
     return out
-
-
-def truncate_jsonl(path: str | os.PathLike, keep: callable) -> None:
-    """Rewrite a JSON Lines file keeping only records for which keep(record) is true (used on resume)."""
-    path = Path(path)
-    if not path.exists():
-        return
-    records = [r for r in read_jsonl(path) if keep(r)]
-    write_text(path, "".join(dumps(r) + "\n" for r in records))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
 
 import click
 
 from mechdiag.errors import UserError
+from mechdiag.outpaths import check_output
 
 
 def _one_line(text: str) -> str:
@@ -56,19 +58,53 @@ def main():
 
 
 # ---- report ------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Write one offline HTML report for one or more runs.")
 @click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
 @click.option("--out", "out", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="HTML file to write (default: reports/NAME.html; a folder puts NAME.html in it).")
 def report(runs, out):
-    """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled)."""
-    from mechdiag.report import write_report
+    """Write one self-contained HTML report for RUN [RUN ...] (seeds of one config are pooled).
 
-    click.echo(str(write_report(list(runs), out)))
+    \b
+    Example:
+      mechdiag report runs/a runs/b --out reports/ab.html
+    """
+    from mechdiag.integrations.readers import read_any_run
+    from mechdiag.report import write_report
+    from mechdiag.run import load_runs
+
+    check_output(out, "--out", "file" if _is_html(out) else "dir")
+    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
+
+
+def _is_html(path: str | None) -> bool:
+    from pathlib import Path
+
+    return path is not None and Path(path).suffix.lower() in (".html", ".htm")
+
+
+# ---- watch -------------------------------------------------------------------------------------------------
+@main.command("watch", short_help="Watch a run live: its signals, trends and alerts.")
+@click.argument("run", type=click.Path(path_type=str))
+@click.option("--once", is_flag=True, help="Print the current state and exit.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True,
+              help="json: one line per alert with keys alert, step, evidence.")
+@click.option("--interval", type=click.FloatRange(min=0.1), default=2.0, show_default=True,
+              help="Seconds between reads of the run while it is written.")
+def watch_cmd(run, once, fmt, interval):
+    """Live view of RUN as it is written: the eight signals with trend lines, and alerts (docs/recommendations.md).
+
+    \b
+    Example:
+      mechdiag watch runs/default-s42 --once --format json
+    """
+    from mechdiag.watch import watch
+
+    watch(run, once=once, fmt=fmt, interval=interval, echo=click.echo)
 
 
 # ---- demo --------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Train the default on two seeds, evaluate, diagnose and report.")
 @click.option("--out", "out", type=click.Path(file_okay=False, path_type=str), default="runs/demo",
               show_default=True,
               help="Folder for the two demo runs demo-seed42/ and demo-seed3407/ (a previous demo is replaced).")
@@ -76,16 +112,25 @@ def report(runs, out):
               help="HTML report to write (default: reports/demo.html).")
 @click.option("--max-steps", type=click.IntRange(min=1), default=40, show_default=True,
               help="Training steps per seed.")
-def demo(out, report_path, max_steps):
-    """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path."""
+@click.option("--eval-n", type=click.IntRange(min=0), default=50, show_default=True,
+              help="Problems per split for the base-vs-tuned evaluation (0: skip it).")
+def demo(out, report_path, max_steps, eval_n):
+    """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path.
+
+    \b
+    Example:
+      mechdiag demo --out runs/demo --max-steps 20
+    """
     from mechdiag.demo import run_demo
 
-    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True))
+    check_output(out, "--out", "dir")
+    check_output(report_path, "--report", "file" if _is_html(report_path) else "dir")
+    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True), eval_n=eval_n)
     click.echo(str(path))
 
 
 # ---- train ---------------------------------------------------------------------------------------------------
-@main.command("train")
+@main.command("train", short_help="GRPO fine-tuning with the flight recorder on.")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory (default runs/<timestamp>).")
@@ -99,10 +144,16 @@ def demo(out, report_path, max_steps):
 @click.option("--trl", "trl_args", multiple=True, metavar="KEY=VALUE",
               help="With --backend trl: set a GRPOConfig field directly (repeatable), e.g. use_vllm=true.")
 def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, backend, trl_args):
-    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes)."""
+    """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes).
+
+    \b
+    Example:
+      mechdiag train --out runs/a --set max_steps=20 --set lora.r=8
+    """
     from pathlib import Path
 
     from mechdiag import config as C
+    from mechdiag import tasks
 
     overrides = list(overrides)
     if trl_args and backend != "trl":
@@ -122,13 +173,16 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
         cfg = C.load(cfg_path, overrides)
     else:
         cfg = C.load(config, overrides)
-    from mechdiag.models import resolve_device
+        check_output(out, "--out", "dir")
+    tasks.resolve_rewards(cfg)
+    from mechdiag import models as M
 
-    device_ = resolve_device(cfg.device)  # a device that is not here: one line, exit 2, nothing loaded
+    device_ = M.device(cfg.device)  # a device that is not here: one line, exit 2, nothing loaded
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
-        from mechdiag.train.trainer import param_bytes, prepare_model
+        from mechdiag.train.trainer import check_data, param_bytes, prepare_model
 
+        check_data(cfg)
         click.echo(C.to_yaml(cfg), nl=False)
         model, _, _, sampler = prepare_model(cfg, device_)
         if sampler is not None:
@@ -163,6 +217,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
         from mechdiag.train.trainer import train
 
     run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
+    check_output(run_dir, "--resume" if resume else "--out", "dir")
     run = train(cfg, run_dir, resume=bool(resume))
     s = run.summary()
     click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
@@ -174,8 +229,6 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
 
 def _records(df) -> list[dict]:
     """DataFrame -> flat JSON-ready records: pandas NA/NaN become None, numpy scalars Python numbers."""
-    import math
-
     out = []
     for rec in df.to_dict("records"):
         clean = {}
@@ -189,50 +242,58 @@ def _records(df) -> list[dict]:
     return out
 
 
-def _rows_table(df, title: str):
-    from rich.table import Table
+def _rows_table(df, title: str) -> str:
+    from mechdiag.console import render_table
 
-    table = Table(title=title, show_lines=False)
-    for c in df.columns:
-        table.add_column(c, justify="left" if c in ("name", "module", "shape", "dtype", "all") else "right")
+    rows = []
     for rec in _records(df):
-        cells = []
-        for c, v in rec.items():
-            if v is None:
-                cells.append("[red]NaN/Inf[/red]" if rec.get("nonfinite") and c.endswith("fro") else "-")
-            elif isinstance(v, float):
-                cells.append(f"{v:.4g}")
-            else:
-                cells.append(str(v))
-        table.add_row(*cells)
-    return table
+        rows.append([math.inf if v is None and c == "rel_fro" and rec.get("ref_fro") == 0 and not rec.get("nonfinite")
+                     else math.nan if v is None and rec.get("nonfinite") and c.endswith("fro") else v
+                     for c, v in rec.items()])  # inf: a zero reference that moved (docs/metrics.md); JSON says null
+    return render_table(title, list(df.columns), rows,
+                        keep=["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer", "ref_fro"])
 
 
-@main.command()
+_checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), default=None,
+                                  help="Tuned side a run directory: use its checkpoints/step-N, not final/.")
+
+
+@main.command(short_help="How far checkpoint B moved from A, per tensor/module/layer.")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
 @click.option("--base", type=click.Path(), default=None, help="Base checkpoint for LoRA adapters (when their "
               "base_model_name_or_path is not a local folder).")
+@_checkpoint_option
 @click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
-@click.option("--spectral", is_flag=True, help="Also sigma_1, stable rank and effective rank of each delta.")
+@click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
+              "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
-def displacement(a, b, base, by, fmt, out, spectral, html):
-    """Weight displacement of checkpoint B against reference A (model folders, .safetensors files, LoRA adapters).
+def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
+    """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
+    a PEFT adapter folder or a run directory).
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
-    study's WDisp and each group's update mass."""
-    import io
+    study's WDisp and each group's update mass.
 
+    \b
+    Example:
+      mechdiag displacement base_dir runs/a/final --by module --html heat.html
+    """
     from rich.console import Console
 
     from mechdiag import atomic
     from mechdiag.displacement import compare, group_wdisp, rows_frame
+    from mechdiag.models import checkpoint_folder
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
+    check_output(html, "--html")
+    a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
+    base = None if base is None else checkpoint_folder(base)
     err = Console(stderr=True)
     progress_cb, bar = None, None
     if err.is_terminal:
@@ -247,6 +308,13 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
                 if not bar.live.is_started:
                     bar.start()
                 bar.update(task, completed=done / total)
+    else:
+        from mechdiag.console import Progress
+
+        lines = Progress("displacement")
+
+        def progress_cb(done, total):
+            lines.update(round(100 * done / max(total, 1)), "% done")
     try:
         rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
     finally:
@@ -268,10 +336,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
     elif fmt == "csv":
         text = result.to_csv(index=False)
     else:
-        buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 160, force_terminal=False).print(
-            _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
-        text = buf.getvalue()
+        text = _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}"))
     if out:
         atomic.write_text(out, text)
     else:
@@ -279,7 +344,7 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 
 
 # ---- shift -------------------------------------------------------------------------------------------------
-@main.command("shift")
+@main.command("shift", short_help="Per-layer activation shift of TUNED against BASE.")
 @click.argument("base")
 @click.argument("tuned")
 @click.option("--prompts", "prompts_file", help="jsonl with a \"prompt\" field, "
@@ -290,24 +355,33 @@ def displacement(a, b, base, by, fmt, out, spectral, html):
 @click.option("--batch-size", type=click.IntRange(min=1), default=16, show_default=True)
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
-@click.option("--keep-bos", is_flag=True, help="count position 0 (BOS) in the norms")
-@click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N, mps.")
+@click.option("--keep-bos", is_flag=True, help="count position 0 in the norms where it is BOS (default: left out)")
+@click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
+@_checkpoint_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
               show_default=True)
 @click.option("--out", type=click.Path(dir_okay=False), help="write the rows here instead of stdout")
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
-def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, fmt, out,
-              html):
-    """Per-layer activation shift of TUNED against BASE (model folders or PEFT adapter folders)."""
+def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
+              fmt, out, html):
+    """Per-layer activation shift of TUNED against BASE (each: bundled, a model folder, a PEFT adapter folder or a
+    run directory).
+
+    \b
+    Example:
+      mechdiag shift base_dir runs/a/final --task arith --n 64 --html shift.html
+    """
     import os
 
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import transformers
 
     from mechdiag import atomic
+    from mechdiag import models as M
     from mechdiag.probes import prompts as probe_prompts
-    from mechdiag.probes.shift import note, shift, write_html
+    from mechdiag.probes.load import resolve
+    from mechdiag.probes.shift import bos_note, note, shift, write_html
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -315,16 +389,23 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         raise UserError("give exactly one of --prompts FILE or --task NAME")
     if fmt == "parquet" and not out:
         raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
+    check_output(html, "--html")
+    device = M.device(device)
+    base, tuned = M.checkpoint_folder(base), M.checkpoint_folder(tuned, checkpoint)
     if prompts_file:
         prompts = probe_prompts.read_prompts(prompts_file, n)
     else:
-        from mechdiag.probes.load import load_tokenizer, resolve
+        prompts = probe_prompts.task_prompts(task, M.load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+    from mechdiag.console import Progress
 
-        prompts = probe_prompts.task_prompts(task, load_tokenizer(resolve(base, tuned)[0].model_dir), split, n)
+    lines = Progress("shift prompts", total=len(prompts))
     df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
-               device=device)
+               device=device, progress=lambda done, total: lines.update(done))
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
+    if not keep_bos:
+        note(bos_note(df))
     if html:
         write_html(df, html, title=f"Activation shift: {tuned} vs {base}")
     if fmt == "parquet":
@@ -344,16 +425,10 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
 
 # ---- recommend ---------------------------------------------------------------------------------------------
-def _table(title: str, columns: list[str], rows: list[list[str]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _table(title: str, columns: list[str], rows: list[list]) -> None:
+    from mechdiag.console import render_table
 
-    table = Table(title=title, show_lines=False)
-    for c in columns:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        table.add_row(*r)
-    Console(width=200).print(table)
+    click.echo(render_table(title, columns, rows), nl=False)
 
 
 def _cell(r: dict | None) -> str:
@@ -363,7 +438,7 @@ def _cell(r: dict | None) -> str:
     return f"{r['mean']:.4g} ± {r['std']:.2g}{gain}"
 
 
-@main.command()
+@main.command(short_help="Diagnose runs and propose a refined config with evidence.")
 @click.argument("runs", nargs=-1, required=True, type=click.Path())
 @click.option("--out", "out", type=click.Path(), default=None, help="Write the refined config here (YAML).")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
@@ -373,15 +448,35 @@ def recommend(runs, out, fmt):
     Seeds of one config are pooled. Runs of several configs also get a side-by-side of held-out eval metrics
     (mean ± std over seeds, which treatment helped), and the rules read the best group. Rules and thresholds:
     docs/recommendations.md.
+
+    \b
+    Example:
+      mechdiag recommend runs/a --out refined.yaml
     """
+    from pathlib import Path
+
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
+    from mechdiag.integrations.readers import foreign_kind, read_any_run
     from mechdiag.recommend import recommend as run_recommend
+    from mechdiag.run import load_runs
 
-    rec = run_recommend(list(runs))
+    check_output(out, "--out")
+    trl_out = None
+    if any(foreign_kind(r) == "trl" for r in runs):  # a TRL user also gets GRPOConfig/LoraConfig fields
+        trl_out = None if out is None else str(Path(out).with_suffix("")) + ".trl.py"
+        check_output(trl_out, "--out (its .trl.py beside it)")
+    rec = run_recommend(load_runs(runs, read_any_run))
     if out:
         configlib.save(rec.cfg, out, rec.header)
+    snippet = None
+    if trl_out is not None or any(foreign_kind(r) == "trl" for r in runs):
+        from mechdiag.integrations.trl_args import trl_snippet
+
+        snippet = trl_snippet(rec.changes, rec.base_cfg)
+        if trl_out is not None:
+            atomic.write_text(trl_out, snippet)
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
@@ -402,15 +497,17 @@ def recommend(runs, out, fmt):
         return
     _table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
            [[f.rule, f.symptom, f.evidence, "; ".join(str(c) for c in f.changes) or f"none: {f.reason}",
-             f"{f.confidence:.2f}"] for f in rec.findings])
+             round(f.confidence, 2)] for f in rec.findings])
     if not rec.changes:
         click.echo("no change to the config (advice only)")
     elif out:
         click.echo(f"refined config with {len(rec.changes)} change(s) written to {out}")
+    if snippet is not None and rec.changes:
+        click.echo("as TRL settings" + (f" (also in {trl_out})" if trl_out else "") + ":\n" + snippet, nl=False)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Train, recommend and retrain for a few rounds.")
 @click.argument("config_path", required=False, type=click.Path(), metavar="[CONFIG]")
 @click.option("--rounds", type=int, default=3, show_default=True, help="Training rounds in all, round 0 included.")
 @click.option("--out", "out", type=click.Path(), default="runs/tune", show_default=True)
@@ -424,6 +521,10 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
 
     Stops early when no rule changes the config. OUT keeps each round's run directory, rounds.jsonl (changes and
     held-out metrics per round), best.yaml and final.yaml.
+
+    \b
+    Example:
+      mechdiag tune --rounds 3 --out runs/tune --set max_steps=20
     """
     from mechdiag import atomic
     from mechdiag import config as configlib
@@ -431,6 +532,7 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
     from mechdiag.tune import tune as run_tune
 
     cfg = configlib.load(config_path, list(overrides) + ([f"seed={seed}"] if seed is not None else []))
+    check_output(out, "--out", "dir")
     train_fn = load_train_fn(trainer)
     records = run_tune(cfg, rounds, out, train_fn, log=lambda m: click.echo(m, err=True))
     if fmt == "json":
@@ -439,28 +541,18 @@ def tune(config_path, rounds, out, overrides, seed, trainer, fmt):
         click.echo(atomic.dumps(flat))
         return
     _table(f"tune: {out}", ["round", "changes", "accuracy", "rules fired next"],
-           [[str(r["round"]), describe(r["changes"]) or "-",
-             "-" if r.get("eval.accuracy") is None else f"{r['eval.accuracy']:.4g}", ", ".join(r["rules"]) or "-"]
+           [[r["round"], describe(r["changes"]) or "-", r.get("eval.accuracy"), ", ".join(r["rules"]) or "-"]
             for r in records])
     click.echo(f"stopped: {records[-1].get('stop', '')}; configs in {out}/best.yaml and {out}/final.yaml")
 
 
 def _shift_table(df) -> str:
-    import io
+    from mechdiag.console import render_table
 
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"activation shift ({int(df['n_prompts'].iloc[0])} prompts, "
-                        f"output KL {df['output_kl'].iloc[0]:.4g})")
     cols = ["layer", "shift", "ci_low", "ci_high", "shift_pooled", "cos_dist", "increment", "logit_kl"]
-    for c in cols:
-        table.add_column(c, justify="right")
-    for r in df[cols].itertuples(index=False):
-        table.add_row(str(r[0]), *(f"{v:.4g}" for v in r[1:]))
-    buf = io.StringIO()
-    Console(file=buf, width=120).print(table)
-    return buf.getvalue()
+    rows = [[int(r[0]), *(float(v) for v in r[1:])] for r in df[cols].itertuples(index=False)]
+    return render_table(f"activation shift ({int(df['n_prompts'].iloc[0])} prompts, "
+                        f"output KL {df['output_kl'].iloc[0]:.4g})", cols, rows)
 
 
 # ---- eval ----------------------------------------------------------------------------------------------------
@@ -471,7 +563,7 @@ def _ints(text: str, flag: str) -> list[int]:
         raise UserError(f"{flag} takes comma-separated integers such as 1,3,5; got {text!r}") from None
 
 
-@main.command("eval")
+@main.command("eval", short_help="Base vs tuned on benchmarks: accuracy, pass@k, maj@k, length.")
 @click.argument("model")
 @click.option("--adapter", "adapters", multiple=True, metavar="[LABEL=]DIR",
               help="A PEFT adapter folder, a run directory (its final/) or a full fine-tuned model (repeatable). "
@@ -498,7 +590,12 @@ def _ints(text: str, flag: str) -> list[int]:
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, ks, samples, temperature, top_p,
              max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, fmt):
-    """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table."""
+    """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table.
+
+    \b
+    Example:
+      mechdiag eval base_dir --adapter a=runs/a --task arith/test,arith/ood_steps --n 50
+    """
     import time
     from pathlib import Path
 
@@ -506,8 +603,11 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     from transformers.utils import logging as hf_logging
 
     from mechdiag import evaluate as E
+    from mechdiag import models as M
 
     hf_logging.set_verbosity_error()  # "sequence longer than the maximum": prompts are cut to fit before the model
+    check_output(out, "--out", "dir")
+    device = M.device(device)
     options = {}
     for item in task_options:
         key, sep, value = item.partition("=")
@@ -524,7 +624,9 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
                      progress=lambda line: click.echo(line, err=True))
     if fmt == "table":
-        click.echo(E.render_table(res.rows, color=sys.stdout.isatty()))
+        from mechdiag.eval_table import render_table
+
+        click.echo(render_table(res.rows, color=sys.stdout.isatty()))
     elif fmt == "json":
         from mechdiag.atomic import dumps
 
@@ -539,3 +641,56 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
         w.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in res.rows)
         click.echo(buf.getvalue(), nl=False)
     click.echo(f"run: {res.out_dir} (eval_benchmarks.jsonl, eval_models.jsonl, eval_samples.jsonl)", err=True)
+
+
+# ---- attribute ---------------------------------------------------------------------------------------------
+@main.command()
+@click.argument("run", type=click.Path(file_okay=False, path_type=str))
+@click.option("--by", type=click.Choice(["layer", "module", "both"]), default="both", show_default=True)
+@click.option("--n", "n", type=click.IntRange(min=1), help="Use the first N of the run's held-out problems "
+              "(default: all of them; the reference rows match summary.json only then).")
+@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+              show_default=True)
+@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@click.option("--save", is_flag=True, help="Also write the rows into the run (attribution.jsonl) for report and "
+              "recommend.")
+def attribute(run, by, n, fmt, out, save):
+    """Causal share of each LoRA layer and module of RUN's final adapter: held-out accuracy, reward and output KL
+    with the part removed (*_without) and with only the part kept (*_only)."""
+    import io
+
+    import pandas as pd
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from mechdiag import atomic
+    from mechdiag import attribute as A
+
+    A.check_out(out, fmt)
+    A.open_run(run)  # bad run directories fail here, before any model is loaded
+    att = A.Attribution(run, n=n)
+    with Progress(TextColumn("attribute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("evals", total=att.n_evals(by))
+        rows = att.rows(by, progress=lambda: bar.advance(task))
+    if save:
+        atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
+    df = pd.DataFrame(rows, columns=A.COLUMNS)
+    df["layer"] = df["layer"].astype("Int64")
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            df.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(rows) + "\n"
+    elif fmt == "csv":
+        text = df.to_csv(index=False)
+    else:
+        buf = io.StringIO()
+        Console(file=buf, width=None if sys.stdout.isatty() and not out else 200, force_terminal=False).print(
+            _rows_table(df, f"attribution of {run} ({len(att.examples)} held-out problems)"))
+        text = buf.getvalue()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)

@@ -1,7 +1,8 @@
 """The design lambda of the study (paper-notes §1) as typed, validated data, with YAML in and out.
 
 Defaults are the embedded default run (`mechdiag train` with no arguments); presets math/code/mcq follow the
-study's Table 7 and reward weights its Table 6.
+study's Table 7. Reward weights are the task's own (Table 6 by domain, Task.reward_weights) unless the config
+sets rewards.weights; tasks.resolve_rewards fills them in before a run, so the run's config.yaml shows what ran.
 """
 
 from __future__ import annotations
@@ -15,19 +16,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from mechdiag import atomic
 from mechdiag.errors import UserError
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-# Table 6: reward component weights per domain.
-REWARD_WEIGHTS = {
-    "math": {"correctness": 2.0, "xml_count": 0.5, "numeric": 0.5, "format": 0.5,
-             "reasoning_nonempty": 0.1, "answer_nonempty": 0.1},
-    "mcq": {"correctness": 2.0, "valid_option": 0.5, "xml_count": 0.5, "format": 0.5},
-    "code": {"correctness": 1.0, "complexity": 1.0, "xml_count": 0.5, "syntax": 0.5, "reasoning_nonempty": 0.1},
-}
-
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -79,7 +72,7 @@ class LoraConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    weights: dict[str, float] = Field(default_factory=lambda: dict(REWARD_WEIGHTS["math"]))
+    weights: dict[str, float] | None = None  # None: the task's study weights (tasks.resolve_rewards fills them in)
     reasoning_tag: str = "reasoning"
     answer_tag: str = "answer"
 
@@ -89,6 +82,9 @@ class RecordConfig(_Strict):
     shift_at_eval: bool = True
     shift_n: int = Field(64, ge=1)
     samples_every: int = Field(10, ge=0)
+    forget_prompts: str | None = None  # a prompts file or a task name: forget_kl at each eval (docs/metrics.md)
+    forget_n: int = Field(64, ge=1)  # probe prompts kept
+    forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
 
 
 class Config(_Strict):
@@ -125,6 +121,9 @@ class Config(_Strict):
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
+    # model-written code: "strict" refuses to run it without OS isolation (bubblewrap); see mechdiag.sandbox
+    sandbox: Literal["auto", "strict"] = "auto"
+
     # schedule
     seed: int = 42
     max_steps: int | None = Field(40, ge=1)
@@ -155,10 +154,6 @@ class Config(_Strict):
             raise ValueError("pass_k values must be >= 1")
         return self
 
-    @property
-    def clip_high(self) -> float:
-        return self.epsilon if self.epsilon_high is None else self.epsilon_high
-
 
 # ---- presets (Table 7) ------------------------------------------------------------------------------------
 _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_ratio": 0.1,
@@ -168,16 +163,13 @@ _SHARED = {"adam_beta1": 0.9, "adam_beta2": 0.99, "weight_decay": 0.1, "warmup_r
 PRESETS: dict[str, dict[str, Any]] = {
     "math": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
              "beta": 0.005, "task": {"name": "gsm8k"},
-             "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
-             "rewards": {"weights": REWARD_WEIGHTS["math"]}},
+             "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES}},
     "code": {**_SHARED, "learning_rate": 5e-6, "epochs": 1, "prompts_per_step": 1, "grad_accum": 64,
              "beta": 0.005, "task": {"name": "mbpp"},
-             "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ATTN_MODULES},
-             "rewards": {"weights": REWARD_WEIGHTS["code"]}},
+             "lora": {"r": 8, "alpha": 16, "dropout": 0.1, "target_modules": ATTN_MODULES}},
     "mcq": {**_SHARED, "learning_rate": 1e-5, "epochs": 2, "prompts_per_step": 4, "grad_accum": 4,
             "beta": 0.003, "task": {"name": "arc"},
-            "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES},
-            "rewards": {"weights": REWARD_WEIGHTS["mcq"]}},
+            "lora": {"r": 16, "alpha": 64, "dropout": 0.05, "target_modules": ALL_MODULES}},
 }
 
 
@@ -294,6 +286,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise UserError(f"--set expects key=value, got {item!r}")
         key, value = item.split("=", 1)
         parts = key.strip().split(".")
+        if not all(parts):
+            raise UserError(f"--set {item!r}: the key before '=' is empty or has an empty part (use key.sub=value)")
         node = data
         for p in parts[:-1]:
             node = node.setdefault(p, {})
@@ -332,6 +326,5 @@ def to_yaml(cfg: Config, header: str = "") -> str:
 
 
 def save(cfg: Config, path: str | Path, header: str = "") -> None:
-    from mechdiag import atomic
 
     atomic.write_text(path, to_yaml(cfg, header))

@@ -2,20 +2,28 @@
 
 Trains the embedded default twice, into DIR/demo-seed42 and DIR/demo-seed3407 (the study's seeds), for a short
 schedule with weight displacement and activation shift recorded by the trainer, asks the recommender for
-findings, and writes one HTML report of both seeds. Budget: at most 8 minutes on a 2-core CPU.
+findings, evaluates the base and both seeds on the held-out and out-of-distribution arith splits (`mechdiag eval`,
+EVAL_N problems each, written into the first seed's run directory so the report's base-vs-tuned table is filled),
+and writes one HTML report of both seeds. Budget: at most 8 minutes on a 2-core CPU.
 """
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import time
 from pathlib import Path
 
+from mechdiag import atomic, config
+from mechdiag import evaluate as E
 from mechdiag.errors import UserError
+from mechdiag.report import advise, write_report
+from mechdiag.run import RunDir, group_runs, load_run
+from mechdiag.train.trainer import train
 
 SEEDS = (42, 3407)
 MAX_STEPS = 40
+EVAL_N = 50
+EVAL_TASKS = ["arith/test", "arith/ood_steps"]
 
 
 def demo_overrides(max_steps: int) -> list[str]:
@@ -29,18 +37,27 @@ def demo_overrides(max_steps: int) -> list[str]:
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
-        if not path.is_dir() or not ((path / "config.yaml").exists() or (path / "metrics.jsonl").exists()):
+        if not path.is_dir() or not (RunDir(path).config_path.exists() or RunDir(path).stream("metrics").exists()):
             raise UserError(f"{path} exists and is not a previous demo run; pass --out to another folder")
         shutil.rmtree(path)
     return path
 
 
+def evaluate_seeds(cfg, runs, n: int, echo=print) -> None:
+    """`mechdiag eval` of the base and every seed (grouped as demo: mean ± std) on EVAL_TASKS, one sample per
+    problem at the study's temperature, into the first run's directory."""
+    settings = E.Settings(ks=[1], samples=1, n=n, max_new_tokens=cfg.max_completion_tokens, seed=0).check()
+    tuned = E.parse_adapters([f"demo@{r.summary().get('seed', i)}={r.path}" for i, r in enumerate(runs)])
+    benches = E.load_benchmarks(E.parse_tasks(EVAL_TASKS), settings.n)
+    t = time.perf_counter()
+    E.run_eval(cfg.model.name_or_path, tuned, benches, settings, runs[0].path, device="cpu",
+               progress=lambda line: echo(f"eval {line}"))
+    echo(f"evaluated base and {len(runs)} seeds on {', '.join(EVAL_TASKS)} (n={n}) in "
+         f"{time.perf_counter() - t:.0f}s")
+
+
 def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
-             echo=print) -> Path:
-    from mechdiag import atomic, config
-    from mechdiag.report import advise, write_report
-    from mechdiag.report.load import group_runs, load_run
-    from mechdiag.train.trainer import train
+             echo=print, eval_n: int = EVAL_N) -> Path:
 
     out_dir = Path(out_dir)
     rp = Path(report) if report is not None else None
@@ -54,13 +71,16 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
         t = time.perf_counter()
         run = train(cfg, run_dir)
         runs.append(run)
-        echo(f"trained seed {seed} ({max_steps} steps) in {time.perf_counter() - t:.0f}s -> {run.path}")
+        echo(f"trained seed {seed} ({run.summary().get('steps', max_steps)} of {max_steps} steps) in "
+             f"{time.perf_counter() - t:.0f}s -> {run.path}")
+    if eval_n:
+        evaluate_seeds(cfg, runs, eval_n, echo)
     for run in runs:
         for stream in ("displacement", "shift"):
             if not run.read(stream):
                 echo(f"note: {run.path.name} recorded no {stream}; the report says so")
-    with contextlib.ExitStack() as stack:
-        advice = advise(group_runs([load_run(r.path, stack) for r in runs]))
+    loaded = [load_run(r.path) for r in runs]
+    advice = advise(group_runs(loaded))
     for f in advice.findings[:3]:
         echo(f"recommend: {f.change}  ({f.symptom})")
     if not advice.findings:
@@ -68,7 +88,7 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
     if advice.refined_yaml:
         atomic.write_text(out_dir / "refined.yaml", advice.refined_yaml)
         echo(f"refined config -> {out_dir / 'refined.yaml'}")
-    path = write_report([r.path for r in runs], report if report is not None else Path("reports") / "demo.html",
+    path = write_report(loaded, report if report is not None else Path("reports") / "demo.html",
                         findings=advice)
     echo(f"demo done in {time.perf_counter() - t0:.0f}s")
     return path

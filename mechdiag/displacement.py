@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +23,7 @@ import pandas as pd
 import torch
 
 from mechdiag.errors import UserError
+from mechdiag.metrics import update_mass
 from mechdiag.weights import (
     Entry,
     SafeFiles,
@@ -35,6 +34,7 @@ from mechdiag.weights import (
     lm_head_names,
     open_side,
     tensor_site,
+    tied_embedding,
 )
 
 try:
@@ -47,6 +47,9 @@ CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
                "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite"]
 SPECTRAL_COLUMNS = ["sigma_1", "stable_rank", "effective_rank"]
+GEOMETRY_COLUMNS = ["overlap_k", "subspace_overlap", "intruders"]  # with --spectral too, see update_geometry
+INTRUDER_TOP, INTRUDER_COS = 10, 0.5  # the tuned weight's top 10 singular vectors; |cos| below 0.5 = intruder
+DENSE_OVERLAP_DIV = 16  # dense delta: k = min(m, n) // 16 (LoRA: k = the update's rank)
 _F64 = torch.float64
 
 
@@ -88,6 +91,13 @@ def spectral_stats(s: torch.Tensor, sumsq: float) -> dict:
     p = s / s.sum()
     return {"sigma_1": sigma_1, "stable_rank": sumsq / sigma_1 ** 2,
             "effective_rank": float(torch.exp(-(p * p.log()).sum()))}
+
+
+def rel_fro(delta_fro: float, ref_fro: float) -> float:
+    """delta_fro / ref_fro; for a zero reference (e.g. Gemma's zero-offset norms) inf if it moved, 0 if not."""
+    if ref_fro > 0:
+        return delta_fro / ref_fro
+    return 0.0 if delta_fro == 0 else math.inf
 
 
 # --- one tensor -------------------------------------------------------------------------------------------------
@@ -237,7 +247,7 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     row = {
         "name": name, "layer": layer, "module": module, "shape": "x".join(map(str, shape)),
         "dtype": files.dtype(eb.dense), "numel": numel, "ref_fro": ref_fro, "delta_fro": delta_fro,
-        "rel_fro": delta_fro / ref_fro if ref_fro > 0 else (0.0 if delta_fro == 0 else math.inf),
+        "rel_fro": rel_fro(delta_fro, ref_fro),
         "frac_unchanged": (numel - n_changed) / numel if full_finetune and numel else None,
         "frac_sub_ulp": (n_below - (numel - n_changed)) / numel if full_finetune and numel else None,
         "lora_rank": int(delta_lr[1].shape[0]) if delta_lr is not None else None,
@@ -247,7 +257,84 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         row["rel_fro"] = math.nan
     if spectral:
         row.update(_spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfinite))
+        row.update(_geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems))
     return row
+
+
+def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems) -> dict:
+    """subspace_overlap and intruders (see update_geometry) from three p x p matrices, p = min(m, n), with the
+    weight oriented tall as X (big x p): G = X^T X (reference), C = X^T D, H = D^T D. LoRA terms stay factors:
+    D = dense part + Bx Ax gives C = X^T d + (X^T Bx) Ax and H = d^T d + (d^T Bx) Ax + (..)^T + Ax^T (Bx^T Bx) Ax;
+    a reference with its own LoRA, X = a + Bc Ac, expands the same way. Its own pass over the tensor (a wide one
+    is read whole, one tensor at a time)."""
+    if len(shape) != 2 or nonfinite or delta_sq == 0 or not math.isfinite(delta_sq):
+        return dict.fromkeys(GEOMETRY_COLUMNS, None)
+    m, n = shape
+    tall = n <= m
+    p = min(m, n)
+    # factors in X's orientation: W = B A  ->  W^T = A^T B^T
+    def orient(lr):
+        return None if lr is None else (lr if tall else (lr[1].T, lr[0].T))
+    ref_x, delta_x = orient(ref_lr), orient(delta_lr)
+    G, C, H = (torch.zeros(p, p, dtype=_F64) for _ in range(3))  # from the dense parts: a^T a, a^T d, d^T d
+    P = None if delta_x is None else torch.zeros(p, delta_x[0].shape[1], dtype=_F64)  # a^T Bx
+    Q = None if delta_x is None or same_dense else torch.zeros_like(P)  # d^T Bx
+    Ra = None if ref_x is None else torch.zeros(p, ref_x[0].shape[1], dtype=_F64)  # a^T Bc (the reference's own LoRA)
+    Rd = None if ref_x is None or same_dense else torch.zeros_like(Ra)  # d^T Bc
+    step = max(1, (chunk_elems or CHUNK_ELEMS) // n) if tall else m
+    for start in range(0, m, step):
+        stop = min(start + step, m)
+        a32 = files.read(ea.dense, start, stop).to(torch.float32)
+        d = None if same_dense else (files.read(eb.dense, start, stop).to(torch.float32) - a32).to(_F64)  # as above
+        a = a32.to(_F64)
+        if not tall:
+            a, d = a.T, (None if d is None else d.T)
+        lo, hi = (start, stop) if tall else (0, n)
+        G += a.T @ a
+        if d is not None:
+            C += a.T @ d
+            H += d.T @ d
+        for acc, left, lr in ((P, a, delta_x), (Q, d, delta_x), (Ra, a, ref_x), (Rd, d, ref_x)):
+            if acc is not None:
+                acc += left.T @ lr[0][lo:hi]
+    if ref_x is not None:  # X = a + Bc Ac: expand X^T X, X^T d, X^T Bx without forming Bc Ac
+        Bc, Ac = ref_x
+        G += Ra @ Ac + Ac.T @ Ra.T + Ac.T @ ((Bc.T @ Bc) @ Ac)
+        if Rd is not None:
+            C += Ac.T @ Rd.T
+        if P is not None:
+            P += Ac.T @ (Bc.T @ delta_x[0])
+    if delta_x is not None:  # D = d + Bx Ax
+        Bx, Ax = delta_x
+        C += P @ Ax
+        H += Ax.T @ ((Bx.T @ Bx) @ Ax)
+        if Q is not None:
+            QA = Q @ Ax
+            H += QA + QA.T
+    k = int(delta_lr[1].shape[0]) if delta_lr is not None else max(1, p // DENSE_OVERLAP_DIV)
+    return update_geometry(G, C, H, k, delta_sq)
+
+
+def update_geometry(G: torch.Tensor, C: torch.Tensor, H: torch.Tensor, k: int, delta_sq: float) -> dict:
+    """Update geometry from p x p float64 matrices of the tall-oriented reference X and update D (p = min(m, n)):
+    G = X^T X, C = X^T D, H = D^T D.
+    subspace_overlap = ||U_k^T D V_k||_F^2 / ||D||_F^2: the share of the update's squared norm inside the span of
+    the reference's top-k left and right singular vectors (U_k = X V_k / s_k, so U_k^T D V_k = S_k^-1 V_k^T C V_k).
+    intruders = how many of the tuned weight's top-10 singular vectors (small side; from eig of
+    (X + D)^T (X + D) = G + C + C^T + H) have |cos| < 0.5 with every singular vector of the reference."""
+    ev, V = torch.linalg.eigh(G)
+    ev, V = ev.flip(0), V.flip(1)  # descending
+    k = min(k, int((ev > ev[0] * 1e-24).sum())) if ev.numel() and ev[0] > 0 else 0
+    overlap = None
+    if k > 0 and delta_sq > 0:
+        Vk, sk = V[:, :k], ev[:k].sqrt()
+        M = (Vk.T @ C @ Vk) / sk[:, None]
+        overlap = float((M * M).sum()) / delta_sq
+    T = G + C + C.T + H
+    _, Vt = torch.linalg.eigh((T + T.T) / 2)
+    top = Vt.flip(1)[:, :INTRUDER_TOP]
+    best_cos = (V.T @ top).abs().max(dim=0).values
+    return {"overlap_k": k, "subspace_overlap": overlap, "intruders": int((best_cos < INTRUDER_COS).sum())}
 
 
 def _spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfinite) -> dict:
@@ -268,10 +355,16 @@ def _spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfini
 
 
 def pair_names(a: Side, b: Side) -> list[str]:
-    """Names compared, in the reference's order. A tied lm_head is counted once (as the embedding)."""
+    """Names compared, in the reference's order. A tied lm_head is counted once (as the embedding); an untied head
+    (tie_word_embeddings false) against a tied side is compared with that side's embedding, as an lm_head row."""
     arch_a, arch_b = architecture(a), architecture(b)
     if arch_a and arch_b and arch_a != arch_b:
         raise UserError(f"different architectures: {a.label} is {arch_a}, {b.label} is {arch_b}")
+    for head in lm_head_names():  # an untied head against a tied side: that side's head is its embedding
+        for side, other in ((a, b), (b, a)):
+            tied_to = tied_embedding(side)
+            if head in other.entries and not is_tied(other) and tied_to is not None:
+                side.entries[head] = Entry(side.entries[tied_to].dense, list(side.entries[tied_to].lora))
     names_a, names_b = list(a.entries), set(b.entries)
     has_embedding = any(e in a.entries and e in b.entries for e in embedding_names())
     skip = set()
@@ -335,11 +428,11 @@ def single_thread():
 
 
 def rows_frame(rows: list[dict], spectral: bool = False) -> pd.DataFrame:
-    cols = ROW_COLUMNS + (SPECTRAL_COLUMNS if spectral else [])
+    cols = ROW_COLUMNS + (SPECTRAL_COLUMNS + GEOMETRY_COLUMNS if spectral else [])
     df = pd.DataFrame(rows, columns=cols)
-    for c in ("layer", "lora_rank"):
+    for c in ("layer", "lora_rank", *(("overlap_k", "intruders") if spectral else ())):
         df[c] = df[c].astype("Int64")
-    for c in ("frac_unchanged", "frac_sub_ulp", *(SPECTRAL_COLUMNS if spectral else ())):
+    for c in ("frac_unchanged", "frac_sub_ulp", *(SPECTRAL_COLUMNS + ["subspace_overlap"] if spectral else ())):
         df[c] = df[c].astype(float)
     df["nonfinite"] = df["nonfinite"].astype(bool)
     return df
@@ -354,7 +447,8 @@ def _keys(df: pd.DataFrame, by: str) -> list[str]:
 
 def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELTA_W) -> pd.DataFrame:
     """The study's WDisp per group (per step too when rows carry a step column).
-    Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass. Non-finite rows are left out."""
+    Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass, update_mass_size_normalised
+    (mechdiag.metrics.update_mass). Non-finite rows are left out."""
     df = rows_df.copy()
     if "nonfinite" in df.columns:
         df = df[~df["nonfinite"].astype(bool)]
@@ -369,21 +463,20 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
         g = pd.DataFrame({"n_tensors": [len(df)], "ref_sq": [df["ref_sq"].sum()], "delta_sq": [df["delta_sq"].sum()]})
     if by == "all":
         g.insert(len(keys), "all", "all")
-    total = g.groupby("step")["delta_sq"].transform("sum") if "step" in g.columns else g["delta_sq"] * 0 + g[
-        "delta_sq"].sum()
     g["ref_fro"] = g["ref_sq"] ** 0.5
     g["delta_fro"] = g["delta_sq"] ** 0.5
     g["wdisp"] = g["delta_fro"] / (g["ref_sq"] + delta_w) ** 0.5
-    g["update_mass"] = (g["delta_sq"] / total).where(total > 0, 0.0)
+    parts = [part for _, part in g.groupby("step")] if "step" in g.columns else [g]
+    for col, normalised in (("update_mass", False), ("update_mass_size_normalised", True)):
+        shares = {}
+        for part in parts:  # shares within each recorded step
+            rows = [{"group": i, "delta_fro": d, "ref_fro": r} for i, d, r in
+                    zip(part.index, part["delta_fro"], part["ref_fro"], strict=True)]
+            shares.update(update_mass(rows, "group", size_normalised=normalised))
+        g[col] = [shares.get(i, 0.0) for i in g.index]
     if by == "layer":
         g["layer"] = g["layer"].astype("Int64")
     return g.drop(columns=["ref_sq", "delta_sq"])
-
-
-def update_mass(rows_df: pd.DataFrame, by: str = "module") -> pd.DataFrame:
-    """Each group's share of the total squared displacement (sums to 1 per step)."""
-    g = group_wdisp(rows_df, by=by)
-    return g[[c for c in g.columns if c in ("step", by)] + ["update_mass"]]
 
 
 def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False) -> pd.DataFrame:
@@ -452,16 +545,5 @@ def _lora_rows(model) -> list[dict]:
         layer, module = tensor_site(name)
         ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
         rows.append({"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
-                     "rel_fro": delta_fro / ref_fro if ref_fro > 0 else math.nan})
+                     "rel_fro": rel_fro(delta_fro, ref_fro)})
     return rows
-
-
-class _CallableModule(types.ModuleType):
-    """Importing this module sets the attribute mechdiag.displacement to it, over the API function of the same
-    name; calling the module keeps `mechdiag.displacement(a, b)` working either way."""
-
-    def __call__(self, *args, **kwargs):
-        return displacement(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -23,113 +23,25 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import math
 import os
-import random
-import statistics
 import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mechdiag import atomic
+import torch
+
+from mechdiag import atomic, models
+from mechdiag import tasks as T
+from mechdiag.console import Progress
 from mechdiag.errors import UserError
-
-BASE = "base"
-# Which way is better, per metric family: +1 higher, -1 lower, 0 neither (reported, never coloured or counted).
-DIRECTION = {"accuracy": 1, "eval_reward": 1, "pass@": 1, "maj@": 1, "format_rate": 1, "truncation_rate": -1,
-             "completion_length": 0, "entropy": 0}
-SCORES = ("accuracy", "pass@", "maj@")  # the metrics the summary line counts (the study counts pass@k cells)
-
-
-def direction(metric: str) -> int:
-    for prefix, d in DIRECTION.items():
-        if metric == prefix or (prefix.endswith("@") and metric.startswith(prefix)):
-            return d
-    return 0
-
-
-def is_score(metric: str) -> bool:
-    return any(metric == s or (s.endswith("@") and metric.startswith(s)) for s in SCORES)
-
-
-# ---- estimators ---------------------------------------------------------------------------------------------
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
-
-    Computed as a product, which stays exact in floating point for any n (the binomials overflow first).
-    """
-    if not (0 <= c <= n and 1 <= k <= n):
-        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
-    if n - c < k:
-        return 1.0
-    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
-
-
-def maj_at_k(keys: list, correct: list[bool], k: int, max_subsets: int = 2000, seed: int = 0) -> float:
-    """Expected accuracy of a plurality vote over k of the n samples.
-
-    keys[i] is the answer sample i gave (None: no answer, no vote). The expectation is over all k-subsets of the n
-    samples (a seeded random 2000 of them when there are more), ties broken uniformly at random; the winning answer
-    scores the fraction of its samples that are correct (one answer, one verdict, whatever its spelling).
-    """
-    n = len(keys)
-    if len(correct) != n or not 1 <= k <= n:
-        raise ValueError(f"maj@k needs 1 <= k <= n = len(keys) = len(correct), got k={k}, {n}, {len(correct)}")
-    right: dict = {}
-    for key, ok in zip(keys, correct, strict=True):
-        if key is not None:
-            right.setdefault(key, []).append(bool(ok))
-    if not right:
-        return 0.0
-    score = {key: sum(v) / len(v) for key, v in right.items()}
-    if math.comb(n, k) <= max_subsets:
-        subsets: Iterable = itertools.combinations(range(n), k)
-        count = math.comb(n, k)
-    else:
-        rng = random.Random(seed)
-        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
-        count = max_subsets
-    total = 0.0
-    for sub in subsets:
-        votes = Counter(keys[i] for i in sub if keys[i] is not None)
-        if votes:
-            top = max(votes.values())
-            winners = [key for key, v in votes.items() if v == top]
-            total += sum(score[w] for w in winners) / len(winners)
-    return total / count
-
-
-def answer_key(task, completion: str, example):
-    """The answer a completion gives, in a form where equal answers compare equal (for maj@k); None if none.
-
-    A task may define `answer_key(completion, example)`; code has no votable answer (maj@k is not reported).
-    """
-    own = getattr(task, "answer_key", None)
-    if callable(own):
-        return own(completion, example)
-    from mechdiag.tasks.rewards import answer_number, extract_answer
-
-    if task.domain == "code":
-        return None
-    block = extract_answer(completion)
-    if task.domain == "mcq":
-        from mechdiag.tasks.mcq import pick_option
-
-        return pick_option(block, example.meta["labels"], example.meta["options"])
-    if getattr(task, "name", "") == "math500":
-        from mechdiag.tasks.math_tasks import latex_answer
-        from mechdiag.tasks.mathnorm import normalize
-
-        got = latex_answer(completion)
-        return normalize(got) if got else None
-    num = answer_number(completion)
-    if num is not None:
-        return num
-    text = " ".join((block or "").lower().split()).rstrip(".")
-    return text or None
+from mechdiag.eval_table import BASE
+from mechdiag.generate import generate, greedy
+from mechdiag.metrics import direction, maj_at_k, mean_std, metric_order, pass_at_k
+from mechdiag.run import RunDir
+from mechdiag.tasks.rewards import format_ok
 
 
 # ---- per-benchmark tallies ---------------------------------------------------------------------------------
@@ -178,15 +90,6 @@ class Tally:
         out = {name: v / self.n for name, v in self.sums.items()}
         out["entropy"] = self.entropy_sum / self.tokens if self.tokens else math.nan
         return out
-
-
-def metric_order(metric: str) -> tuple:
-    """accuracy, pass@k by k, maj@k by k, then the quality metrics."""
-    fixed = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
-    if metric.startswith(("pass@", "maj@")):
-        fam, _, k = metric.partition("@")
-        return (1 if fam == "pass" else 2, int(k) if k.isdigit() else 0, metric)
-    return (0 if metric == "accuracy" else 3, fixed.index(metric) if metric in fixed else 99, metric)
 
 
 # ---- what to evaluate --------------------------------------------------------------------------------------
@@ -256,21 +159,13 @@ def parse_tasks(specs: Iterable[str], splits: Iterable[str] = ()) -> list[tuple[
 def load_benchmarks(specs: list[tuple[str, str | None]], n: int | None, path: str | None = None,
                     options: dict | None = None) -> list[Benchmark]:
     """Tasks and their examples, read before any model loads (a bad file fails in a second, not after loading)."""
-    from mechdiag import tasks as T
-
-    def get_task(name: str):  # a registered name, or a user task class "package.module:Class"
-        try:
-            return T.get_task(name, path, **dict(options or {}))
-        except (ImportError, AttributeError) as e:
-            raise UserError(f"task {name!r}: cannot load it ({e})") from None
-
     if path is not None and len({t for t, _ in specs}) > 1:
         raise UserError("--path applies to one task; evaluate tasks with their own files in separate calls")
     tasks: dict[str, object] = {}
     out = []
     for name, split in specs:
         if name not in tasks:
-            tasks[name] = get_task(name)
+            tasks[name] = T.get_task(name, path, **dict(options or {}))
         task = tasks[name]
         if split is None:
             known = tuple(getattr(task, "splits", ()) or ("test",))
@@ -292,24 +187,16 @@ class Tuned:
 
 
 def resolve_adapter(path: str) -> tuple[Path, str]:
-    """(folder, kind) for an adapter folder, a full checkpoint, or a mechdiag run directory (its final/)."""
-    p = Path(path).expanduser()
-    if not p.exists():
-        raise UserError(f"--adapter {path}: no such folder")
-    if not p.is_dir():
-        raise UserError(f"--adapter {path}: is a file; give the folder holding adapter_config.json")
-    cands = [p, p / "final"]
-    ck = p / "checkpoints"
-    if ck.is_dir():
-        steps = sorted((int(c.name[5:]), c) for c in ck.iterdir()
-                       if c.name.startswith("step-") and c.name[5:].isdigit() and (c / "COMPLETE").exists())
-        cands += [c for _, c in reversed(steps)]
-    for c in cands:
-        if (c / "adapter_config.json").is_file():
-            return c, "peft"
-    for c in cands:
-        if (c / "config.json").is_file() and any(c.glob("*.safetensors")):
-            return c, "full"
+    """(folder, kind) for --adapter: a PEFT adapter folder ("peft"), a full model folder ("full") or a run
+    directory (its final/)."""
+    folder = models.checkpoint_folder(path)
+    if not folder.is_dir():
+        raise UserError(f"--adapter {path}: no such folder" if not folder.exists() else
+                        f"--adapter {path}: is a file; give the folder holding adapter_config.json")
+    if models.is_adapter(folder):
+        return folder, "peft"
+    if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
+        return folder, "full"
     raise UserError(f"--adapter {path}: not a PEFT adapter folder (no adapter_config.json), a model folder or a "
                     "mechdiag run directory")
 
@@ -349,12 +236,9 @@ class Models:
     """The base and every tuned model, with the base's weights loaded once and shared by all PEFT adapters."""
 
     def __init__(self, model_name: str, tuned: list[Tuned], dtype: str = "float32", device: str | None = None):
-        from mechdiag.models import resolve_device
-        from mechdiag.train.trainer import load_model
-
         self.model_name = model_name
-        self.device = resolve_device(device)
-        self.base, self.tokenizer = load_model(model_name, dtype)
+        self.device = models.device(device)
+        self.base, self.tokenizer = models.load_model_and_tokenizer(model_name, dtype)
         self.base.to(self.device).eval()  # before the adapters: peft puts their factors beside the base weights
         self.tuned = tuned
         self.dtype = dtype
@@ -368,20 +252,10 @@ class Models:
             self.peft.eval()
 
     def _load_adapter(self, t: Tuned, name: str) -> None:
-        import warnings
-
-        from peft import PeftModel
-
         try:
-            with warnings.catch_warnings():  # transformers deprecation notices that peft triggers on load
-                warnings.simplefilter("ignore", FutureWarning)
-                if self.peft is None:
-                    self.peft = PeftModel.from_pretrained(self.base, str(t.path), adapter_name=name)
-                else:
-                    self.peft.load_adapter(str(t.path), adapter_name=name)
-        except Exception as e:  # wrong base (shape mismatch), corrupt files: one line for the user
-            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {msg[:300]}") from None
+            self.peft = models.load_adapters(self.peft or self.base, {name: t.path})
+        except UserError as e:  # wrong base (shape mismatch), corrupt files: one line for the user
+            raise UserError(f"--adapter {t.path}: cannot load it onto {self.model_name}: {e}") from None
 
     def labels(self) -> list[str]:
         return [BASE] + [t.label for t in self.tuned]
@@ -401,9 +275,7 @@ class Models:
             self.peft.set_adapter(self._names[label], inference_mode=True)
             yield self.peft
             return
-        from mechdiag.train.trainer import load_model
-
-        full, _ = load_model(str(t.path), self.dtype)  # a full fine-tune shares nothing; hold it only while used
+        full = models.load_model(t.path, self.dtype)  # a full fine-tune shares nothing; hold it only while used
         try:
             yield full.to(self.device).eval()
         finally:
@@ -421,7 +293,6 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
 
     greedy: one generate.Sample per example; sampled: `tally.samples` Samples per example (may be empty lists).
     """
-    from mechdiag.tasks.rewards import format_ok
 
     flat = [s for row in sampled for s in row]
     flat_ex = [e for e, row in zip(examples, sampled, strict=True) for _ in row]
@@ -432,13 +303,13 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
     records, j = [], 0
     for i, ex in enumerate(examples):
         row = sampled[i]
-        ok_i, keys_i = [bool(x) for x in s_ok[j:j + len(row)]], [answer_key(task, s.text, ex) for s in row]
+        ok_i, keys_i = [bool(x) for x in s_ok[j:j + len(row)]], [task.answer_key(s.text, ex) for s in row]
         j += len(row)
         reward = sum(weights.get(k, 0.0) * v for k, v in g_comp[i].items())
         g = greedy[i]
         per = tally.add(correct=bool(g_ok[i]), reward=reward, fmt=format_ok(g.text), length=g.length,
                         truncated=g.truncated, sample_correct=ok_i, sample_keys=keys_i)
-        gkey = answer_key(task, g.text, ex)
+        gkey = task.answer_key(g.text, ex)
         records.append({"example_id": ex.id, "sample": -1, "completion": g.text, "correct": bool(g_ok[i]),
                         "reward": reward, "answer": None if gkey is None else str(gkey), "length": g.length,
                         "truncated": g.truncated, **per})
@@ -451,15 +322,11 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
 
 def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write=None) -> dict[str, float]:
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
-    from mechdiag.config import REWARD_WEIGHTS
-    from mechdiag.generate import encode_prompts, eos_ids, generate, pad_id, sample_tokens, samples_from
 
     task, s = bench.task, settings
-    weights = REWARD_WEIGHTS.get(task.domain, REWARD_WEIGHTS["math"])
-    tally = Tally(s.ks, s.samples, votable=task.domain != "code" or callable(getattr(task, "answer_key", None)))
+    weights = task.reward_weights()
+    tally = Tally(s.ks, s.samples, votable=task.votable)
     model.eval()  # no LoRA dropout
-    device = next(model.parameters()).device
-    eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
     max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     max_prompt = s.max_prompt_tokens
     if max_pos:  # keep prompt + completion inside the positions the model was trained on
@@ -469,16 +336,12 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     for start in range(0, len(bench.examples), per_chunk):
         chunk = bench.examples[start:start + per_chunk]
         prompts = [task.prompt(e, tokenizer) for e in chunk]
-        ids, mask = encode_prompts(tokenizer, prompts, max_prompt)
-        ent: list = []
-        comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device), max_new_tokens=s.max_new_tokens,
-                                           eos=eos, pad=pad, temperature=0.0, entropy=ent)
-        tally.add_entropy(float((ent[0].double() * cmask).sum()), int(cmask.sum()))
-        greedy = samples_from(tokenizer, comp, cmask, trunc)
+        greedy_done, ent_sum, ent_n = greedy(model, tokenizer, prompts, s.max_new_tokens, max_prompt, len(prompts))
+        tally.add_entropy(ent_sum, ent_n)
         sampled = generate(model, tokenizer, prompts, n=s.samples, temperature=s.temperature, top_p=s.top_p,
                            max_new_tokens=s.max_new_tokens, seed=chunk_seed(s.seed, bench.name, start),
                            max_prompt_tokens=max_prompt)
-        records = score_problems(task, chunk, greedy, sampled, tally, weights)
+        records = score_problems(task, chunk, greedy_done, sampled, tally, weights)
         for r, p in zip((r for r in records if r["sample"] == -1), prompts, strict=True):
             r["prompt"] = p
         if write is not None:
@@ -487,14 +350,6 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
 
 
 # ---- comparison --------------------------------------------------------------------------------------------
-def mean_std(values: list[float]) -> tuple[float, float | None]:
-    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
-    if not vals:
-        return math.nan, None
-    m = math.fsum(vals) / len(vals)
-    return m, (statistics.stdev(vals) if len(vals) > 1 else None)
-
-
 def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
     """Group per-model rows (benchmark, metric, model, value, n) into the comparison rows.
 
@@ -524,6 +379,7 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                 if not vals:
                     continue
                 mean, std = mean_std(vals)
+                mean = math.nan if mean is None else mean
                 row = {"step": 0, "benchmark": b, "metric": m, "model": g, "value": mean, "std": std, "n": ns[b],
                        "seeds": len(vals), "members": ",".join(members), "delta": None, "status": None}
                 if g != BASE:
@@ -535,74 +391,6 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                         row["status"] = "same" if abs(d) <= tol else ("improve" if d * dirn > 0 else "regress")
                 rows.append(row)
     return rows
-
-
-def summary(rows: list[dict]) -> list[dict]:
-    """Per tuned group: how many benchmark x score-metric configurations improve / regress on the base."""
-    out: dict[str, dict] = {}
-    for r in rows:
-        if r["model"] == BASE or not is_score(r["metric"]) or r["status"] is None:
-            continue
-        s = out.setdefault(r["model"], {"model": r["model"], "improve": 0, "regress": 0, "same": 0, "total": 0})
-        s[r["status"]] += 1
-        s["total"] += 1
-    return list(out.values())
-
-
-def summary_line(s: dict) -> str:
-    return (f"{s['model']}: {s['improve']} of {s['total']} benchmark-metric configurations improve on the base "
-            f"({s['regress']} regress, {s['same']} equal)")
-
-
-def _fmt(v: float | None, metric: str) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    return f"{v:.1f}" if metric == "completion_length" else f"{v:.3f}"
-
-
-def render_table(rows: list[dict], color: bool = False) -> str:
-    """The study's table: benchmark x metric rows, base and tuned columns, Δ marked (+ green, - red)."""
-    import click
-
-    cols = list(dict.fromkeys(r["model"] for r in rows))
-    cols = [BASE] + [c for c in cols if c != BASE] if BASE in cols else cols
-    by = {(r["benchmark"], r["metric"], r["model"]): r for r in rows}
-    keys = list(dict.fromkeys((r["benchmark"], r["metric"]) for r in rows))
-    seeds = {c: max((r["seeds"] for r in rows if r["model"] == c), default=1) for c in cols}
-    head = ["benchmark", "metric"] + [c if seeds[c] == 1 else f"{c} (x{seeds[c]})" for c in cols]
-    body: list[list[tuple[str, str | None]]] = []
-    for b, m in keys:
-        line: list[tuple[str, str | None]] = [(b, None), (m, None)]
-        for c in cols:
-            r = by.get((b, m, c))
-            if r is None:
-                line.append(("", None))
-                continue
-            text = _fmt(r["value"], m) + (f" ± {_fmt(r['std'], m)}" if r["std"] is not None else "")
-            if c != BASE and r["delta"] is not None and math.isfinite(r["delta"]):
-                mark = {"improve": "▲", "regress": "▼"}.get(r["status"], " ")
-                if r["status"] == "same":
-                    text += " ="
-                else:
-                    text += f" {mark}{r['delta']:+.3f}" if m != "completion_length" else f" {mark}{r['delta']:+.1f}"
-            line.append((text, {"improve": "green", "regress": "red"}.get(r["status"])))
-        body.append(line)
-    widths = [max(len(h), *(len(row[i][0]) for row in body)) if body else len(h) for i, h in enumerate(head)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)),
-           "  ".join("-" * w for w in widths)]
-    prev = None
-    for row in body:
-        cells = []
-        for i, ((text, colour), w) in enumerate(zip(row, widths, strict=True)):
-            if i == 0 and text == prev:
-                text = ""
-            cell = text.ljust(w)
-            cells.append(click.style(cell, fg=colour) if color and colour else cell)
-        prev = row[0][0]
-        out.append("  ".join(cells).rstrip())
-    for s in summary(rows):
-        out.append(summary_line(s))
-    return "\n".join(out)
 
 
 # ---- the whole evaluation ----------------------------------------------------------------------------------
@@ -626,7 +414,6 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     Besides the eval_* files, the first `report_samples` greedy completions per benchmark and model go to the run's
     samples.jsonl (kind "eval", source "mechdiag eval"), where the report pairs base and tuned answers.
     """
-    from mechdiag.run import RunDir
 
     settings.check()
     models = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
@@ -634,7 +421,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     group_of = {t.label: t.group for t in tuned}
     names = {b.name for b in benches}
     redone = lambda r: r.get("benchmark") in names  # noqa: E731  rows of this call replace earlier ones
-    samples_path = run.path / "eval_samples.jsonl"
+    samples_path = run.stream("eval_samples")
     tmp = run.path / ".eval_samples.jsonl.partial"
     per_model: list[dict] = []
     shown: list[dict] = []  # a few greedy completions per benchmark x model for the report
@@ -648,12 +435,16 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
             for bench in benches:
                 for label in models.labels():
                     t0 = time.perf_counter()
-                    head = {"step": 0, "kind": "eval", "benchmark": bench.name, "model": label,
+                    head = {"step": 0, "split": "eval", "benchmark": bench.name, "model": label,
                             "group": group_of.get(label, BASE)}
+                    lines = Progress(f"eval {bench.name} {label}", total=len(bench.examples))
+                    done = Counter()
 
-                    def write(records, head=head):
+                    def write(records, head=head, lines=lines, done=done):
                         f.write("".join(atomic.dumps({**head, **r}) + "\n" for r in records))
                         f.flush()
+                        done["problems"] += sum(1 for r in records if r["sample"] == -1)
+                        lines.update(done["problems"], "problems")  # a log line at most every ~10 s
                         key = (head["benchmark"], head["model"])
                         room = max(report_samples - n_shown[key], 0)
                         greedy = [r for r in records if r["sample"] == -1][:room]
@@ -679,7 +470,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     for r in rows:
         r.update(samples=settings.samples, temperature=settings.temperature, seed=settings.seed)
     _merge_jsonl(run.stream("eval_benchmarks"), lambda r: not redone(r), rows)
-    _merge_jsonl(run.path / "eval_models.jsonl", lambda r: not redone(r), per_model)
+    _merge_jsonl(run.stream("eval_models"), lambda r: not redone(r), per_model)
     if shown:
         _merge_jsonl(run.stream("samples"), lambda r: not (r.get("source") == "mechdiag eval" and redone(r)), shown)
     return Result(rows, per_model, run.path, samples_path)
@@ -690,6 +481,5 @@ SHOWN = ("example_id", "prompt", "completion", "correct", "reward", "answer", "l
 
 def set_threads(n: int | None) -> None:
     if n:
-        import torch
 
         torch.set_num_threads(n)

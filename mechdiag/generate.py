@@ -10,9 +10,13 @@ Greedy when temperature == 0. Groups are contiguous: sample j of prompt i is row
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
+
+from mechdiag.models import encode_prompts, eos_ids, pad_id
 
 
 @dataclass
@@ -23,38 +27,8 @@ class Sample:
     length: int
 
 
-def pad_id(tokenizer) -> int:
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
-
-
-def eos_ids(model, tokenizer) -> list[int]:
-    ids = getattr(model.config, "eos_token_id", None)
-    ids = ids if isinstance(ids, list) else [ids]
-    ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
-    return sorted(set(int(i) for i in ids))
-
-
-def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
-    """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
-    if max_prompt_tokens:
-        rows = [r[-max_prompt_tokens:] for r in rows]
-    width = max(len(r) for r in rows)
-    pid = pad_id(tokenizer)
-    ids = torch.full((len(rows), width), pid, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 def cache_kw(model) -> str:
     """transformers >= 5.2x names the KV cache argument `cache`; older versions `past_key_values`."""
-    import inspect
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
@@ -87,7 +61,6 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p).
     With `repeat` = n, each prompt row is prefilled once and decoded n times (rows i*n .. i*n+n-1).
     """
-    from transformers import DynamicCache
 
     b = prompt_ids.size(0) * repeat
     device = prompt_ids.device
@@ -165,6 +138,17 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: floa
     return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
+def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
+    """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
+    ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attn = torch.cat([prompt_mask, completion_mask], dim=1)
+    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    t = completion_ids.size(1)
+    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                   logits_to_keep=t + 1).logits
+    return logits[:, :-1, :]
+
+
 def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torch.Tensor) -> list[Sample]:
     lengths = cmask.sum(-1).tolist()
     comp = comp.tolist()
@@ -174,3 +158,22 @@ def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torc
         out.append(Sample(text=tokenizer.decode(ids, skip_special_tokens=True), token_ids=ids,
                           truncated=bool(trunc[i]), length=n_tok))
     return out
+
+
+@torch.inference_mode()
+def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int | None = None,
+           batch_size: int = 256) -> tuple[list[Sample], float, int]:
+    """The one greedy evaluation pass (trainer, `mechdiag eval`, the TRL evaluator): completions of `prompts`,
+    and the summed entropy (float64) over their completion tokens with the token count."""
+    device = next(model.parameters()).device
+    eos, pad = eos_ids(model, tokenizer), pad_id(tokenizer)
+    out, ent_sum, ent_n = [], 0.0, 0
+    for s in range(0, len(prompts), batch_size):
+        ids, mask = encode_prompts(tokenizer, prompts[s:s + batch_size], max_prompt_tokens)
+        ent: list = []
+        comp, cmask, trunc = sample_tokens(model, ids.to(device), mask.to(device), max_new_tokens=max_new_tokens,
+                                           eos=eos, pad=pad, temperature=0.0, entropy=ent)
+        ent_sum += float((ent[0].double() * cmask).sum())
+        ent_n += int(cmask.sum())
+        out += samples_from(tokenizer, comp, cmask, trunc)
+    return out, ent_sum, ent_n

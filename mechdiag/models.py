@@ -1,8 +1,13 @@
-"""Load models and tokenizers: the bundled arith base, a local Hugging Face folder, or a hub name.
+"""Model I/O, the one home for it: every model form a command accepts, tokenizers, PEFT adapters, devices.
+
+A model argument is `bundled` (or `bundled:deep`), a Hugging Face model folder (or hub name), a PEFT adapter
+folder, or a mechdiag run directory (its final/; a checkpoint with `checkpoint=N`); `checkpoint_folder` turns any
+of them into a folder.
 
 "bundled" is the tiny Llama shipped in mechdiag/assets/arith-base (made by scripts/make_base.py), so the
-default run works offline. Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on
-load, so it is refused with a line saying how to convert it.
+default run works offline; "bundled:deep" is its 8-layer sibling in mechdiag/assets/arith-deep
+(docs/base-model.md). Only safetensors checkpoints load: a pickle (.bin/.pt) checkpoint can run code on load, so
+it is refused with a line saying how to convert it.
 
 Pad token: a tokenizer without one gets its EOS token as pad (else UNK, else BOS). Generation pads on the left
 and masks the pad positions, so the choice never changes what the model sees.
@@ -10,34 +15,38 @@ and masks the pad positions, so the choice never changes what the model sees.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
+import warnings
 from pathlib import Path
 
-from mechdiag.errors import UserError
+import torch
+from peft import PeftModel
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
+
+from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
+from mechdiag.run import find_checkpoint
 
 BUNDLED = "bundled"
-TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
-SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
-CHARS = ("0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
-         " \n.,:;?!+-*/=()$%'\"<>")
-# Whole-word tokens for the arith vocabulary (bare and with a leading space): prompts shrink ~3x, which makes
-# pre-training and GRPO rollouts faster. Everything else, digits included, stays one token per character.
-TEMPLATE_WORDS = ["has", "gets", "finds", "more", "gives", "away", "loses", "ends", "up", "with", "twice", "three",
-                  "times", "as", "many", "How", "does", "have"]
+BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
 PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 
 
-def bundled_path() -> Path:
-    return ASSETS / "arith-base"
+def bundled_path(name: str = BUNDLED) -> Path:
+    return ASSETS / BUNDLED_ASSETS[name]
 
 
 def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
-    """'bundled' -> the asset folder; an existing folder holding `need` -> itself; else a hub name."""
-    if str(name_or_path) == BUNDLED:
-        path = bundled_path()
+    """'bundled' (or 'bundled:deep') -> the asset folder; an existing folder holding `need` -> itself; else a
+    hub name."""
+    if str(name_or_path) in BUNDLED_ASSETS:
+        path = bundled_path(str(name_or_path))
         if not (path / "config.json").exists():
-            raise UserError(f"the bundled base model is missing from {path}; reinstall mechdiag")
+            raise UserError(f"the bundled base model {name_or_path} is missing from {path}; reinstall mechdiag")
         return str(path)
     path = Path(name_or_path).expanduser()
     if path.exists():
@@ -62,39 +71,103 @@ def _check_weights(folder: Path) -> None:
     raise UserError(f"model folder {folder} has no model.safetensors")
 
 
-def word_list() -> list[str]:
-    from mechdiag.tasks.arith import ITEMS, NAMES
-
-    return list(dict.fromkeys(TEMPLATE_WORDS + NAMES + ITEMS))
+def is_adapter(folder: Path) -> bool:
+    return (folder / "adapter_config.json").is_file()
 
 
-def build_char_tokenizer():
-    """The bundled tokenizer: one token per character, the four tags and the arith words as single tokens.
+def is_run_dir(folder: Path) -> bool:
+    """A folder holding a run's final/ or checkpoints/ (and no model of its own)."""
+    own = (folder / "config.json").is_file() or is_adapter(folder)
+    return not own and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
 
-    BOS is added in front of every encoded text (training and inference alike); EOS ends a completion.
 
-    Built with the `tokenizers` library and wrapped in PreTrainedTokenizerFast, which reloads with identical ids
-    (AutoTokenizer for some model types swaps the pre-tokenizer on reload).
-    """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
+def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
+    """The folder behind a model argument: `bundled` (or `bundled:deep`), a model or adapter folder, or a run
+    directory (its final/, else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths
+    pass through."""
+    if str(arg) in BUNDLED_ASSETS:
+        return Path(resolve(str(arg)))
+    path = Path(arg).expanduser()
+    if not path.is_dir() or not is_run_dir(path):
+        if checkpoint is not None:
+            raise UserError(f"{arg}: --checkpoint needs a run directory")
+        return path
+    return find_checkpoint(path, checkpoint)
 
-    words = sorted(word_list(), key=len, reverse=True)
-    vocab = {t: i for i, t in enumerate(SPECIALS)}
-    for t in [*CHARS, *words, *(" " + w for w in words)]:
-        vocab.setdefault(t, len(vocab))
-    # Pre-tokens: a known whole word (with its leading space), else a single character; unknown -> <unk>.
-    pattern = r" ?(?<![A-Za-z])(?:" + "|".join(words) + r")(?![A-Za-z])|[\s\S]"
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False, single_word=False) for t in TAGS])
-    tok.decoder = decoders.Fuse()
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", vocab["<s>"])])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                   pad_token="<pad>", padding_side="left", clean_up_tokenization_spaces=False,
-                                   model_max_length=512)
+
+def adapter_base(adapter: Path) -> Path | None:
+    """The local base folder named by an adapter's base_model_name_or_path (absolute or relative), else None."""
+    try:
+        cfg = json.loads((adapter / "adapter_config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"unreadable {adapter / 'adapter_config.json'}: {e}") from None
+    name = cfg.get("base_model_name_or_path")
+    if name and Path(name).is_dir():
+        return Path(name)
+    if name and (adapter / name).is_dir():
+        return adapter / name
+    return None
+
+
+def load_adapters(model, adapters: dict[str, Path]):
+    """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter)."""
+
+    out = model
+    for name, path in adapters.items():
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers attribute
+                if hasattr(out, "peft_config"):
+                    out.load_adapter(str(path), adapter_name=name)
+                else:
+                    out = PeftModel.from_pretrained(out, str(path), adapter_name=name)
+        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
+            raise UserError(f"cannot load adapter {path}: {first_line(e)}") from None
+    return out.eval()
+
+
+def adapter_context(model, name: str | None):
+    """A context factory that runs `model` as the plain base (name None) or with adapter `name` active."""
+    if not hasattr(model, "peft_config"):
+        return contextlib.nullcontext
+    if name is None:
+        return model.disable_adapter
+
+    @contextlib.contextmanager
+    def ctx():
+        prev = model.active_adapter
+        model.base_model.set_adapter(name)
+        try:
+            yield
+        finally:
+            model.base_model.set_adapter(prev)
+
+    return ctx
+
+
+_DEVICE = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+
+
+def reference_context(model, ref_model):
+    """The reference policy: the frozen copy if there is one, else the model with its adapter disabled."""
+    if ref_model is not None:
+        return ref_model, contextlib.nullcontext()
+    return model, model.disable_adapter()
+
+
+def device(spec: str | None = "auto") -> str:
+    """auto (the GPU when there is one, else the CPU), cpu, cuda, cuda:N or mps, checked to exist here."""
+    spec = spec or "auto"
+    if not _DEVICE.fullmatch(spec):
+        raise UserError(f"--device {spec}: use auto, cpu, cuda, cuda:N or mps")
+    if spec == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        torch.empty(0, device=spec)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        raise UserError(f"--device {spec}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
+                        ) from None
+    return spec
 
 
 def ensure_pad(tokenizer):
@@ -110,10 +183,43 @@ def ensure_pad(tokenizer):
     return tokenizer
 
 
-def load_tokenizer(name_or_path: str | Path = BUNDLED):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+def pad_id(tokenizer) -> int:
+    """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
+    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
+        if tid is not None:
+            return int(tid)
+    return 0
 
-    src = resolve(name_or_path, need="tokenizer_config.json")
+
+def eos_ids(model, tokenizer) -> list[int]:
+    ids = getattr(model.config, "eos_token_id", None)
+    ids = ids if isinstance(ids, list) else [ids]
+    ids = [i for i in (*ids, tokenizer.eos_token_id) if i is not None]
+    return sorted(set(int(i) for i in ids))
+
+
+def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
+    """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    if max_prompt_tokens:
+        rows = [r[-max_prompt_tokens:] for r in rows]
+    width = max(len(r) for r in rows)
+    pid = pad_id(tokenizer)
+    ids = torch.full((len(rows), width), pid, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = None):
+    """The tokenizer of any model form; an adapter folder without one uses its base's."""
+
+    folder = checkpoint_folder(name_or_path, checkpoint)
+    if is_adapter(folder) and not (folder / "tokenizer_config.json").exists():
+        folder = _base_of(folder)
+    src = resolve(folder if folder.exists() else name_or_path, need="tokenizer_config.json")
     try:
         if Path(src).is_dir() and (Path(src) / "tokenizer.json").exists():
             cls = _tokenizer_class(Path(src))
@@ -135,48 +241,21 @@ def _tokenizer_class(folder: Path) -> str | None:
         return None
 
 
-DEVICE_HELP = "auto (the GPU if there is one), cpu, cuda, cuda:N or mps"
+def _base_of(adapter: Path) -> Path:
+    base = adapter_base(adapter)
+    if base is None:
+        raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
+    return base
 
 
-def resolve_device(spec: str | None = "auto"):
-    """The torch.device that `spec` names, checked against this machine before any model is loaded.
+def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):
+    """Any model form in eval mode; a PEFT adapter (or a LoRA run's final/) comes merged into its base."""
 
-    "auto"/None: the first CUDA GPU, else Apple's MPS, else the CPU. A device that is not here is a UserError."""
-    import torch
-
-    s = "auto" if spec is None else str(spec).strip().lower()
-    if s == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", 0)
-        mps = getattr(torch.backends, "mps", None)
-        return torch.device("mps" if mps is not None and mps.is_available() else "cpu")
-    try:
-        dev = torch.device(s)
-    except (RuntimeError, ValueError):
-        raise UserError(f"device {spec!r} is not a device; use {DEVICE_HELP}") from None
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if n == 0:
-            raise UserError(f"device {spec!r}: no CUDA GPU here (torch {torch.__version__}); use --device cpu or auto")
-        index = 0 if dev.index is None else dev.index
-        if index >= n:
-            raise UserError(f"device {spec!r}: this machine has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
-        return torch.device("cuda", index)
-    if dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
-            raise UserError(f"device {spec!r}: Apple MPS is not available here; use --device cpu or auto")
-        return torch.device("mps")
-    raise UserError(f"device {spec!r} is not supported; use {DEVICE_HELP}")
-
-
-def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    src = resolve(name_or_path)
+    hf_logging.disable_progress_bar()
+    folder = checkpoint_folder(name_or_path, checkpoint)
+    if is_adapter(folder):
+        return load_adapters(load_model(_base_of(folder), dtype), {"default": folder}).merge_and_unload().eval()
+    src = resolve(folder if folder.exists() else name_or_path)
     if Path(src).is_dir():
         _check_weights(Path(src))
     torch_dtype = getattr(torch, dtype, None)
@@ -185,15 +264,15 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
     try:
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch_dtype, use_safetensors=True)
     except Exception as e:
-        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise UserError(f"cannot load model from {src}: {msg}") from e
+        raise UserError(f"cannot load model from {src}: {first_line(e)}") from e
     model.eval()
     return model
 
 
-def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32"):
-    tok = load_tokenizer(name_or_path)
-    model = load_model(name_or_path, dtype)
+def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32",
+                             checkpoint: int | None = None):
+    tok = load_tokenizer(name_or_path, checkpoint)
+    model = load_model(name_or_path, dtype, checkpoint)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id
     if getattr(model, "generation_config", None) is not None and model.generation_config.pad_token_id is None:
@@ -204,8 +283,6 @@ def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "f
 def generate(model, tokenizer, prompts: list[str], max_new_tokens: int = 64, do_sample: bool = False,
              temperature: float = 1.0, batch_size: int = 256, generator_seed: int | None = None) -> list[str]:
     """Completions (special tokens dropped) for plain-text prompts, batched with left padding and a KV cache."""
-    import torch
-
     out = []
     if generator_seed is not None:
         torch.manual_seed(generator_seed)

@@ -1,9 +1,13 @@
 """From diagnostics to a refined config (paper-notes §5): each rule is a symptom detector over the recorded
 signals of one or more run directories, a treatment on the Config, the evidence that fired it and a confidence.
 
-Every threshold is a named constant below and is explained in docs/recommendations.md. Several runs (seeds of
+Every threshold is a named constant below (those the live alerts share: metrics.py) and is explained in
+docs/recommendations.md. Several runs (seeds of
 one config) are pooled: train and eval signals are averaged per step, displacement and shift shares per run
-then averaged. A healthy run fires no rule and leaves the config unchanged.
+then averaged. A healthy run fires no rule and leaves the config unchanged; a run with too few train records is
+not judged at all (too_few_records), and a run with no learning signal (no_signal) gets its cause, not tuning.
+Rules judge a cause together with its cost: a symptom that costs nothing (entropy falling while held-out
+accuracy rises and the groups still differ) changes nothing.
 """
 
 from __future__ import annotations
@@ -13,16 +17,29 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mechdiag import config as configlib
-from mechdiag.compare import Run, base_eval, final_eval, group_runs, load_runs
+from mechdiag.compare import side_by_side
 from mechdiag.config import Config, parse_layers
+from mechdiag.errors import UserError
+from mechdiag.metrics import (  # the thresholds the live alerts share
+    CLIPPED_HIGH,
+    ENTROPY_COLLAPSE_RATIO,
+    FRAC_ZERO_STD_HIGH,
+    causal_shares,
+    last_step,
+    max_reward,
+    update_mass,
+)
+from mechdiag.metrics import is_number as _num
+from mechdiag.run import Run, base_eval, final_eval, group_runs
+from mechdiag.tasks import reward_weights
 
 # ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
 WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
 MIN_POINTS = 4  # fewer train records than this: trend rules stay silent
+MIN_RECORDS = 8  # fewer train records than this: too few to judge at all (two per head/tail window)
 CONFIDENT_POINTS = 20  # train records for full confidence from the data-size factor
 
 REWARD_CV_LOW = 0.10  # tail mean within-group reward CV below this: groups barely differ
-FRAC_ZERO_STD_HIGH = 0.50  # tail mean share of groups with identical rewards above this: no gradient signal
 REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts as "high" (7B-on-MCQ case)
 REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
 TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
@@ -49,7 +66,6 @@ FORMAT_MIN = 0.05
 FORMAT_COMPONENTS = ("xml_count", "format", "numeric", "reasoning_nonempty", "answer_nonempty", "valid_option",
                      "syntax")
 
-CLIPPED_HIGH = 0.20  # tail mean share of completions cut at max_completion_tokens above this
 LENGTH_SHRINK = 0.10  # or: clipped above CLIPPED_HIGH in the head and the length shrank by this share since
 LENGTH_NEAR_BUDGET = 0.80  # or: tail mean completion length above this share of the budget...
 CLIPPED_SOME = 0.01  # ...after head or tail cut some completions: the policy settled just under the cap
@@ -65,8 +81,10 @@ MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the updat
 MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
 MIN_MODULES = 2  # ...and we keep at least this many modules (the study's v_proj + o_proj)
 
-ENTROPY_COLLAPSE_RATIO = 0.3  # tail entropy below this share of the head entropy has collapsed
-ENTROPY_FLOOR = 0.05  # or below this absolute value (nats per token)
+CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below this share of the head's
+
+NO_SIGNAL_EPS = 1e-9  # reward (or correctness) at most this on every record: nothing to learn from
+NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a closed answer block: format never made
 
 SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
@@ -128,10 +146,6 @@ def confidence(margin: float, n_points: int) -> float:
 
 
 # ---- pooled signals ----------------------------------------------------------------------------------------
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
     """Per step, the mean over runs of every numeric key."""
     acc: dict[int, dict[str, list[float]]] = {}
@@ -144,34 +158,6 @@ def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
                 if k != "step" and _num(v):
                     slot.setdefault(k, []).append(float(v))
     return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in sorted(acc.items())}
-
-
-def _last_step_rows(rows: list[dict]) -> list[dict]:
-    steps = [r["step"] for r in rows if _num(r.get("step"))]
-    if not steps:
-        return []
-    last = max(steps)
-    return [r for r in rows if r.get("step") == last]
-
-
-def _shares(rows: list[dict], by: str, relative: bool = False) -> dict:
-    """Share of the update mass per group: squared delta_fro summed per `by` over the total (the study's update
-    mass; mechdiag.displacement.update_mass computes the same from a frame). relative: each group's mass is
-    first divided by its squared ref_fro (its WDisp^2), so a module is not "carrying the update" just for being
-    a bigger matrix (a Llama MLP projection has several times the entries of an attention one)."""
-    mass: dict = {}
-    ref: dict = {}
-    for r in rows:
-        if _num(r.get("delta_fro")) and r.get(by) is not None:
-            key = str(r[by]).rsplit(".", 1)[-1] if by == "module" else r[by]  # "self_attn.v_proj" -> "v_proj"
-            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
-            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if _num(r.get("ref_fro")) else 0.0)
-    if relative:
-        if any(ref.get(k, 0.0) <= 0 for k in mass):
-            return {}
-        mass = {k: v / ref[k] for k, v in mass.items()}
-    total = sum(mass.values())
-    return {k: v / total for k, v in mass.items()} if total > 0 else {}
 
 
 def _mean_dicts(dicts: list[dict]) -> dict:
@@ -194,25 +180,32 @@ class Signals:
     base: dict[str, float]
     final: dict[str, float]
     n_layers: int | None
+    samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
+    # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
+    causal: dict[str, dict] = field(default_factory=dict)
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
         cfg = runs[0].cfg
         # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
         adapted = set(cfg.lora.target_modules)
-        disp = [[row for row in _last_step_rows(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
+        disp = [[row for row in last_step(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
                  in adapted] for r in runs]
-        shift_rows = [_last_step_rows(r.shift) for r in runs]
+        shift_rows = [last_step(r.shift) for r in runs]
         layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
         by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
         return cls(
             cfg=cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
-            layer_mass={int(k): v for k, v in _mean_dicts([_shares(rows, "layer") for rows in disp]).items()},
-            module_mass=_mean_dicts([_shares(rows, "module", relative=True) for rows in disp]),
+            layer_mass={int(k): v for k, v in _mean_dicts([update_mass(rows, "layer") for rows in disp]).items()},
+            module_mass=_mean_dicts([update_mass(rows, "module", size_normalised=True) for rows in disp]),
             shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
-            n_layers=max(layers) + 1 if layers else None)
+            n_layers=max(layers) + 1 if layers else None,
+            samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
+                           key=lambda x: x.get("split") != "train"),
+            causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
+                    for by in ("layer", "module")})
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -236,8 +229,16 @@ class Signals:
 
     @property
     def max_reward(self) -> float:
-        """Components are in [0, 1] before weighting (tasks/base.py), so the best total is the positive weights."""
-        return sum(w for w in self.cfg.rewards.weights.values() if w > 0) or 1.0
+        return max_reward(reward_weights(self.cfg))
+
+    def sampled_pass_k(self) -> tuple[str, list[int], list[float]] | None:
+        """(key, steps, values) of the largest recorded pass@k with k > 1: only sampled completions give it."""
+        keys = {k for d in self.eval.values() for k in d if k.startswith("pass@") and k[5:].isdigit()
+                and int(k[5:]) > 1}
+        if not keys:
+            return None
+        key = max(keys, key=lambda k: int(k[5:]))
+        return (key, *self.series(key, "eval"))
 
     def accuracy_trend(self) -> tuple[float, float, float] | None:
         """(best so far including base, final, base) eval accuracy, or None without two points."""
@@ -273,7 +274,7 @@ def _raise_temperature(cfg: Config) -> Change | None:
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
-    if cfg.clip_high >= EPSILON_HIGH_TARGET - 1e-9:
+    if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
 
@@ -302,6 +303,80 @@ def _saturated(s: Signals) -> tuple[float, str] | None:
     if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
         return tail
     return None
+
+
+@rule("too_few_records", "too few train records to judge the run: no other rule is run")
+def too_few_records(s: Signals):
+    if s.n_train >= MIN_RECORDS:
+        return None
+    return _finding(too_few_records, f"too few records to judge ({s.n_train} < {MIN_RECORDS} train records)", [],
+                    "train longer (more steps, or a larger max_time_s) before judging the run", 0.95,
+                    n_records=s.n_train, min_records=MIN_RECORDS)
+
+
+def _raise_budget(cfg: Config) -> Change | None:
+    cur = cfg.max_completion_tokens
+    if cur >= COMPLETION_TOKENS_MAX:
+        return None
+    new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    return Change("max_completion_tokens", cur, new)
+
+
+@rule("no_signal", "zero reward or zero correct throughout: every group scores the same, nothing to learn from")
+def no_signal(s: Signals):
+    _, reward = s.series("reward")
+    _, correct = s.series("reward/correctness")
+    _, acc = s.series("accuracy", "eval")
+    acc = acc + [s.base["accuracy"]] if "accuracy" in s.base else acc
+    zero_reward = bool(reward) and max(reward) <= NO_SIGNAL_EPS
+    zero_correct = bool(correct or acc) and max(correct + acc) <= NO_SIGNAL_EPS
+    if not (zero_reward or zero_correct):
+        return None
+    what = "reward 0" if zero_reward else "no correct answer"
+    ev = f"{what} on all {len(reward) or len(acc)} records"
+    # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
+    pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
+    pool = [x for x in pool if x.get("split", "train") == "train"] or pool
+    tag = s.cfg.rewards.answer_tag
+    fmt = (sum(f"<{tag}>" in x["completion"] and f"</{tag}>" in x["completion"] for x in pool) / len(pool)
+           if pool else None)
+    opened = [f"<{t}>" for t in (s.cfg.rewards.reasoning_tag, "think", tag)]  # a completion that began the format
+    started = sum(any(t in x["completion"] for t in opened) for x in pool) / len(pool) if pool else None
+    _, clipped = s.series("completion_clipped_ratio")
+    cut = sum(clipped) / len(clipped) if clipped else \
+        (sum(bool(x.get("truncated")) for x in pool) / len(pool) if pool and "truncated" in pool[0] else 0.0)
+    if fmt is None:  # no samples recorded: the format components say whether the tags were ever written
+        tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
+        fmt = max(tags) if tags else None
+    never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
+    if cut > CLIPPED_HIGH and not never_started:
+        cause = "budget too short"
+        ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
+               f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
+        change = _raise_budget(s.cfg)
+        reason = ("budget too short: a longer completion budget lets the answer be written" if change else
+                  "budget too short and at its cap: shorten the reasoning (prompt, format warm-up) or the task")
+        changes = [change] if change else []
+    elif fmt is not None and fmt < NO_SIGNAL_FORMAT_MIN:
+        cause = "format never produced"
+        ev += (f"; {fmt:.0%} of {len(pool)} sampled completions close an <{tag}> block, {started:.0%} open any "
+               "tag" if pool else "; the format components (xml_count, format) are 0 throughout")
+        if cut > CLIPPED_HIGH:
+            ev += f" ({cut:.0%} cut at the budget, but none had begun the format)"
+        changes = []
+        reason = ("format never produced: the base does not write the rewarded <reasoning>/<answer> format, so no "
+                  "sampling setting can help; teach it first (a short SFT warm-up on gold completions, a prompt "
+                  "with a worked example, or an instruct base with its chat template), or check the tag names "
+                  "(rewards.reasoning_tag / answer_tag)")
+    else:
+        cause = "task too hard"
+        ev += (f"; {fmt:.0%} of sampled completions are well-formed but none is correct" if fmt is not None
+               else "; no completion is correct")
+        change = _easier_data(s.cfg)
+        changes = [change] if change else []
+        reason = ("task too hard: easier data gives some groups a correct member to learn from" if change else
+                  "task too hard: mix easier problems into task.mixture, or start from a stronger base")
+    return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
 
 
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
@@ -400,7 +475,7 @@ def reward_misalignment(s: Signals):
     _, final, base = trend
     if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
         return None
-    w = dict(s.cfg.rewards.weights)
+    w = reward_weights(s.cfg)
     ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
           f"eval accuracy {base:.3g} -> {final:.3g}")
     c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
@@ -447,11 +522,9 @@ def truncation(s: Signals):
         margin = (fill - LENGTH_NEAR_BUDGET) / (1 - LENGTH_NEAR_BUDGET)
     else:
         return None
-    changes, reason = [], "longer budget so reasoning and answer fit"
-    if cur < COMPLETION_TOKENS_MAX:
-        new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
-        changes = [Change("max_completion_tokens", cur, new)]
-    else:
+    change, reason = _raise_budget(s.cfg), "longer budget so reasoning and answer fit"
+    changes = [change] if change else []
+    if not change:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
                     length_fill=fill, length_shrink=shrink)
@@ -466,6 +539,9 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
     return (sum(e) / len(e)) / max(sum(m) / len(m), 1e-12)
 
 
+DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
+
+
 @rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
 def reduced_layers(s: Signals):
     n = s.n_layers
@@ -476,11 +552,15 @@ def reduced_layers(s: Signals):
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    if s.layer_mass:
-        ratios["displacement"] = _end_ratio(s.layer_mass, n)
-    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-    if s.shift:
-        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
+    if causal:  # measured importance overrules the correlates
+        ratios["causal share"] = _end_ratio(causal, n)
+    else:
+        if s.layer_mass:
+            ratios["displacement"] = _end_ratio(s.layer_mass, n)
+        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+        if s.shift:
+            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
@@ -492,6 +572,12 @@ def reduced_layers(s: Signals):
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                                f"; strong: > {END_RATIO_STRONG})"))
+    if causal:
+        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
+        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
+              "output KL lost when a layer is removed"
+    else:
+        ev += DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
                     "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
@@ -499,7 +585,8 @@ def reduced_layers(s: Signals):
 
 @rule("reduced_modules", "update mass concentrated in a few module types")
 def reduced_modules(s: Signals):
-    mass, current = s.module_mass, list(s.cfg.lora.target_modules)
+    causal = s.causal.get("module", {})
+    mass, current = causal or s.module_mass, list(s.cfg.lora.target_modules)
     m = len(mass)
     if not s.cfg.lora.enabled or m <= MIN_MODULES:
         return None
@@ -511,17 +598,19 @@ def reduced_modules(s: Signals):
     concentration = cover / (k / m)
     if k > m // 2 or concentration < MODULE_CONCENTRATION:
         return None
-    keep = {mod for mod, _ in ranked[:k]}
+    keep = {str(mod).rsplit(".", 1)[-1] for mod, _ in ranked[:k]}  # LoRA targets by name: "attn.c_proj" -> c_proj
     new = [mod for mod in current if mod in keep]
-    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} of the update mass ({k} of {m} modules, "
-          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})")
+    what = "of the causal share (output KL lost without the module; attribution)" if causal else \
+        "of the size-normalised update mass"
+    ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} {what} ({k} of {m} modules, "
+          f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
                     "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
-                    modules=",".join(new))
+                    modules=",".join(new), source="causal share" if causal else "displacement")
 
 
-@rule("entropy_collapse", "policy entropy collapses: the model stops exploring")
+@rule("entropy_collapse", "policy entropy collapses and it costs something: diversity, pass@k or accuracy")
 def entropy_collapse(s: Signals):
     head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
     if head and tail:
@@ -531,16 +620,28 @@ def entropy_collapse(s: Signals):
         if len(ent) < 2:
             return None
         start, end, where = ent[0], ent[-1], f"eval steps {steps[0]} -> {steps[-1]}"
-    collapsed = end < ENTROPY_COLLAPSE_RATIO * start or (end < ENTROPY_FLOOR <= start)
-    if not collapsed:
+    if not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):  # relative to the run's own start, no floor
+        return None
+    costs = []  # a sharper policy is the point of RL; it is a problem only where it costs something
+    cv_head, cv_tail = s.window("reward_cv", "head"), s.window("reward_cv", "tail")
+    if cv_head and cv_tail and cv_tail[0] < CV_FALL_RATIO * cv_head[0]:
+        costs.append(f"reward_cv {cv_head[0]:.3g} -> {cv_tail[0]:.3g} (< {CV_FALL_RATIO} x start)")
+    pk = s.sampled_pass_k()
+    if pk and len(pk[2]) >= 2 and pk[2][-1] < max(pk[2]) - ACC_DROP:
+        costs.append(f"{pk[0]} {max(pk[2]):.3g} (best) -> {pk[2][-1]:.3g} at step {pk[1][-1]}")
+    trend = s.accuracy_trend()
+    if trend and trend[1] - trend[2] <= ACC_FLAT:
+        costs.append(f"eval accuracy stalled {trend[2]:.3g} -> {trend[1]:.3g} (gain <= {ACC_FLAT})")
+    if not costs:
         return None
     change = _raise_temperature(s.cfg) or _raise_beta(s.cfg)
-    ev = f"entropy {start:.3g} -> {end:.3g} ({where}; < {ENTROPY_COLLAPSE_RATIO} x start or < {ENTROPY_FLOOR})"
+    ev = (f"entropy {start:.3g} -> {end:.3g} ({where}; < {ENTROPY_COLLAPSE_RATIO} x the run's start), with "
+          + "; ".join(costs))
     reason = "keep exploring: " + ("a higher temperature" if change and change.key == "temperature" else
                                    "a stronger KL anchor to the base's entropy")
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
-                    entropy_start=start, entropy_end=end)
+                    entropy_start=start, entropy_end=end, costs=len(costs))
 
 
 # ---- applying ------------------------------------------------------------------------------------------------
@@ -554,14 +655,21 @@ def _set(data: dict, key: str, value) -> None:
 # A rule whose treatment changes the config explains away the symptoms of the rules it confounds: a completion
 # cut at the budget scores as wrong, so falling accuracy (kl_drift) and reward rising on format alone
 # (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
-CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment")}
+# no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
+# rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
+             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
 
 
 def diagnose(signals: Signals) -> list[Finding]:
     """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
-    finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait."""
-    found = [(name, f) for name, _, fn in RULES if (f := fn(signals)) is not None]
-    deferred = {r: name for name, f in found if f.changes for r in CONFOUNDS.get(name, ())}
+    finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
+    few records nothing else is judged."""
+    few = too_few_records(signals)
+    if few is not None:
+        return [few]
+    found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
+    deferred = {r: name for name, f in found if f.changes or name == "no_signal" for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}
     for name, f in found:
         if name in deferred and f.changes:
@@ -620,12 +728,15 @@ class Recommendation:
         return header(self.findings, self.runs)
 
 
-def recommend(paths) -> Recommendation:
-    """Diagnose the runs and refine their config. With several configs among the runs, the rules read the group
+def recommend(runs: list[Run]) -> Recommendation:
+    """Diagnose loaded runs and refine their config. With several configs among the runs, the rules read the group
     with the best mean final accuracy (the comparison of all groups comes with it)."""
-    from mechdiag.compare import side_by_side
-
-    runs = load_runs(paths)
+    if not runs:
+        raise UserError("give at least one run directory")
+    for r in runs:
+        r.cfg  # noqa: B018 - validates config.yaml (UserError when missing or invalid) before any rule reads it
+        if not r.metrics and not r.eval:
+            raise UserError(f"{r.path} has neither metrics.jsonl nor eval.jsonl records: nothing to diagnose")
     groups = group_runs(runs)
     comparison = side_by_side(runs) if len(runs) > 1 else []
     best = max(groups, key=lambda g: sum(final_eval(r).get("accuracy", -1.0) for r in g.runs) / len(g.runs))

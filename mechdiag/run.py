@@ -6,20 +6,40 @@
     RUN/samples.jsonl      rollouts and eval completions, with group ids
     RUN/displacement.jsonl rows: step, name, layer, module, ref_fro, delta_fro, rel_fro
     RUN/shift.jsonl        rows: step, layer, shift, ci_low, ci_high, cos_dist, increment, logit_kl
-    RUN/eval_benchmarks.jsonl  rows of `mechdiag eval`
-    RUN/checkpoints/step-N/, RUN/final/, RUN/summary.json
+    RUN/eval_benchmarks.jsonl  rows of `mechdiag eval` (benchmark x metric x model group)
+    RUN/eval_models.jsonl  the same per adapter, before grouping
+    RUN/eval_samples.jsonl every completion `mechdiag eval` scored
+    RUN/attribution.jsonl  rows of `mechdiag attribute --save` (mechdiag.attribute.COLUMNS)
+    RUN/checkpoints/step-N/ (complete when step-N/COMPLETE exists), RUN/final/, RUN/summary.json
+
+`Run` is a run directory read into memory (`load_run`); `group_runs` pools seeds of one config; `base_eval` and
+`final_eval` are the untrained and the final held-out metrics. Runs of other trainers (TRL, verl) are converted
+into this shape once, at the edge (mechdiag.integrations.readers.load_runs).
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import math
 import os
-from dataclasses import dataclass
+import re
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from mechdiag import atomic
+from mechdiag import config as configlib
 from mechdiag.errors import UserError
 
-STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks")
+STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples",
+           "attribution")
+# summary.json, whoever writes it (native trainer, TRL callback, TRL and verl readers): flat keys, metrics of the
+# untrained and the final model as base_<metric> / final_<metric>.
+SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
+                "sandbox", "memory", "base_accuracy", "final_accuracy", "accuracy_gain", "base_eval_reward",
+                "final_eval_reward")
 
 
 @dataclass
@@ -51,7 +71,7 @@ class RunDir:
             raise UserError(f"corrupt {self.stream(name)}: {e}") from None
 
     def frame(self, name: str):
-        import pandas as pd
+        import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
         return pd.DataFrame(self.read(name))
 
@@ -81,24 +101,241 @@ class RunDir:
     def final(self) -> Path:
         return self.path / "final"
 
+    def checkpoint(self, step: int) -> Path:
+        return self.checkpoints / f"step-{step}"
+
     def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints (a crash mid-write leaves no COMPLETE marker), ascending."""
         if not self.checkpoints.is_dir():
             return []
-        steps = []
-        for p in self.checkpoints.iterdir():
-            if p.name.startswith("step-") and (p / "COMPLETE").exists():
-                steps.append(int(p.name.split("-", 1)[1]))
-        return sorted(steps)
+        return sorted(int(p.name[5:]) for p in self.checkpoints.iterdir()
+                      if p.name.startswith("step-") and p.name[5:].isdigit() and (p / "COMPLETE").exists())
+
+    def write_checkpoint(self, step: int, save: Callable[[Path], None]) -> Path:
+        """checkpoints/step-N written by `save(folder)` beside it, made durable with every stream record so far,
+        renamed into place, then marked COMPLETE: a crash leaves either the whole checkpoint or none."""
+        final, tmp = self.checkpoint(step), self.checkpoints / f".step-{step}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        save(tmp)
+        for p in [self.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
+        os.replace(tmp, final)
+        atomic.write_text(final / "COMPLETE", "")
+        atomic.fsync_file(self.checkpoints)
+        return final
+
+    def write_final(self, save: Callable[[Path], None]) -> Path:
+        """final/ appears whole or not at all: written beside it by `save(folder)`, then renamed over it."""
+        tmp = self.path / ".final.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save(tmp)
+        for p in sorted(tmp.iterdir()) + [tmp]:
+            atomic.fsync_file(p)
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(tmp, self.final)
+        return self.final
 
     def write_summary(self, summary: dict) -> None:
+        unknown = sorted(k for k in summary if k not in SUMMARY_KEYS and not k.endswith("_output_dir")
+                         and not k.startswith(("base_", "final_")) and k != "verl_metrics")
+        if unknown:
+            raise ValueError(f"summary.json keys outside the schema: {unknown}")
         atomic.write_json(self.summary_path, summary)
 
     def summary(self) -> dict:
-        import json
-
         if not self.summary_path.exists():
             return {}
         try:
             return json.loads(self.summary_path.read_text())
         except ValueError as e:
             raise UserError(f"corrupt {self.summary_path}: {e}") from None
+
+
+def find_checkpoint(path: Path, step: int | None = None) -> Path:
+    """A run directory's model: checkpoints/step-N when `step` is given, else final/ (else the last complete
+    checkpoint of a run that has not finished)."""
+    rd = RunDir(path)
+    steps = rd.checkpoint_steps()
+    if step is not None:
+        if step not in steps:
+            raise UserError(f"{path}: no complete checkpoint at step {step} (have: {steps or 'none'})")
+        return rd.checkpoint(step)
+    if rd.final.is_dir():
+        return rd.final
+    if steps:
+        return rd.checkpoint(steps[-1])
+    raise UserError(f"{path}: the run has neither final/ nor a complete checkpoint")
+
+
+# ---- a run in memory -------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    """One run directory read once: raw config, every stream, summary and checkpoint steps."""
+
+    path: Path
+    config: dict  # config.yaml as written ({} when absent); `cfg` validates it
+    streams: dict[str, list[dict]]
+    summary: dict = field(default_factory=dict)
+    checkpoints: list[int] = field(default_factory=list)
+    source: str = "mechdiag"  # or "trl" / "verl", converted at the edge
+
+    @property
+    def name(self) -> str:
+        return self.path.resolve().name
+
+    @property
+    def seed(self):
+        return self.config.get("seed")
+
+    @functools.cached_property
+    def cfg(self) -> configlib.Config:
+        if not self.config:
+            raise UserError(f"{self.path} has no config.yaml: not a run directory")
+        return configlib.from_dict(self.config)
+
+    def read(self, name: str) -> list[dict]:
+        return self.streams.get(name, [])
+
+    def has(self, name: str) -> bool:
+        return bool(self.streams.get(name))
+
+    @property
+    def metrics(self) -> list[dict]:
+        return self.read("metrics")
+
+    @property
+    def eval(self) -> list[dict]:
+        return self.read("eval")
+
+    @property
+    def displacement(self) -> list[dict]:
+        return self.read("displacement")
+
+    @property
+    def shift(self) -> list[dict]:
+        return self.read("shift")
+
+    @property
+    def samples(self) -> list[dict]:
+        return self.read("samples")
+
+
+def load_run(path: str | os.PathLike, source: str = "mechdiag") -> Run:
+    """Read a mechdiag run directory (UserError when it is missing, corrupt, or holds no run data)."""
+    rd = RunDir(path)
+    streams = {name: rd.read(name) for name in STREAMS if rd.stream(name).exists()}
+    for name, rows in streams.items():
+        if any(not isinstance(r, dict) for r in rows):
+            raise UserError(f"corrupt {rd.stream(name)}: a line is not a JSON object")
+    config = configlib.read_yaml(rd.config_path) if rd.config_path.is_file() else {}
+    summary = rd.summary()
+    if not any(streams.values()) and not summary and not config:
+        raise UserError(f"{rd.path} holds no run data (no config.yaml, summary.json or *.jsonl streams)")
+    return Run(rd.path, config, streams, summary, rd.checkpoint_steps(), source)
+
+
+def load_runs(paths, load: Callable[[str | os.PathLike], Run] = load_run) -> list[Run]:
+    if not paths:
+        raise UserError("give at least one run directory")
+    return [load(p) for p in paths]
+
+
+# ---- held-out metrics ------------------------------------------------------------------------------------------
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _summary_eval(summary: dict, which: str) -> dict:
+    return {k.removeprefix(f"{which}_"): v for k, v in summary.items() if k.startswith(f"{which}_")}
+
+
+def _eval_rows(run: Run) -> list[dict]:
+    return sorted((r for r in run.eval if _number(r.get("step"))), key=lambda r: r["step"])
+
+
+def final_eval(run: Run) -> dict[str, float]:
+    """The final model's held-out numbers: the last eval record, with summary.json's final_* over it."""
+    rows = _eval_rows(run)
+    rec = {**(rows[-1] if rows else {}), **_summary_eval(run.summary, "final")}
+    return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
+
+
+def base_eval(run: Run) -> dict[str, float]:
+    """The untrained model's numbers: the first eval record (when there is a later one), with summary.json's
+    base_* over it."""
+    rows = _eval_rows(run)
+    rec = {**(rows[0] if len(rows) > 1 else {}), **_summary_eval(run.summary, "base")}
+    return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
+
+
+# ---- seeds of one config ---------------------------------------------------------------------------------------
+# Config keys that never define a treatment: the seed is what we pool over; the rest are bookkeeping.
+IGNORED_KEYS = ("seed", "threads", "hooks", "save_every", "record.")
+_SEED_SUFFIX = re.compile(r"[-_.]?seed[-_=]?\d+$", re.IGNORECASE)
+
+
+@dataclass
+class Group:
+    """Runs whose configs agree but for seed-like keys (IGNORED_KEYS)."""
+
+    label: str
+    runs: list[Run]
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("weights", "options"):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _text(v) -> str:
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k}:{_text(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(_text(x) for x in v) + "]"
+    return str(v)
+
+
+def _treatment(run: Run) -> dict:
+    """The config as resolved (defaults filled in, so two spellings of one config agree) minus IGNORED_KEYS."""
+    try:
+        data = run.cfg.model_dump(mode="json")
+    except UserError:  # an old or foreign config: compare it as written
+        data = run.config or {"path": str(run.path)}
+    return {k: v for k, v in _flatten(data).items() if not k.startswith(IGNORED_KEYS)}
+
+
+def _stem(run: Run) -> str:
+    """The directory name without its seed suffix ("demo-seed42", "demo_3407" -> "demo")."""
+    name = _SEED_SUFFIX.sub("", run.name)
+    if name == run.name and run.seed is not None:
+        name = re.sub(rf"[-_.]{re.escape(str(run.seed))}$", "", name)
+    return name or run.name
+
+
+def group_runs(runs: list[Run]) -> list[Group]:
+    """Runs whose treatments agree form a group, first run's group first (the baseline of a comparison). A group
+    is labelled by the config keys that vary across groups (at most three), or by its runs' name without a seed
+    suffix when there is one group."""
+    items = [_treatment(r) for r in runs]
+    keys = sorted({k for it in items for k in it})
+    varying = [k for k in keys if len({_text(it.get(k)) for it in items}) > 1]
+    groups: dict[tuple, Group] = {}
+    for run, it in zip(runs, items, strict=True):
+        sig = tuple(_text(it.get(k)) for k in varying)
+        if sig not in groups:
+            groups[sig] = Group(", ".join(f"{k}={v}" for k, v in zip(varying[:3], sig, strict=False)), [])
+        groups[sig].runs.append(run)
+    out = list(groups.values())
+    if len(out) == 1:
+        out[0].label = _stem(out[0].runs[0])
+    labels = [g.label for g in out]
+    for i, g in enumerate(out):
+        g.label = (g.label if labels.count(g.label) == 1 else f"{g.label} #{i + 1}")[:80]
+    return out

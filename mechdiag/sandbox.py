@@ -1,29 +1,29 @@
-"""Run model-written code against tests in a separate, limited process.
+"""Run model-written code against trusted tests: the candidate runs isolated, the verdict comes from a judge.
 
-Layers (each one alone would not be enough):
-1. A fresh process of the same Python (`sys.executable -I -S`: no site, no user env) in its own session, started
-   in a temporary folder that is removed afterwards, with a scrubbed environment.
-2. Kernel limits set before exec (preexec): CPU seconds, address space, process count, file size, open files,
-   no core dumps; and a private network namespace (unshare(CLONE_NEWNET)) where the OS allows it.
-3. A wall-clock deadline that SIGKILLs the whole process group, and a cap on the output read back.
-4. Inside the child, before the untrusted code runs, an audit hook (sys.addaudithook, which cannot be removed)
-   refuses process creation, signals, sockets, ctypes, tracing, frame/GC introspection, writes or deletes
-   outside the working folder, and reads outside the Python installation and system library folders.
+Two processes per run, both started by the caller (the host):
+- the candidate: `python -I -S -c CANDIDATE` inside bubblewrap (new user, pid, net, ipc, uts namespaces; the
+  interpreter's prefix, /usr and /etc/localtime read-only; a private tmpfs as its work folder; no home, /root,
+  host /tmp or project; --die-with-parent, --new-session), under rlimits, with the in-process guard (an audit
+  hook) as a second layer. It executes the solution, then serves calls: it never sees the tests.
+- the judge: a clean `python -I -S -c JUDGE` (outside bubblewrap: it runs only trusted test code on plain data;
+  see docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
+  call sends its arguments to the candidate and only plain data comes back (None, bool, int, float, complex,
+  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type. Anything else
+  comes back as an opaque reference the tests may only pass back, call, or get/set attributes of; using it as
+  data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
+A pass is the judge's `pass` line on a pipe only the judge holds, and the judge's exit status 0.
 
-Pass protocol: the parent sends a random nonce on stdin; the harness reads it before running anything, then runs
-the solution and the tests, and writes the nonce to a dedicated pipe (fd number in argv[1]) only when every
-statement of the tests ran without an exception. A pass needs the nonce AND exit status 0; the exit status
-alone never counts.
-Limits of the design are listed in docs/reliability.md.
+Limits: CPU seconds (RLIMIT_CPU, the primary limit: a verdict does not depend on machine load), address space,
+processes, file size, open files, no core; a wall-clock backstop WALL_FACTOR times longer (sleeping code).
+Without a usable bwrap the candidate runs under the guard alone (isolation() == "guard"); a warning is printed
+once per process, and use("strict") refuses that.
 """
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import resource
-import secrets
 import selectors
 import shutil
 import signal
@@ -35,83 +35,196 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-CLONE_NEWNET = 0x40000000
+from mechdiag.errors import UserError
+
 MAX_OUTPUT = 1 << 20  # bytes of stdout+stderr read back before the run is killed
 DETAIL_CHARS = 2000
-
-try:
-    _LIBC = ctypes.CDLL(None, use_errno=True)
-    _UNSHARE = _LIBC.unshare
-except (OSError, AttributeError):  # not Linux / no libc symbol: the audit hook alone blocks sockets
-    _UNSHARE = None
+WALL_FACTOR = 4.0  # wall-clock backstop = WALL_FACTOR * timeout_s (CPU seconds)
+MAX_MESSAGE = 8 << 20  # bytes of one message between judge and candidate
+INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code"
 
 
 @dataclass
 class SandboxResult:
     passed: bool
-    status: str  # passed | failed | timeout | memory | output_limit | no_nonce | killed | error
+    # passed | failed | timeout | memory | output_limit | nonplain | blocked | exited | killed | error
+    status: str
     duration_s: float
     detail: str = ""
+    blocked: bool = False  # the guard refused an operation, or the solution returned non-plain data
+    isolation: str = ""  # bwrap | guard
 
 
-# The harness: trusted code that runs in the child before the solution. Kept dependency-free (no site, no json).
-HARNESS = r'''
-import os, sys
-import ast, collections, types  # noqa: imported before the hook (types reads a traceback frame on import)
+class SandboxUnavailable(UserError):
+    """sandbox: strict, and no OS isolation here."""
 
-def _guard_asserts(tests):
-    """Wrap every value an assert looks at in __sbx_plain__, so custom objects with a rigged __eq__/__bool__
-    (an 'always equal' return value) fail instead of passing."""
-    tree = ast.parse(tests, "tests.py")
 
-    def wrap(e):
-        if isinstance(e, ast.Compare):
-            e.left = wrap_value(e.left)
-            e.comparators = [wrap_value(c) for c in e.comparators]
-            return e
-        if isinstance(e, ast.BoolOp):
-            e.values = [wrap(v) for v in e.values]
-            return e
-        if isinstance(e, ast.UnaryOp) and isinstance(e.op, ast.Not):
-            e.operand = wrap(e.operand)
-            return e
-        return wrap_value(e)
+# Shared by both scripts: plain data as tagged lists in length-prefixed marshal frames (marshal is built in: no
+# import cost; the judge checks every type it gets back, so marshal's own types never pass). Lists carry a tag
+# first: L list, T tuple, S set, F frozenset, D dict (k, v, k, v...), B bytes, C complex (re, im), R an opaque
+# reference (id), N a builtin by name (a test may pass `int`). `ref` encodes everything else.
+CODEC = r'''
+import marshal, os, sys
+_PLAIN = (type(None), bool, int, float, str)
+_SEQ = {list: "L", tuple: "T", set: "S", frozenset: "F"}
 
-    def wrap_value(e):
-        return ast.Call(func=ast.Name("__sbx_plain__", ast.Load()), args=[e], keywords=[])
+def enc(v, ref):
+    t = type(v)
+    if t in _PLAIN:
+        return v
+    tag = _SEQ.get(t)
+    if tag is not None:
+        return [tag] + [enc(x, ref) for x in v]
+    if t is dict:
+        out = ["D"]
+        for k, x in v.items():
+            out.append(enc(k, ref))
+            out.append(enc(x, ref))
+        return out
+    if t is bytes:
+        return ["B", v]
+    if t is complex:
+        return ["C", v.real, v.imag]
+    return ref(v)
 
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Assert):
-            node.test = wrap(node.test)
-    return ast.fix_missing_locations(tree)
+def dumps(v):
+    data = marshal.dumps(v)
+    return len(data).to_bytes(4, "big") + data
 
-def _known_types():
-    seen, todo = set(), [object]
-    while todo:
-        t = todo.pop()
-        if t not in seen:
-            seen.add(t)
-            try:
-                todo.extend(type.__subclasses__(t))
-            except TypeError:
-                pass
-    return seen
+def read_exact(fd, n):
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = os.read(fd, min(n - len(buf), 1 << 20))
+        if not chunk:
+            return None
+        buf += chunk
+    return bytes(buf)
+
+def read_frame(fd, limit):
+    """The next frame's bytes; None at end of stream or when it is larger than limit."""
+    head = read_exact(fd, 4)
+    if head is None or int.from_bytes(head, "big") > limit:
+        return None
+    return read_exact(fd, int.from_bytes(head, "big"))
+'''
+
+CANDIDATE = CODEC + r'''
+import os, collections, types  # noqa: imported before the hook (types reads a traceback frame on import)
 
 def _main():
-    _read, _write, _exit, _close = os.read, os.write, os._exit, os.close
+    _read, _write, _exit = os.read, os.write, os._exit
     data = b""
     while True:
         chunk = _read(0, 1 << 20)
         if not chunk:
             break
         data += chunk
-    _close(0)
-    head, _, rest = data.partition(b"\n")
+    os.close(0)
+    code = data.decode("utf-8", "replace")
     del data
-    n_nonce, n_code = (int(x) for x in head.split())
-    nonce, code, tests = rest[:n_nonce], rest[n_nonce:n_nonce + n_code].decode(), rest[n_nonce + n_code:].decode()
-    del rest
-    root, res_fd = os.getcwd(), int(sys.argv[1])
+    req, resp = int(sys.argv[1]), int(sys.argv[2])
+    root = os.getcwd()
+    state = {"blocked": False}
+    _builtins, _dict_items = dict(vars(__builtins__) if type(__builtins__) is dict else vars(__builtins__)), dict.items
+    # exact stdlib dicts travel as the plain dict they hold (read with dict's own C iteration): compared with a
+    # dict they are equal exactly when that dict is, so the verdict is the same and no method of theirs runs
+    as_dict = (collections.Counter, collections.OrderedDict, collections.defaultdict)
+    if sys.argv[3] == "guard":
+        sys.addaudithook(_make_hook(root, state))
+    refs = {}
+
+    def ref(v):
+        if type(v) in as_dict:
+            return enc({k: x for k, x in _dict_items(v)}, ref)
+        refs[len(refs) + 1] = v
+        return ["R", len(refs)]
+
+    def dec(x):
+        t = type(x)
+        if t is not list:
+            return x
+        tag, rest = x[0], x[1:]
+        if tag == "R":
+            return refs[rest[0]]
+        if tag == "N":
+            return _builtins[rest[0]]
+        if tag == "D":
+            return {dec(rest[i]): dec(rest[i + 1]) for i in range(0, len(rest), 2)}
+        if tag == "B":
+            return rest[0]
+        if tag == "C":
+            return complex(rest[0], rest[1])
+        return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](dec(v) for v in rest)
+
+    g = {"__name__": "__main__", "__builtins__": __builtins__}
+    load_error = None
+    try:
+        exec(compile(code, "solution.py", "exec"), g)
+    except BaseException as e:
+        load_error = e
+    _describe = _describer()
+    while True:
+        frame = read_frame(req, 1 << 30)
+        if frame is None:
+            _exit(0)
+        try:
+            msg = marshal.loads(frame)
+            if load_error is not None:
+                raise load_error
+            op = msg[0]
+            if op == "names":
+                out = []
+                for name in msg[1]:
+                    if name in g:
+                        out.append([name] + _describe(g[name], ref))
+                value = out
+            elif op == "call":
+                value = enc(refs[msg[1]](*dec(msg[2]), **dec(msg[3])), ref)
+            elif op == "getattr":
+                value = enc(getattr(refs[msg[1]], msg[2]), ref)
+            elif op == "setattr":
+                setattr(refs[msg[1]], msg[2], dec(msg[3]))
+                value = None
+            else:
+                raise ValueError("unknown request")
+            reply = ["ok", value]
+        except BaseException as e:
+            try:
+                reply = ["err", type(e).__name__, str(e)[:500]]
+            except BaseException:
+                reply = ["err", "Exception", "unprintable exception"]
+        try:
+            out = dumps(reply + [state["blocked"]])
+        except BaseException as e:
+            out = dumps(["err", type(e).__name__, "result could not be sent", state["blocked"]])
+        for stream in (sys.stdout, sys.stderr):  # the solution's prints, before the judge may end the run
+            try:
+                stream.flush()
+            except BaseException:
+                pass
+        view = memoryview(out)
+        while view:
+            view = view[_write(resp, view):]
+
+
+def _describer():
+    """How a name the tests use travels: plain data or a reference; a module or a stdlib object also says its
+    name, so that the judge can use its own copy where that is safe (see PURE in the judge)."""
+    _stdlib, _type, _getattr, _str = frozenset(sys.stdlib_module_names), type, getattr, str
+    _module = types.ModuleType
+
+    def describe(v, ref):
+        if _type(v) is _module:
+            return ["module", _str(v.__name__), enc(v, ref)]
+        mod, qual = _getattr(v, "__module__", None), _getattr(v, "__qualname__", None)
+        if callable(v) and _type(mod) is _str and _type(qual) is _str and (mod.split(".")[0] in _stdlib
+                                                                           or mod == "builtins"):
+            return ["stdlib", mod, qual, enc(v, ref)]
+        return ["value", enc(v, ref)]
+    return describe
+
+
+def _make_hook(root, state):
     _getcwd, _str, _bytes, _int = os.getcwd, str, bytes, int
     allow_read = tuple(p.rstrip("/") + "/" for p in {sys.prefix, sys.base_prefix, sys.exec_prefix,
                        sys.base_exec_prefix, "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share",
@@ -123,7 +236,7 @@ def _main():
         socket.gethostbyname socket.gethostbyaddr socket.sendto ctypes.dlopen ctypes.dlsym ctypes.cdata
         ctypes.call_function sys.settrace sys.setprofile sys._current_frames gc.get_objects gc.get_referrers
         gc.get_referents resource.setrlimit resource.prlimit os.chroot os.setuid os.setgid os.symlink os.link
-        os.chown os.posix_fadvise webbrowser.open urllib.Request""".split())
+        os.chown os.posix_fadvise os.mknod os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
     BLOCK_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend", "multiprocessing",
                               "_multiprocessing", "pty"})
     FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
@@ -161,6 +274,7 @@ def _main():
         return p is not None and (p == root or p.startswith(root + "/"))
 
     def deny(event):
+        state["blocked"] = True
         raise PermissionError("sandbox: " + event + " is not allowed")
 
     def hook(event, args):
@@ -188,6 +302,11 @@ def _main():
                 if i < len(args) and not (event == "os.truncate" and type(args[i]) is _int):
                     if not inside(norm(args[i])):
                         deny(event + " outside the working folder")
+        elif event in ("os.listdir", "os.scandir"):  # listing is reading: the same folders
+            if type(args[0]) is not _int:
+                p = norm("." if args[0] is None else args[0])
+                if p is None or not (inside(p) or (p + "/").startswith(allow_read)):
+                    deny("listing " + _str(args[0]))
         elif event == "import":
             if args[0] in BLOCK_IMPORT or args[0].split(".")[0] in BLOCK_IMPORT:
                 deny("import " + args[0])
@@ -195,65 +314,214 @@ def _main():
             raise ValueError("sandbox: frame introspection is not allowed")
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
             deny("frame access")
+    return hook
 
-    known, HEAP, _type, _isinstance = frozenset(_known_types()), 1 << 9, type, isinstance
-    _list, _tuple, _set, _frozenset, _dict = list, tuple, set, frozenset, dict
-
-    def plain(x):
-        """x itself when it and everything inside it are of types that existed before the solution ran."""
-        todo, budget = [x], 100000
-        while todo and budget:
-            v = todo.pop()
-            budget -= 1
-            t = _type(v)
-            if t.__flags__ & HEAP and t not in known:
-                raise AssertionError("sandbox: the test compared an object of a class made by the solution")
-            if t in (_list, _tuple, _set, _frozenset):
-                todo.extend(v)
-            elif t is _dict:
-                todo.extend(v.keys())
-                todo.extend(v.values())
-        return x
-
-    _compile, _exec = compile, exec
-    try:
-        tests_tree = _guard_asserts(tests)
-    except SyntaxError as e:
-        _write(2, ("[harness] tests do not parse: " + _str(e)).encode())
-        _exit(2)
-    def flush():  # the solution's prints are buffered; os._exit would drop them
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except BaseException:
-                pass
-
-    sys.addaudithook(hook)
-    g = {"__name__": "__solution__", "__builtins__": __builtins__}
-    try:
-        _exec(_compile(code, "solution.py", "exec"), g)
-        tg = _dict(g)  # the tests get their own globals: the solution cannot reach __sbx_plain__ to replace it
-        tg["__sbx_plain__"] = plain
-        _exec(_compile(tests_tree, "tests.py", "exec"), tg)
-    except BaseException as e:
-        try:
-            msg = type(e).__name__ + ": " + _str(e)
-        except BaseException:
-            msg = "unprintable exception"
-        try:
-            flush()
-            _write(2, ("\n[harness] " + msg[:500] + "\n").encode("utf-8", "replace"))
-        finally:
-            _exit(1)
-    flush()
-    _write(res_fd, nonce + b"\n")
-    _exit(0)
 _main()
+'''
+
+JUDGE = CODEC + r'''
+import builtins
+
+class CandidateGone(BaseException):
+    """The candidate process ended or broke the protocol: no test after this can pass."""
+
+class CandidateError(Exception):
+    """An exception the solution raised (of a kind that is not a builtin exception)."""
+
+class NonPlainData(TypeError):
+    pass
+
+NONPLAIN = []  # set when a test used a candidate's object as data
+BLOCKED = []
+
+def _refuse(name):
+    def method(self, *a, **k):
+        NONPLAIN.append(name)
+        raise NonPlainData("the solution returned an object that is not plain data (" + name + ")")
+    return method
+
+class Remote:
+    """A candidate's object: it can be called, passed back, and have attributes read and set. Nothing else."""
+    __slots__ = ("_id",)
+
+    def __init__(self, i):
+        object.__setattr__(self, "_id", i)
+
+    def __call__(self, *args, **kwargs):
+        return request(["call", self._id, send(list(args)), send(kwargs)])
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return request(["getattr", self._id, name])
+
+    def __setattr__(self, name, value):
+        request(["setattr", self._id, name, send(value)])
+
+    def __repr__(self):
+        return "<solution object>"
+
+for _name in ("__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __bool__ __hash__ __len__ __iter__ __contains__ "
+              "__getitem__ __str__ __format__ __int__ __float__ __index__ __complex__ __bytes__ __add__ __radd__ "
+              "__sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __mod__ __neg__ __abs__ __round__").split():
+    setattr(Remote, _name, _refuse(_name))
+
+def send(v):
+    def ref(x):
+        if type(x) is Remote:
+            return ["R", object.__getattribute__(x, "_id")]
+        name = getattr(x, "__name__", None)
+        if type(name) is str and getattr(builtins, name, None) is x:
+            return ["N", name]
+        raise TypeError("a test argument of type " + type(x).__name__ + " cannot be sent to the solution")
+    out = enc(v, ref)
+    return out
+
+def dec(x):
+    """Plain data from the candidate, type by type; anything else breaks the protocol."""
+    t = type(x)
+    if x is None or t is bool or t is int or t is float or t is str:
+        return x
+    if t is not list or not x or type(x[0]) is not str:
+        raise CandidateGone("malformed data from the solution")
+    tag, rest = x[0], x[1:]
+    if tag == "L":
+        return [dec(v) for v in rest]
+    if tag == "T":
+        return tuple(dec(v) for v in rest)
+    if tag == "S":
+        return set(dec(v) for v in rest)
+    if tag == "F":
+        return frozenset(dec(v) for v in rest)
+    if tag == "D" and len(rest) % 2 == 0:
+        return {dec(rest[i]): dec(rest[i + 1]) for i in range(0, len(rest), 2)}
+    if tag == "B" and len(rest) == 1 and type(rest[0]) is bytes:
+        return rest[0]
+    if tag == "C" and len(rest) == 2 and all(type(v) is float for v in rest):
+        return complex(float(rest[0]), float(rest[1]))
+    if tag == "R" and len(rest) == 1 and type(rest[0]) is int:
+        return Remote(rest[0])
+    raise CandidateGone("malformed data from the solution")
+
+REQ = RESP = None
+
+def request(msg):
+    try:
+        os.write(REQ, dumps(msg))
+    except OSError:
+        raise CandidateGone("the solution's process ended") from None
+    frame = read_frame(RESP, MAX)
+    if frame is None:
+        raise CandidateGone("the solution's process ended, or its reply was too large")
+    try:
+        reply = marshal.loads(frame)
+    except (ValueError, TypeError, EOFError, RecursionError):
+        raise CandidateGone("malformed reply from the solution") from None
+    if type(reply) is not list or len(reply) < 2:
+        raise CandidateGone("malformed reply from the solution")
+    ok, blocked = reply[0], reply[-1]
+    if blocked is True:
+        BLOCKED.append(1)
+    if ok == "ok" and len(reply) == 3:
+        try:
+            return dec(reply[1]) if msg[0] != "names" else reply[1]
+        except (TypeError, ValueError, RecursionError) as e:
+            raise NonPlainData("data from the solution rejected: " + str(e)) from None
+    if ok == "err" and len(reply) == 4 and type(reply[1]) is str and type(reply[2]) is str:
+        kind = getattr(builtins, reply[1], None)
+        if not (isinstance(kind, type) and issubclass(kind, Exception)):
+            kind = CandidateError
+        raise kind("from the solution: " + reply[1] + ": " + reply[2])
+    raise CandidateGone("malformed reply from the solution")
+
+# Modules whose objects the judge may use in place of the solution's (patching them in the candidate then changes
+# nothing): pure computation, no files, processes or I/O. Anything else the tests take from the solution stays a
+# proxy to the solution's object, so a solution cannot make the judge call, say, os.system with test arguments.
+PURE = frozenset("""math cmath re collections itertools functools operator heapq bisect string statistics fractions
+    decimal copy datetime calendar numbers typing enum array struct textwrap unicodedata random difflib""".split())
+PURE_BUILTINS = frozenset("""abs all any ascii bin bool bytearray bytes chr complex dict divmod enumerate filter
+    float format frozenset hash hex int isinstance issubclass iter len list map max min next oct ord pow range
+    repr reversed round set slice sorted str sum tuple type zip""".split())
+
+def resolve(module, qualname):
+    """The judge's own object for module.qualname when that is pure, else None."""
+    if module == "builtins":
+        return getattr(builtins, qualname) if qualname in PURE_BUILTINS else None
+    if module.lstrip("_").split(".")[0] not in PURE:
+        return None
+    obj = load(module)
+    for part in qualname.split("."):
+        if part.startswith("_") or part == "<locals>":
+            return None
+        obj = getattr(obj, part, None)
+    return obj
+
+def load(module):
+    __import__(module)
+    return sys.modules[module]
+
+def main():
+    global REQ, RESP, MAX
+    data = b""
+    while True:
+        chunk = os.read(0, 1 << 20)
+        if not chunk:
+            break
+        data += chunk
+    os.close(0)
+    tests = data.decode("utf-8", "replace")
+    REQ, RESP, res = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+    MAX, entry = int(sys.argv[4]), set(filter(None, sys.argv[5].split(",")))
+    outcome = "fail error"
+    sys.stdout.reconfigure(line_buffering=True)  # the tests' prints come before the judge's last word
+    try:
+        code = compile(tests, "tests.py", "exec")
+        used, todo = set(), [code]
+        while todo:  # every global (and attribute) name the tests' code objects use: a superset is harmless
+            c = todo.pop()
+            used.update(c.co_names)
+            todo.extend(k for k in c.co_consts if type(k) is type(code))
+        # a solution's name that shadows a builtin is taken only when the caller names it an entry point:
+        # else `set = lambda x: 0` would rig `set(f(x)) == set(expected)`
+        wanted = [n for n in used if n in entry or not hasattr(builtins, n)]
+        g = {"__name__": "__main__", "__builtins__": builtins}
+        for item in request(["names", sorted(wanted)]):
+            if type(item) is not list or len(item) < 3 or not all(type(x) is str for x in item[:2]):
+                raise CandidateGone("malformed reply from the solution")
+            name, kind = item[0], item[1]
+            if name not in wanted:
+                raise CandidateGone("malformed reply from the solution")
+            if kind == "module" and len(item) == 4:
+                own = load(item[2]) if type(item[2]) is str and item[2] in PURE else None
+                g[name] = own if own is not None else dec(item[3])
+            elif kind == "stdlib" and len(item) == 5 and type(item[2]) is str and type(item[3]) is str:
+                own = resolve(item[2], item[3])
+                g[name] = own if own is not None else dec(item[4])
+            elif kind == "value":
+                g[name] = dec(item[2])
+            else:
+                raise CandidateGone("malformed reply from the solution")
+        exec(code, g)
+        outcome = "pass"
+    except CandidateGone as e:
+        outcome = "fail gone"
+        sys.stderr.write("\n[judge] " + str(e) + "\n")
+    except BaseException as e:
+        outcome = "fail " + ("nonplain" if NONPLAIN else "error")
+        sys.stderr.write("\n[judge] " + type(e).__name__ + ": " + str(e)[:500] + "\n")
+    if NONPLAIN and outcome == "pass":
+        outcome = "fail nonplain"  # a test swallowed the refusal: still not a pass
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.write(res, (outcome + (" blocked" if BLOCKED else "") + "\n").encode())
+    os._exit(0)
+
+main()
 '''
 
 
 def _limits(timeout_s: float, memory_mb: int, max_procs: int, max_file_mb: int) -> list[tuple[int, int, int]]:
-    cpu = int(math.ceil(timeout_s)) + 1
+    cpu = int(math.ceil(timeout_s))
     mem = int(memory_mb) * 1024 * 1024
     fsize = int(max_file_mb) * 1024 * 1024
     return [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
@@ -261,99 +529,200 @@ def _limits(timeout_s: float, memory_mb: int, max_procs: int, max_file_mb: int) 
             (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0)]
 
 
-def _make_preexec(limits, isolate_net: bool):
-    setrlimit = resource.setrlimit
+def _make_preexec(limits):
+    setrlimit, getrlimit = resource.setrlimit, resource.getrlimit
 
     def preexec():  # runs in the child between fork and exec: C calls only, nothing imported here
-        if isolate_net and _UNSHARE is not None:
-            _UNSHARE(CLONE_NEWNET)  # fails quietly without CAP_SYS_ADMIN; the audit hook still refuses sockets
         for which, soft, hard in limits:
             try:
                 setrlimit(which, (soft, hard))
             except (ValueError, OSError):  # hard limit already lower here, or a limit this OS lacks
                 try:
-                    setrlimit(which, (min(soft, resource.getrlimit(which)[1]), resource.getrlimit(which)[1]))
+                    setrlimit(which, (min(soft, getrlimit(which)[1]), getrlimit(which)[1]))
                 except (ValueError, OSError):
                     pass
 
     return preexec
 
 
-_NET: str | None = None
+def _python() -> str:
+    """The real interpreter behind sys.executable (a venv's python is a link to it)."""
+    return os.path.realpath(sys.executable)
 
 
-def network_isolation() -> str:
-    """'netns' when the child gets a private network namespace here, else 'audit-hook' (sockets refused)."""
-    global _NET
-    if _NET is None:
-        _NET = "audit-hook"
-        if _UNSHARE is not None and sys.platform.startswith("linux"):
-            probe = subprocess.run([sys.executable, "-I", "-S", "-c", "print(open('/proc/net/dev').read())"],
-                                   preexec_fn=_make_preexec([], True), capture_output=True, text=True, timeout=30)
-            ifaces = [ln.split(":")[0].strip() for ln in probe.stdout.splitlines()[2:] if ":" in ln]
-            if probe.returncode == 0 and ifaces == ["lo"]:
-                _NET = "netns"
-    return _NET
+def _bwrap_args(bwrap: str) -> list[str]:
+    args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534",
+            "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    prefixes = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix,
+                                               os.path.dirname(os.path.dirname(_python())))}
+    for p in sorted(prefixes):
+        if not (p == "/usr" or p.startswith("/usr/")):
+            args += ["--ro-bind", p, p]
+    args += ["--ro-bind-try", "/etc/localtime", "/etc/localtime", "--proc", "/proc", "--dev", "/dev",
+             "--size", str(64 << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
+             "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--"]
+    return args
 
 
-def _env(workdir: str) -> dict[str, str]:
-    return {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+_ISOLATION: str | None = None
+_MODE = "auto"
+_WARNED = False
+_LOCK = threading.Lock()
+
+
+def isolation() -> str:
+    """The isolation model code gets in this process: 'bwrap' (OS namespaces + guard) or 'guard' (audit hook
+    only). Probed once: bwrap on PATH and able to start the interpreter in its namespaces."""
+    global _ISOLATION
+    with _LOCK:
+        if _ISOLATION is None:
+            _ISOLATION = "guard"
+            bwrap = shutil.which("bwrap")
+            if bwrap and sys.platform.startswith("linux"):
+                try:
+                    probe = subprocess.run(_bwrap_args(bwrap) + [_python(), "-I", "-S", "-c", "print('ok')"],
+                                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+                    if probe.returncode == 0 and probe.stdout.strip() == "ok":
+                        _ISOLATION = "bwrap"
+                except (OSError, subprocess.SubprocessError):
+                    pass
+        return _ISOLATION
+
+
+def use(mode: str) -> str:
+    """Set the policy ('auto': fall back to the guard with a warning; 'strict': refuse to run without OS
+    isolation) and return the isolation in force. Raises SandboxUnavailable under 'strict' without bwrap."""
+    global _MODE
+    if mode not in ("auto", "strict"):
+        raise UserError(f"sandbox must be 'auto' or 'strict', got {mode!r}")
+    _MODE = mode
+    return _check()
+
+
+def _check() -> str:
+    global _WARNED
+    iso = isolation()
+    if iso != "bwrap":
+        if _MODE == "strict":
+            raise SandboxUnavailable(f"sandbox: strict, but bubblewrap cannot be used here; {INSTALL_HINT}")
+        with _LOCK:
+            if not _WARNED:
+                _WARNED = True
+                print(f"mechdiag: warning: model code runs under the in-process guard only (no OS isolation); "
+                      f"{INSTALL_HINT}", file=sys.stderr, flush=True)
+    return iso
 
 
 def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512, max_procs: int = 16,
-              max_file_mb: int = 8, max_output: int = MAX_OUTPUT) -> SandboxResult:
-    """Run `code` then `tests` (asserts) in the sandbox. passed only when the harness's nonce comes back."""
+              max_file_mb: int = 8, max_output: int = MAX_OUTPUT, wall_s: float | None = None,
+              entry_points: tuple[str, ...] | list[str] = ()) -> SandboxResult:
+    """Run `code` in the sandbox and `tests` (trusted) in a judge that reaches the code through proxies.
+
+    timeout_s: CPU seconds, for each of the candidate and the judge; wall_s: the wall-clock backstop (default
+    WALL_FACTOR * timeout_s). entry_points: solution names the tests may take even where they shadow a builtin.
+    """
+    return _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output,
+                WALL_FACTOR * timeout_s if wall_s is None else wall_s, tuple(entry_points), _check())
+
+
+def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, wall_s, entry, iso,
+         guard: bool = True) -> SandboxResult:
     t0 = time.monotonic()
-    nonce = secrets.token_hex(16).encode()
-    code_b, tests_b = code.encode("utf-8", "replace"), tests.encode("utf-8", "replace")
-    payload = f"{len(nonce)} {len(code_b)}\n".encode() + nonce + code_b + tests_b
-    workdir = tempfile.mkdtemp(prefix="mechdiag-sbx-")
+    limits = _limits(timeout_s, memory_mb, max_procs, max_file_mb)
+    req_r, req_w = os.pipe()
+    resp_r, resp_w = os.pipe()
     res_r, res_w = os.pipe()
-    proc = None
+    out_r, out_w = os.pipe()
+    judge_dir = tempfile.mkdtemp(prefix="mechdiag-judge-")
+    cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
+    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    python = _python()
+    cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none"]
+    if iso == "bwrap":
+        cand_cmd = _bwrap_args(shutil.which("bwrap") or "bwrap") + cand_cmd
+    procs: list[subprocess.Popen] = []
+    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w)
     try:
         try:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-c", HARNESS, str(res_w)], cwd=workdir, env=_env(workdir),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                pass_fds=(res_w,), start_new_session=True,
-                preexec_fn=_make_preexec(_limits(timeout_s, memory_mb, max_procs, max_file_mb),
-                                         network_isolation() == "netns"))
+            cand = subprocess.Popen(
+                cand_cmd, cwd=cand_dir or judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
+                env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"), pass_fds=(req_r, resp_w),
+                start_new_session=True, preexec_fn=_make_preexec(limits))
+            procs.append(cand)
+            judge = subprocess.Popen(
+                [python, "-I", "-S", "-c", JUDGE, str(req_w), str(resp_r), str(res_w), str(MAX_MESSAGE),
+                 ",".join(entry)], cwd=judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
+                env=dict(env, HOME=judge_dir, TMPDIR=judge_dir), pass_fds=(req_w, resp_r, res_w),
+                start_new_session=True, preexec_fn=_make_preexec([lim for lim in limits
+                                                                  if lim[0] != resource.RLIMIT_NPROC]))
+            procs.append(judge)
         except (OSError, subprocess.SubprocessError) as e:
-            return SandboxResult(False, "error", time.monotonic() - t0, f"could not start the sandbox: {e}")
+            return SandboxResult(False, "error", time.monotonic() - t0, f"could not start the sandbox: {e}",
+                                 isolation=iso)
         finally:
-            os.close(res_w)
-        # write from a thread: a child that never reads its stdin must not block us past the deadline
-        writer = threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True)
-        writer.start()
-        out, result, over, timed_out = _collect(proc, res_r, t0 + timeout_s, max_output)
-        _kill_group(proc)
-        rc = proc.wait()
+            for fd in child_fds:
+                os.close(fd)
+        for proc, payload in ((cand, code), (judge, tests)):
+            # from a thread: a child that never reads its stdin must not block us past the deadline
+            threading.Thread(target=_feed, args=(proc.stdin, payload.encode("utf-8", "replace")),
+                             daemon=True).start()
+        out, verdict, over, timed_out = _collect(out_r, res_r, t0 + wall_s, max_output)
+        try:  # the judge saw the candidate end: how it ended (a CPU-time kill is a timeout)
+            cand_rc = cand.wait(timeout=1.0) if b"gone" in verdict else cand.poll()
+        except subprocess.TimeoutExpired:
+            cand_rc = None
+        for p in procs:
+            _kill_group(p)
+        judge_rc = judge.wait()
+        if cand_rc is None:
+            cand.wait()
     finally:
+        os.close(out_r)
         os.close(res_r)
-        if proc is not None:
-            _kill_group(proc)
-        shutil.rmtree(workdir, ignore_errors=True)
+        for p in procs:
+            _kill_group(p)
+            p.wait()
+        for d in (judge_dir, cand_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
     duration = time.monotonic() - t0
     text = out.decode("utf-8", "replace")
     detail = text[-DETAIL_CHARS:]
-    ok = result.strip() == nonce and rc == 0
-    if ok and not timed_out and not over:
-        return SandboxResult(True, "passed", duration, detail)
-    if timed_out:
+    words = verdict.decode("ascii", "replace").split()
+    blocked = "blocked" in words or "nonplain" in words
+    if words[:1] == ["pass"] and judge_rc == 0 and not timed_out and not over:
+        return SandboxResult(True, "passed", duration, detail, blocked, iso)
+    cand_sig = _signal_of(cand_rc, iso == "bwrap")
+    if timed_out or signal.SIGXCPU in (cand_sig, _signal_of(judge_rc, False)):
         status = "timeout"
     elif over:
         status = "output_limit"
     elif "MemoryError" in text[-600:]:
         status = "memory"
-    elif rc == -signal.SIGXCPU:
-        status = "timeout"
-    elif rc < 0:
-        status = "killed"
-    elif rc == 0:
-        status = "no_nonce"  # exited 0 without finishing the tests: sys.exit / os._exit tricks
+    elif "nonplain" in words:
+        status = "nonplain"
+    elif "gone" in words:
+        status = "killed" if cand_sig else "exited"
+    elif "blocked" in words:
+        status = "blocked"
     else:
         status = "failed"
-    return SandboxResult(False, status, duration, detail or f"exit status {rc}")
+    return SandboxResult(False, status, duration, detail or f"verdict {' '.join(words) or 'none'}", blocked, iso)
+
+
+def _signal_of(rc: int | None, bwrap: bool) -> int:
+    """The signal that ended a process (bwrap reports its child's as 128 + signal), else 0."""
+    if rc is None:
+        return 0
+    if rc < 0:
+        return -rc
+    return rc - 128 if bwrap and rc > 128 else 0
 
 
 def _feed(stream, payload: bytes) -> None:
@@ -364,41 +733,48 @@ def _feed(stream, payload: bytes) -> None:
         pass
 
 
-def _collect(proc, res_r: int, deadline: float, max_output: int):
-    """Read output (capped) and the result pipe until both close or the deadline passes."""
+def _collect(out_r: int, res_r: int, deadline: float, max_output: int):
+    """Read output (capped) and the judge's verdict until the verdict pipe closes or the deadline passes."""
     sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ, "out")
+    sel.register(out_r, selectors.EVENT_READ, "out")
     sel.register(res_r, selectors.EVENT_READ, "res")
-    out, res, total, over, timed_out = bytearray(), bytearray(), 0, False, False
-    open_streams = 2
-    while open_streams:
+    out, res, total, over, timed_out, res_open = bytearray(), bytearray(), 0, False, False, True
+    while res_open:
         left = deadline - time.monotonic()
         if left <= 0:
             timed_out = True
             break
         for key, _ in sel.select(timeout=min(left, 0.5)):
-            fd = key.fd
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                sel.unregister(key.fileobj)
-                open_streams -= 1
-                continue
+            chunk = os.read(key.fd, 65536)
             if key.data == "res":
+                if not chunk:
+                    sel.unregister(key.fd)
+                    res_open = False
                 res += chunk[: 4096 - len(res)]
-            else:
-                total += len(chunk)
-                out += chunk
-                if len(out) > 2 * DETAIL_CHARS * 4:
-                    del out[: len(out) - DETAIL_CHARS * 4]
-                if total > max_output:
-                    over = True
+                continue
+            if not chunk:
+                sel.unregister(key.fd)
+                continue
+            total += len(chunk)
+            out += chunk
+            if len(out) > 2 * DETAIL_CHARS * 4:
+                del out[: len(out) - DETAIL_CHARS * 4]
+            if total > max_output:
+                over = True
         if over:
             break
-        if proc.poll() is not None and open_streams and not sel.select(timeout=0.05):
-            # the child is gone; a grandchild may hold the pipes open: stop waiting for it
-            break
+    if not timed_out and not over:  # output written just before the verdict
+        drain = selectors.DefaultSelector()
+        drain.register(out_r, selectors.EVENT_READ)
+        while total <= max_output and drain.select(timeout=0):
+            chunk = os.read(out_r, 65536)
+            if not chunk:
+                break
+            out += chunk
+            total += len(chunk)
+        drain.close()
     sel.close()
-    return bytes(out), bytes(res), over, timed_out
+    return bytes(out[-DETAIL_CHARS * 4:]), bytes(res), over, timed_out
 
 
 def _kill_group(proc) -> None:
@@ -408,11 +784,14 @@ def _kill_group(proc) -> None:
         pass
 
 
-def run_many(jobs: list[tuple[str, str]], workers: int = 2, **kwargs) -> list[SandboxResult]:
-    """Run many (code, tests) pairs, `workers` at a time; results in input order."""
+def run_many(jobs: list[tuple], workers: int = 2, **kwargs) -> list[SandboxResult]:
+    """Run many (code, tests) or (code, tests, entry_points) jobs, `workers` at a time; results in input order."""
+    def one(job):
+        return run_tests(job[0], job[1], entry_points=job[2] if len(job) > 2 else (), **kwargs)
+
     if not jobs:
         return []
     if workers <= 1 or len(jobs) == 1:
-        return [run_tests(c, t, **kwargs) for c, t in jobs]
+        return [one(job) for job in jobs]
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda job: run_tests(job[0], job[1], **kwargs), jobs))
+        return list(pool.map(one, jobs))

@@ -16,11 +16,10 @@ from pathlib import Path
 
 from mechdiag import atomic
 from mechdiag import config as configlib
-from mechdiag.compare import final_eval, load_run
 from mechdiag.config import Config
 from mechdiag.errors import UserError
 from mechdiag.recommend import Change, recommend
-from mechdiag.run import RunDir
+from mechdiag.run import RunDir, final_eval, load_run
 
 DEFAULT_TRAINER = "mechdiag.train.trainer:train"
 TrainFn = Callable[[Config, Path], "RunDir | os.PathLike | str"]
@@ -45,8 +44,7 @@ def describe(changes: list[dict]) -> str:
     return "; ".join(str(Change(c["key"], c["old"], c["new"])) for c in changes)
 
 
-def _held_out(run_dir: Path) -> dict:
-    run = load_run(run_dir)
+def _held_out(run) -> dict:
     return {f"eval.{k}": v for k, v in final_eval(run).items()}
 
 
@@ -76,8 +74,9 @@ def _rounds(cfg: Config, rounds: int, out: Path, train_fn: TrainFn, log) -> list
             log(f"round {k}: training {run_dir}" + (f" with {'; '.join(map(str, changes))}" if changes else ""))
         result = train_fn(cfg, run_dir)
         run_dir = Path(getattr(result, "path", result) or run_dir)
-        rec_next = recommend([run_dir])
-        held = _held_out(run_dir)
+        run = load_run(run_dir)
+        rec_next = recommend([run])
+        held = _held_out(run)
         record = {"round": k, "step": k, "run_dir": str(run_dir),
                   "changes": [c.record() for c in changes],
                   "rules": [f.rule for f in rec_next.findings],

@@ -323,11 +323,20 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
     rslora, fan_in_fan_out = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
 
     entries = {k: Entry(e.dense, list(e.lora)) for k, e in base.entries.items()}
+    config = dict(base.config)
+    # A tied base's output head is its embedding (`tied_head`): LoRA on the head changes that one tensor, as
+    # merge_and_unload does; a modules_to_save copy of the head unties it (a head of its own, as merged saves it).
+    tied_head = tied_embedding(base)
+    redirect: dict[str, str] = {}  # head weight -> the tied embedding its LoRA term lands on
     factors: dict[str, dict[str, torch.Tensor]] = {}
     for key in files.keys(wpath):
         name = key.removeprefix("base_model.model.")
         m = _ADAPTER_KEY.match(name)
         if m is None:  # modules_to_save / trainable copies: a full replacement tensor
+            if name in _LM_HEADS and tied_head is not None:
+                entries[name] = Entry(TensorRef(wpath, key))
+                config["tie_word_embeddings"] = False
+                continue
             if name not in entries:
                 raise UserError(f"{folder}: adapter tensor {key} has no counterpart in the base {base.label}")
             entries[name].dense = TensorRef(wpath, key)
@@ -338,13 +347,17 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: DoRA adapters are not supported (the update is not low-rank)")
         if kind == "lora_B.bias":
             raise UserError(f"{folder}: lora_bias adapters are not supported")
+        if tied_head is not None and mod + ".weight" in _LM_HEADS:
+            if kind == "base_layer.weight":  # the tied embedding's bytes, saved again
+                continue
+            redirect[mod + ".weight"] = tied_head
         if kind == "base_layer.weight":  # saved embedding base copy
             entries.setdefault(mod + ".weight", Entry(TensorRef(wpath, key))).dense = TensorRef(wpath, key)
             continue
         factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
     for mod, f in factors.items():
-        target = mod + ".weight"
+        target = redirect.get(mod + ".weight", mod + ".weight")
         if target not in entries:
             raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
         if "lora_A.weight" in f and "lora_B.weight" in f:
@@ -371,7 +384,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
-    return Side(str(folder), entries, dict(base.config), is_adapter=True)
+    return Side(str(folder), entries, config, is_adapter=True)
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,
@@ -401,6 +414,14 @@ def architecture(side: Side) -> str | None:
 
 def is_tied(side: Side) -> bool:
     return bool(side.config.get("tie_word_embeddings", False))
+
+
+def tied_embedding(side: Side) -> str | None:
+    """The embedding a tied side's output head is (its name in side.entries), or None when the side is untied.
+    A tied side that saved a copy of the head anyway still has the embedding as its head."""
+    if not is_tied(side):
+        return None
+    return next((e for e in _EMBEDDINGS if e in side.entries), None)
 
 
 def lm_head_names() -> tuple[str, ...]:

@@ -6,6 +6,9 @@ it. The result (weights, tokenizer, base_card.json) goes to mechdiag/assets/arit
 
     python scripts/make_base.py --out /tmp/b    # try settings elsewhere (default out: the bundled asset)
 
+The second base, bundled:deep (mechdiag/assets/arith-deep, 8 layers), is made the same way with --layers 8
+--hidden 64 --ffn 256 and --out mechdiag/assets/arith-deep (docs/base-model.md has the exact commands).
+
 The shipped base is made in two stages (the exact commands are in base_card.json): clean SFT stopped at ~30%,
 then SFT from it on a mixture where most 3-step chains stop after step 2, a habit that lowers greedy accuracy
 while the right completion keeps a good share of the samples, so GRPO has a clear, quick thing to fix.
@@ -26,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag.atomic import write_json  # noqa: E402
-from mechdiag.models import build_char_tokenizer, bundled_path, generate  # noqa: E402
+from mechdiag.models import bundled_path, generate  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
+from mechdiag.tasks.arith import build_char_tokenizer  # noqa: E402
 from mechdiag.tasks.rewards import format_ok  # noqa: E402
 
 MAX_NEW_TOKENS = 64

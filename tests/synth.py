@@ -25,9 +25,11 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
               reward_cv=0.3, frac_zero_std=0.1, kl=(0.0, 0.015, 0.02), clipped=0.02, length=30.0, entropy=(1.2, 0.9),
               accuracy=(0.2, 0.5), n_evals: int = 3, n_layers: int = 8, layer_mass=None, module_mass=None,
               shift=None, components: dict | None = None, noise: float = 0.01, kl_recorded: bool = True,
-              disp_layers: list[int] | None = None) -> RunDir:
+              disp_layers: list[int] | None = None, pass_k: dict | None = None,
+              samples: list[dict] | None = None) -> RunDir:
     """Write a run directory. Curves are over training time; layer_mass(layer) and module_mass[module] shape
-    the displacement rows, shift(layer) the shift rows (defaults: flat)."""
+    the displacement rows, shift(layer) the shift rows (defaults: flat). pass_k {"pass@4": curve} adds sampled
+    pass@k to the eval records (greedy accuracy is `accuracy`); samples are train samples.jsonl records."""
     cfg = cfg or configlib.load()
     rng = random.Random(seed)
     rd = RunDir(path, create=True)
@@ -49,9 +51,11 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
     rd.append("metrics", metrics)
     eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)]
     evals = [{"step": s, "accuracy": _curve(accuracy, s / steps) + jit() * 0.1, "eval_reward": 1.0 + s / steps,
-              "pass@1": _curve(accuracy, s / steps), "entropy": _curve(entropy, s / steps),
-              "completion_length": 30.0} for s in eval_steps]
+              "entropy": _curve(entropy, s / steps), "completion_length": 30.0,
+              **{k: _curve(v, s / steps) for k, v in (pass_k or {}).items()}} for s in eval_steps]
     rd.append("eval", evals)
+    if samples:
+        rd.append("samples", [{"step": steps, "split": "train", **x} for x in samples])
     layers = disp_layers if disp_layers is not None else parse_layers(cfg.lora.layers, n_layers)
     modules = cfg.lora.target_modules
     disp = []
@@ -66,8 +70,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
     rd.append("shift", [{"step": s, "layer": layer, "shift": (shift(layer) if shift else 0.02) * s / steps,
                          "ci_low": 0.0, "ci_high": 0.1, "cos_dist": 0.001, "logit_kl": 0.01}
                         for s in eval_steps[1:] for layer in range(n_layers)])
-    rd.write_summary({"base": {k: v for k, v in evals[0].items() if k != "step"},
-                      "final": {k: v for k, v in evals[-1].items() if k != "step"}})
+    rd.write_summary({**{f"base_{k}": v for k, v in evals[0].items() if k != "step"},
+                      **{f"final_{k}": v for k, v in evals[-1].items() if k != "step"}})
     return rd
 
 

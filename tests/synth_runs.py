@@ -80,17 +80,61 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
                     rows.append({"step": s, "group": g, "prompt": f"What is {g} + {s}?",
                                  "completion": f"<reasoning>add</reasoning><answer>{g + s + i % 2}</answer>",
                                  "reward": 2.5 if i % 2 == 0 else 0.5, "advantage": 1.0 if i % 2 == 0 else -1.0,
-                                 "kind": "train"})
+                                 "split": "train"})
         for i in range(4):
             bad = f"{XSS_SCRIPT} {XSS_IMG}" if hostile and i == 0 else f"<answer>{i}</answer>"
             prompt = f"Q{i}: 7 * {i} = ? & <b>bold</b>" + (f" {XSS_MARK}" if hostile and i == 0 else "")
             rows.append({"step": 0, "group": i, "prompt": prompt, "completion": f"base says {i + 1}",
-                         "reward": 0.1, "kind": "eval", "model": "base", "correct": False})
+                         "reward": 0.1, "split": "eval", "model": "base", "correct": False})
             rows.append({"step": steps, "group": i, "prompt": prompt, "completion": bad, "reward": 2.1,
-                         "kind": "eval", "model": "tuned", "correct": i % 2 == 1})
+                         "split": "eval", "model": "tuned", "correct": i % 2 == 1})
         run.append("samples", rows)
     if summary:
-        run.write_summary({"base": {"accuracy": 0.1, "eval_reward": 0.5, "completion_length": 38.0},
-                           "final": {"accuracy": 0.55 + rng.gauss(0, 0.01), "eval_reward": 2.3,
-                                     "completion_length": 29.0}, "steps": steps})
+        run.write_summary({"base_accuracy": 0.1, "base_eval_reward": 0.5, "base_completion_length": 38.0,
+                           "final_accuracy": 0.55 + rng.gauss(0, 0.01), "final_eval_reward": 2.3,
+                           "final_completion_length": 29.0, "steps": steps})
+    return run
+
+
+ALERT_FAULTS = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap")
+
+
+def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> RunDir:
+    """A run as `mechdiag train` writes it, noise-free: healthy (reward and accuracy rise together, small smooth
+    KL, few clipped completions, steady entropy, most groups informative, the adapter moving), or with one fault
+    of mechdiag.alerts injected from step 20 (step 10 for no_update's displacement and the accuracy of
+    reward_accuracy_gap)."""
+    if fault is not None and fault not in ALERT_FAULTS:
+        raise ValueError(fault)
+    run = RunDir(path, create=True)
+    C.save(C.load(None, [f"max_steps={steps}"]), run.config_path)
+    recs = []
+    for s in range(1, steps + 1):
+        p = 1 - math.exp(-s / 15)
+        late = s >= 20
+        rec = {"step": s, "reward": 0.5 + 2.0 * p, "reward_cv": 0.6 - 0.2 * p, "kl": 0.002 + 0.02 * p,
+               "completion_clipped_ratio": 0.05, "entropy": 1.2 - 0.3 * p, "completion_length": 30.0,
+               "frac_zero_std": 0.2, "frac_groups_all_correct": 0.1, "frac_groups_all_wrong": 0.1,
+               "frac_groups_shaping_only": 0.05, "loss": 0.01, "grad_norm": 0.5}
+        if fault == "kl_spike" and s == 25:
+            rec["kl"] *= 10
+        if fault == "truncation" and late:
+            rec["completion_clipped_ratio"] = 0.6
+        if fault == "entropy_collapse" and late:
+            rec["entropy"] = 0.02
+        if fault == "zero_std" and late:
+            rec.update(frac_zero_std=0.9, frac_groups_all_wrong=0.9, frac_groups_all_correct=0.0)
+        recs.append(rec)
+    run.append("metrics", recs)
+    acc = (lambda s: 0.1) if fault == "reward_accuracy_gap" else (lambda s: 0.1 + 0.4 * (1 - math.exp(-s / 15)))
+    run.append("eval", [{"step": s, "accuracy": acc(s), "eval_reward": 0.5 + 2.0 * (1 - math.exp(-s / 15)),
+                         "entropy": 1.1, "completion_length": 30.0} for s in range(0, steps + 1, 10)])
+    rows = []
+    for s in range(10, steps + 1, 10):
+        for lay in range(2):
+            for m in ("q_proj", "v_proj"):
+                delta = 0.0 if fault == "no_update" else 0.01 * s
+                rows.append({"step": s, "name": f"model.layers.{lay}.self_attn.{m}.weight", "layer": lay,
+                             "module": m, "ref_fro": 4.0, "delta_fro": delta, "rel_fro": delta / 4.0})
+    run.append("displacement", rows)
     return run

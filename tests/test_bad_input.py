@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from mechdiag.cli import main
 from mechdiag.models import bundled_path
+from mechdiag.paths import shared_path
 from tests.helpers import assert_bad_input, run_cli
 
 TRAIN_OUT = ["--out", "{out}"]
@@ -39,6 +40,7 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train/out-of-range-set": (["train", *TRAIN_OUT, "--set", "learning_rate=5"], "learning_rate"),
     "train/wrong-type": (["train", *TRAIN_OUT, "--set", "max_steps=many"], "max_steps"),
     "train/set-without-equals": (["train", *TRAIN_OUT, "--set", "beta"], "key=value"),
+    "train/set-empty-key": (["train", *TRAIN_OUT, "--set", "=3"], "key before '=' is empty"),
     "train/max-steps-option-type": (["train", *TRAIN_OUT, "--max-steps", "x"], "max-steps"),
     "train/unknown-task": (["train", *TRAIN_OUT, "--set", "task.name=arihtm"], "did you mean arith"),
     "train/model-missing": (["train", *TRAIN_OUT, *FAST, "--set", "model.name_or_path={bad}/nope"], ""),
@@ -59,6 +61,14 @@ CASES: dict[str, tuple[list[str], str]] = {
     "train/resume-bad-config": (["train", "--resume", "{bad}/run_bad_config"], "invalid YAML"),
     "train/resume-truncated-checkpoint": (["train", "--resume", "{bad}/run_trunc_ckpt"], "checkpoint"),
     "train/resume-corrupt-metrics": (["train", "--resume", "{bad}/run_corrupt_metrics"], "corrupt"),
+    "train/out-is-file": (["train", "--out", "{bad}/text.txt", *FAST], "is a file"),
+    "train/out-parent-is-file": (["train", "--out", "{bad}/text.txt/run", *FAST], "not a folder"),
+    "train/out-unwritable": (["train", "--out", "{ro}/run", *FAST], "cannot write"),
+    "train/dry-run-unknown-task": (["train", "--dry-run", "--set", "task.name=arihtm"], "did you mean arith"),
+    "train/dry-run-data-missing": (["train", "--dry-run", "--set", "task.name=jsonl",
+                                    "--set", "task.path={bad}/nope.jsonl"], "not found"),
+    "train/dry-run-data-empty": (["train", "--dry-run", "--set", "task.name=jsonl",
+                                  "--set", "task.path={bad}/empty.jsonl"], ""),
     # ---- displacement
     "displacement/missing": (["displacement", "{bad}/nope.safetensors", "{adapter}", "--out", "{out}"], ""),
     "displacement/empty-file": (["displacement", "{bad}/empty.safetensors", "{adapter}", "--out", "{out}"], ""),
@@ -70,6 +80,11 @@ CASES: dict[str, tuple[list[str], str]] = {
     "displacement/bad-choice": (["displacement", "{base}", "{adapter}", "--by", "head", "--out", "{out}"], "head"),
     "displacement/parquet-no-out": (["displacement", "{base}", "{adapter}", "--format", "parquet"], "--out"),
     "displacement/html-garbage": (["displacement", "{bad}/garbage.safetensors", "{adapter}", "--html", "{out}"], ""),
+    "displacement/out-is-folder": (["displacement", "{base}", "{adapter}", "--out", "{bad}/empty_dir"], "empty_dir"),
+    "displacement/out-parent-is-file": (["displacement", "{base}", "{adapter}", "--out", "{bad}/text.txt/rows.csv"],
+                                        "not a folder"),
+    "displacement/html-unwritable": (["displacement", "{base}", "{adapter}", "--html", "{ro}/heat.html"],
+                                     "cannot write"),
     # ---- shift
     "shift/base-missing": (["shift", "{bad}/nope", "{adapter}", "--prompts", "{bad}/prompts.txt", "--out", "{out}"],
                            ""),
@@ -89,17 +104,38 @@ CASES: dict[str, tuple[list[str], str]] = {
     "shift/n-zero": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt", "--n", "0", "--out", "{out}"],
                      ""),
     "shift/unknown-task": (["shift", "{base}", "{adapter}", "--task", "arihtm", "--out", "{out}"], "did you mean"),
+    "shift/out-is-folder": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt",
+                             "--out", "{bad}/empty_dir"], "empty_dir"),
+    "shift/html-parent-is-file": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt",
+                                   "--html", "{bad}/text.txt/shift.html"], "not a folder"),
+    "shift/out-unwritable": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt",
+                              "--out", "{ro}/rows.json"], "cannot write"),
+    "shift/device-unusable": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt", "--device",
+                               "cuda:99", "--out", "{out}"], "--device cuda:99"),
+    "shift/device-nonsense": (["shift", "{base}", "{adapter}", "--prompts", "{bad}/prompts.txt", "--device",
+                               "gpu", "--out", "{out}"], "--device gpu"),
+    "shift/adapter-of-another-base": (["shift", "{stories}", "{adapter}", "--prompts", "{bad}/prompts.txt",
+                                       "--out", "{out}"], ""),
+    # ---- eval
+    "eval/adapter-of-another-base": (["eval", "{stories}", "--adapter", "{adapter}", "--task", "arith", "--n", "1",
+                                      "--device", "cpu", "--out", "{out}"], "do not fit the model"),
+    "eval/device-unusable": (["eval", "{base}", "--task", "arith", "--n", "1", "--device", "cuda:99",
+                              "--out", "{out}"], "--device cuda:99"),
+    "eval/out-is-file": (["eval", "{base}", "--task", "arith", "--n", "1", "--out", "{bad}/text.txt"], "is a file"),
+    "eval/out-unwritable": (["eval", "{base}", "--task", "arith", "--n", "1", "--out", "{ro}/eval"], "cannot write"),
     # ---- recommend
     "recommend/missing": (["recommend", "{bad}/nope", "--out", "{out}"], ""),
     "recommend/empty-folder": (["recommend", "{bad}/empty_dir", "--out", "{out}"], ""),
     "recommend/file-not-folder": (["recommend", "{bad}/text.txt", "--out", "{out}"], ""),
-    "recommend/corrupt-metrics": (["recommend", "{bad}/run_corrupt_metrics", "--out", "{out}"], ""),
+    "recommend/corrupt-metrics": (["recommend", "{bad}/run_corrupt_metrics", "--out", "{out}"], "line 3 "),
     "recommend/empty-metrics": (["recommend", "{bad}/run_empty_metrics", "--out", "{out}"], ""),
     "recommend/truncated-metrics": (["recommend", "{bad}/run_truncated_metrics", "--out", "{out}"], ""),
     "recommend/bad-config": (["recommend", "{bad}/run_bad_config", "--out", "{out}"], ""),
     "recommend/unknown-key-config": (["recommend", "{bad}/run_unknown_key", "--out", "{out}"], "did you mean"),
     "recommend/corrupt-summary": (["recommend", "{bad}/run_bad_summary", "--out", "{out}"], ""),
     "recommend/bad-format": (["recommend", "{run}", "--format", "xml", "--out", "{out}"], "xml"),
+    "recommend/out-is-folder": (["recommend", "{run}", "--out", "{bad}/empty_dir"], "empty_dir"),
+    "recommend/out-unwritable": (["recommend", "{run}", "--out", "{ro}/refined.yaml"], "cannot write"),
     # ---- tune
     "tune/config-missing": (["tune", "{bad}/nope.yaml", "--out", "{out}"], "not found"),
     "tune/invalid-yaml": (["tune", "{bad}/invalid.yaml", "--out", "{out}"], "invalid YAML"),
@@ -110,23 +146,32 @@ CASES: dict[str, tuple[list[str], str]] = {
     "tune/trainer-not-callable": (["tune", "--trainer", "mechdiag.run:STREAMS", "--out", "{out}"], ""),
     "tune/dataset-empty": (["tune", "--rounds", "1", *FAST, "--set", "task.name=jsonl",
                             "--set", "task.path={bad}/empty.jsonl", "--out", "{out}"], ""),
+    "tune/out-is-file": (["tune", "--rounds", "1", *FAST, "--out", "{bad}/text.txt"], "is a file"),
+    "tune/out-parent-is-file": (["tune", "--rounds", "1", *FAST, "--out", "{bad}/text.txt/tune"], "not a folder"),
     # ---- report
     "report/missing": (["report", "{bad}/nope", "--out", "{out}.html"], ""),
     "report/empty-folder": (["report", "{bad}/empty_dir", "--out", "{out}.html"], ""),
     "report/file-not-folder": (["report", "{bad}/text.txt", "--out", "{out}.html"], ""),
-    "report/corrupt-metrics": (["report", "{bad}/run_corrupt_metrics", "--out", "{out}.html"], ""),
+    "report/corrupt-metrics": (["report", "{bad}/run_corrupt_metrics", "--out", "{out}.html"], "line 3 "),
     "report/corrupt-summary": (["report", "{bad}/run_bad_summary", "--out", "{out}.html"], ""),
     "report/bad-config": (["report", "{bad}/run_bad_config", "--out", "{out}.html"], ""),
     "report/out-wrong-type": (["report", "{run}", "--out", "{out}.png"], "html"),
+    "report/out-parent-is-file": (["report", "{run}", "--out", "{bad}/text.txt/r.html"], "not a folder"),
+    "report/out-unwritable": (["report", "{run}", "--out", "{ro}/r.html"], "cannot write"),
     # ---- demo (all must fail before training)
     "demo/max-steps-zero": (["demo", "--max-steps", "0", "--out", "{out}"], "max-steps"),
     "demo/max-steps-type": (["demo", "--max-steps", "x", "--out", "{out}"], "max-steps"),
     "demo/out-is-file": (["demo", "--out", "{bad}/text.txt", "--report", "{out}.html"], ""),
     "demo/report-wrong-type": (["demo", "--out", "{out}", "--report", "{out}.png"], "html"),
+    "demo/out-parent-is-file": (["demo", "--out", "{bad}/text.txt/demo", "--report", "{out}.html"], "not a folder"),
+    "demo/report-unwritable": (["demo", "--out", "{out}", "--report", "{ro}/demo.html"], "cannot write"),
     # ---- the group
     "mechdiag/unknown-command": (["trian"], "did you mean"),
 }
-SUBPROCESS = ["train/unknown-key", "displacement/truncated", "shift/prompts-corrupt", "recommend/corrupt-metrics",
+# A folder nobody can create entries in, root included (permission bits do not stop root).
+READ_ONLY = "/proc"
+SUBPROCESS = ["shift/out-unwritable", "train/dry-run-unknown-task", "train/unknown-key",
+              "displacement/truncated", "shift/prompts-corrupt", "recommend/corrupt-metrics",
               "tune/unknown-key", "report/corrupt-metrics", "demo/max-steps-zero", "train/config-is-folder"]
 
 
@@ -194,7 +239,8 @@ def corpus(tiny_run, tmp_path_factory) -> Path:
 
 def _argv(args: list[str], corpus: Path, tiny_run: Path, out: Path) -> list[str]:
     subs = {"{bad}": str(corpus), "{run}": str(tiny_run), "{adapter}": str(tiny_run / "final"),
-            "{base}": str(bundled_path()), "{out}": str(out)}
+            "{base}": str(bundled_path()), "{out}": str(out),
+            "{stories}": str(shared_path("models", "stories260K", "hf")), "{ro}": READ_ONLY}
     result = []
     for a in args:
         for k, v in subs.items():
@@ -248,8 +294,9 @@ def test_over_long_prompts_are_truncated_not_fatal(corpus, tiny_run, tmp_path):
     result = CliRunner().invoke(main, ["shift", str(bundled_path()), str(tiny_run / "final"), "--prompts",
                                        str(corpus / "long.txt"), "--format", "json", "--out", str(out)])
     assert result.exit_code == 0 and result.exception is None, result.stderr
-    assert [ln for ln in result.stderr.splitlines() if ln.strip()] == [
-        "mechdiag: note: 1 of 1 prompts truncated to 512 tokens"]
+    assert [ln for ln in result.stderr.splitlines() if ln.strip() and not ln.startswith("shift prompts:")] == [
+        "mechdiag: note: 1 of 1 prompts truncated to 512 tokens",  # beside the progress line of a log
+        "mechdiag: note: position 0 (BOS) left out of the norms in 1 of 1 prompts (--keep-bos counts it)"]
     assert out.exists() and json.loads(out.read_text())
     result = CliRunner().invoke(main, ["train", *FAST, "--set", "task.name=jsonl", "--set",
                                        f"task.path={corpus / 'long.jsonl'}", "--set", "eval_n=1",

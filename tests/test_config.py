@@ -43,7 +43,9 @@ def test_presets_follow_table7():
     code = config.from_dict({"preset": "code", "beta": 0.02})
     assert code.lora.target_modules == config.ATTN_MODULES and code.grad_accum == 64 and code.beta == 0.02
     assert config.from_dict({"preset": "mcq"}).beta == 0.003
-    assert code.rewards.weights["correctness"] == 1.0
+    from mechdiag.tasks import reward_weights
+
+    assert reward_weights(code)["correctness"] == 1.0 and reward_weights(code)["complexity"] == 1.0
     with pytest.raises(UserError, match="did you mean math"):
         config.from_dict({"preset": "maths"})
 
@@ -73,3 +75,48 @@ def test_invalid_yaml_file(tmp_path):
     p.write_text("- a\n- b\n")
     with pytest.raises(UserError, match="mapping"):
         config.load(p)
+
+
+@pytest.mark.parametrize("task,domain", [("arith", "math"), ("gsm8k", "math"), ("mbpp", "code"),
+                                         ("humaneval", "code"), ("arc", "mcq"), ("openbookqa", "mcq")])
+def test_each_task_carries_its_study_reward_weights(task, domain, tmp_path):
+    """Table 6 per domain without a preset: MBPP keeps its complexity guard and syntax, ARC its valid_option."""
+    from mechdiag.tasks import resolve_rewards
+    from mechdiag.tasks.rewards import REWARD_WEIGHTS
+
+    cfg = resolve_rewards(config.load(overrides=[f"task.name={task}"]))
+    assert cfg.rewards.weights == REWARD_WEIGHTS[domain]
+    config.save(cfg, tmp_path / "c.yaml")  # the resolved config shows what runs
+    assert config.read_yaml(tmp_path / "c.yaml")["rewards"]["weights"] == REWARD_WEIGHTS[domain]
+
+
+def test_task_weights_beat_the_preset_and_user_weights_beat_both():
+    from mechdiag.tasks import reward_weights
+
+    def weights(*overrides):
+        return reward_weights(config.load(overrides=list(overrides)))
+
+    assert weights("task.name=mbpp")["complexity"] == 1.0
+    assert weights("task.name=arc")["valid_option"] == 0.5
+    assert "valid_option" in weights("preset=math", "task.name=arc")
+    own = weights("task.name=mbpp", "rewards.weights={correctness: 2.0, complexity: 1.0}")
+    assert own == {"correctness": 2.0, "complexity": 1.0}
+    mixed = weights("task.mixture=[{name: arc}]")  # arith + ARC: ARC's valid_option comes along
+    assert mixed["valid_option"] == 0.5 and mixed["numeric"] == 0.5
+
+
+def test_unknown_reward_component_is_bad_input(cli):
+    from mechdiag.tasks import resolve_rewards
+    from tests.helpers import assert_bad_input
+
+    cfg = config.load(overrides=["task.name=mbpp", "rewards.weights={correctnes: 2.0}"])
+    with pytest.raises(UserError, match=r"unknown reward component 'correctnes'.*did you mean correctness\?"):
+        resolve_rewards(cfg)
+    with pytest.raises(UserError, match=r"'numeric'.*task arc"):  # a math component on an MCQ task
+        resolve_rewards(config.load(overrides=["task.name=arc", "rewards.weights={numeric: 1}"]))
+    proc = cli("train", "--dry-run", "--set", "task.name=mbpp", "--set", "rewards.weights={correctnes: 2.0}")
+    assert_bad_input(proc)
+    assert "did you mean correctness?" in proc.stderr
+    proc = cli("train", "--dry-run", "--set", "task.name=mbpp")
+    assert proc.returncode == 0, proc.stderr
+    assert "complexity: 1.0" in proc.stdout and "syntax: 0.5" in proc.stdout and "numeric" not in proc.stdout

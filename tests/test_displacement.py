@@ -3,6 +3,7 @@ follows the study's formula, the CLI keeps its contract, and the trainer's lora_
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import shutil
@@ -13,9 +14,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-import mechdiag
+import mechdiag.displacement
 from mechdiag.displacement import displacement as disp
-from mechdiag.displacement import group_wdisp, lora_rows, update_mass
+from mechdiag.displacement import group_wdisp, lora_rows
 from mechdiag.errors import UserError
 from tests.helpers import assert_bad_input
 from tests.tiny_models import FAMILIES, build, save
@@ -84,12 +85,12 @@ def test_grouped_wdisp_is_the_study_formula(tmp_path):
             expect = math.sqrt((sel.delta_fro ** 2).sum()) / math.sqrt((sel.ref_fro ** 2).sum() + 1e-12)
             assert _rel(r.wdisp, expect) < 1e-12 or (expect == 0 and r.wdisp == 0)
         assert abs(g.update_mass.sum() - 1.0) < 1e-12
-    mass = update_mass(rows, by="module").set_index("module")["update_mass"]
+    mass = group_wdisp(rows, by="module").set_index("module")["update_mass"]
     assert set(mass[mass > 0].index) == {"q_proj", "down_proj"}
     one = group_wdisp(rows, by="all")
     overall = math.sqrt((rows.delta_fro ** 2).sum() / (rows.ref_fro ** 2).sum())
     assert len(one) == 1 and _rel(one.wdisp[0], overall) < 1e-9
-    assert mechdiag.displacement(a, b, by="module").equals(group_wdisp(rows, by="module"))
+    assert mechdiag.displacement.displacement(a, b, by="module").equals(group_wdisp(rows, by="module"))
 
 
 def test_group_functions_on_jsonl_rows_group_per_step():
@@ -97,8 +98,7 @@ def test_group_functions_on_jsonl_rows_group_per_step():
         {"step": s, "name": f"model.layers.{l}.self_attn.{m}.weight", "layer": l, "module": m, "ref_fro": 2.0,
          "delta_fro": float(s * (1 + l) * (2 if m == "v_proj" else 1)), "rel_fro": 0.0}
         for s in (1, 2) for l in (0, 1) for m in ("q_proj", "v_proj")])
-    mass = update_mass(rows, by="module")
-    assert list(mass.columns) == ["step", "module", "update_mass"]
+    mass = group_wdisp(rows, by="module")
     for s in (1, 2):
         m = mass[mass.step == s].set_index("module")["update_mass"]
         assert m["v_proj"] == pytest.approx(0.8) and m["q_proj"] == pytest.approx(0.2)
@@ -526,7 +526,7 @@ def test_cli_bad_input_one_line_exit_2_no_output(pair, tmp_path, cli, stories260
 def test_api_errors_are_user_errors(pair):
     with pytest.raises(UserError, match="by must be"):
         disp(*pair, by="row")
-    assert isinstance(mechdiag.displacement(*pair), pd.DataFrame)
+    assert isinstance(mechdiag.displacement.displacement(*pair), pd.DataFrame)
 
 
 def test_progress_and_workers_do_not_change_rows(pair):
@@ -557,3 +557,201 @@ def test_lora_rows_transposed_layers_match_checkpoint(tmp_path, family, cfg, n_r
     for r in rows:
         assert _rel(r["delta_fro"], ck.loc[r["name"], "delta_fro"]) < 1e-9 and r["delta_fro"] > 0
         assert _rel(r["ref_fro"], ck.loc[r["name"], "ref_fro"]) < 1e-8
+
+
+# --- update geometry (--spectral): from factors / Grams vs a dense SVD ----------------------------------------------
+
+
+def _dense_geometry(W, D, k):
+    """The definitions, computed the plain way: full SVDs of the reference and of the tuned weight in float64."""
+    U, _, Vh = torch.linalg.svd(W, full_matrices=False)
+    overlap = (torch.linalg.matrix_norm(U[:, :k].T @ D @ Vh[:k].T) ** 2 / torch.linalg.matrix_norm(D) ** 2).item()
+    Ut, _, Vht = torch.linalg.svd(W + D, full_matrices=False)
+    # singular vectors on the smaller side, where the reference's form a complete basis
+    base, tuned = (Vh.T, Vht[:10].T) if W.shape[0] >= W.shape[1] else (U, Ut[:, :10])
+    best = (base.T @ tuned).abs().max(dim=0).values
+    return overlap, int((best < 0.5).sum()), best
+
+
+def _check_geometry(row, W, D, k):
+    overlap, intruders, best = _dense_geometry(W, D, k)
+    assert row.overlap_k == k
+    assert _rel(row.subspace_overlap, overlap) < 1e-8, (row.name, row.subspace_overlap, overlap)
+    assert not ((best - 0.5).abs() < 1e-6).any()  # no vector on the threshold: the count is well defined
+    assert row.intruders == intruders, (row.name, row.intruders, intruders)
+    return intruders
+
+
+@pytest.mark.parametrize("case", ["patterns", "embedding"])
+def test_update_geometry_from_factors_equals_dense_svd(adapters, stories260k, case):
+    adapter, _ = adapters[case]
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    df = disp(stories260k, adapter, spectral=True).set_index("name")
+    base = _state(stories260k)
+    counts, checked = [], 0
+    for name, row in df.iterrows():
+        if pd.isna(row.lora_rank):
+            assert pd.isna(row.subspace_overlap) and pd.isna(row.intruders)
+            continue
+        key = name.removesuffix(".weight")
+        module = key.split(".")[-1]
+        with safe_open(adapter / "adapter_model.safetensors", "pt") as f:
+            if module == "embed_tokens":  # stored transposed: W = (B A)^T
+                A = f.get_tensor(f"base_model.model.{key}.lora_embedding_A").double()
+                B = f.get_tensor(f"base_model.model.{key}.lora_embedding_B").double()
+            else:
+                B, A = _factors(adapter, key)
+        r = A.shape[0]
+        alpha = next((v for p, v in cfg.get("alpha_pattern", {}).items() if key.endswith(p)), cfg["lora_alpha"])
+        D = (alpha / r) * (B @ A)
+        if module == "embed_tokens":
+            D = D.T
+        counts.append(_check_geometry(row, base[name].double(), D, r))
+        checked += 1
+    assert checked >= 5
+    if case == "patterns":  # random-init factors this large do create intruders in some modules and not in others
+        assert max(counts) > 0 and min(counts) == 0, counts
+
+
+def test_update_geometry_dense_delta_equals_dense_svd(adapters, stories260k):
+    _, merged = adapters["plain"]
+    df = disp(stories260k, merged, spectral=True).set_index("name")
+    base, tuned = _state(stories260k), _state(merged)
+    n = 0
+    for name in ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.mlp.down_proj.weight",
+                 "model.layers.4.mlp.up_proj.weight", "model.layers.2.self_attn.k_proj.weight"]:
+        W = base[name].double()
+        D = (tuned[name].float() - base[name].float()).double()
+        _check_geometry(df.loc[name], W, D, min(W.shape) // 16)
+        n += 1
+    assert n == 4 and df.loc["model.norm.weight", "intruders"] is pd.NA
+
+
+def test_update_geometry_adapter_vs_adapter(adapters, stories260k):
+    (a1, _), (a2, _) = adapters["plain"], adapters["rslora"]
+    df = disp(a1, a2, base=stories260k, spectral=True).set_index("name")
+    key = "model.layers.2.self_attn.k_proj"
+    B1, A1 = _factors(a1, key)
+    B2, A2 = _factors(a2, key)
+    W = _state(stories260k)[key + ".weight"].double() + 4.0 * B1 @ A1
+    _check_geometry(df.loc[key + ".weight"], W, 4.0 * B2 @ A2 - 4.0 * B1 @ A1, 8)
+    # an adapter against a merged model of another adapter: dense and LoRA parts on both sides of the algebra
+    _, m2 = adapters["rslora"]
+    df = disp(a1, m2, base=stories260k, spectral=True).set_index("name")
+    for key in ("model.layers.2.self_attn.k_proj", "model.layers.4.mlp.down_proj"):
+        B1, A1 = _factors(a1, key)
+        W0 = _state(stories260k)[key + ".weight"]
+        d = (_state(m2)[key + ".weight"].float() - W0.float()).double()
+        _check_geometry(df.loc[key + ".weight"], W0.double() + 4.0 * B1 @ A1, d - 4.0 * B1 @ A1, 4)
+
+
+# --- output heads: tied and untied bases, LoRA on lm_head, modules_to_save ------------------------------------------
+
+
+def _untied_copy(stories260k, out, head_noise=0.0):
+    """stories260K (tied) saved untied: its own lm_head.weight = the embedding (+ noise), tie_word_embeddings false."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(stories260k, tie_word_embeddings=False)
+    torch.manual_seed(3)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight + head_noise * torch.randn_like(
+            model.lm_head.weight))
+    model.save_pretrained(out)
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    return out
+
+
+def test_untied_head_against_tied_base_is_an_lm_head_row(tmp_path, stories260k):
+    assert json.loads((stories260k / "config.json").read_text())["tie_word_embeddings"] is True
+    tuned = _untied_copy(stories260k, tmp_path / "tuned", head_noise=0.05)
+    for a, b in ((stories260k, tuned), (tuned, stories260k)):
+        df = disp(a, b).set_index("name")
+        row = df.loc["lm_head.weight"]
+        emb = _state(stories260k)["model.embed_tokens.weight"].double()
+        head = _state(tuned)["lm_head.weight"].double()
+        assert row.module == "lm_head" and pd.isna(row.layer)
+        assert _rel(row.delta_fro, torch.linalg.vector_norm(head - emb).item()) < 1e-9
+        ref = emb if a == stories260k else head
+        assert _rel(row.ref_fro, torch.linalg.vector_norm(ref).item()) < 1e-9
+        assert df.loc["model.embed_tokens.weight", "delta_fro"] == 0
+        assert group_wdisp(df.reset_index(), by="all").wdisp[0] > 0
+
+
+HEAD_CASES = {"lora": dict(target_modules=["q_proj", "lm_head"]),
+              "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["lm_head"]),
+              "lora_embedding_and_head": dict(target_modules=["embed_tokens", "lm_head"])}
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("case", list(HEAD_CASES))
+def test_head_adapter_equals_merged(tmp_path, stories260k, tied, case):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = stories260k if tied else _untied_copy(stories260k, tmp_path / "base")
+    torch.manual_seed(7)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(base),
+                           LoraConfig(r=2, lora_alpha=4, init_lora_weights=False, **HEAD_CASES[case]))
+    if case == "modules_to_save":  # the trained copy moves
+        with torch.no_grad():
+            model.base_model.model.lm_head.modules_to_save["default"].weight.add_(0.1)
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    ra = disp(base, tmp_path / "adapter").set_index("name")
+    rm = disp(base, tmp_path / "merged").set_index("name")
+    assert sorted(ra.index) == sorted(rm.index)
+    heads = [n for n in rm.index if n in ("lm_head.weight", "model.embed_tokens.weight") and rm.loc[n, "delta_fro"] > 0]
+    assert heads, "the head's update is reported"
+    for col in ("ref_fro", "delta_fro"):
+        rel = ((ra.loc[rm.index, col] - rm[col]).abs() / rm[col].clip(lower=1e-30)).max()
+        assert rel < 1e-5, (col, rel)
+    wa = group_wdisp(ra.reset_index(), by="all").wdisp[0]
+    wm = group_wdisp(rm.reset_index(), by="all").wdisp[0]
+    assert _rel(wa, wm) < 1e-5 and wa > 0
+
+
+def test_rel_fro_of_a_zero_reference_is_inf_everywhere(tmp_path, stories260k, cli):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(stories260k)
+    with torch.no_grad():
+        base.model.layers[0].self_attn.q_proj.weight.zero_()
+    base.save_pretrained(tmp_path / "base")
+    torch.manual_seed(5)
+    model = get_peft_model(base, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False))
+    rows = {r["name"]: r for r in lora_rows(model)}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert rows[name]["ref_fro"] == 0 and rows[name]["delta_fro"] > 0
+    assert rows[name]["rel_fro"] == math.inf
+    model.save_pretrained(tmp_path / "adapter")
+    assert disp(tmp_path / "base", tmp_path / "adapter").set_index("name").loc[name, "rel_fro"] == math.inf
+    proc = cli("displacement", str(tmp_path / "base"), str(tmp_path / "adapter"), "--format", "csv")
+    assert proc.returncode == 0, proc.stderr
+    assert pd.read_csv(io.StringIO(proc.stdout)).set_index("name").loc[name, "rel_fro"] == math.inf
+    table = cli("displacement", str(tmp_path / "base"), str(tmp_path / "adapter"))
+    head = [c.strip() for c in next(x for x in table.stdout.splitlines() if "┃ rel_fro" in x).split("┃")]
+    cells = [c.strip() for c in next(x for x in table.stdout.splitlines() if "q_proj" in x).split("│")]
+    assert cells[head.index("rel_fro")] == "inf", (head, cells)  # the table keeps rel_fro whatever the width
+
+
+def test_head_lora_on_a_tied_base_that_saved_its_head_too(tmp_path, stories260k):
+    """Some tools save the tied head's bytes anyway: LoRA on that head still lands on the tied tensor."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    sd = _state(stories260k)
+    sd["lm_head.weight"] = sd["model.embed_tokens.weight"].clone()
+    base = _write(tmp_path / "base", sd)
+    shutil.copy(stories260k / "config.json", base / "config.json")
+    torch.manual_seed(9)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(stories260k),
+                           LoraConfig(r=2, lora_alpha=4, target_modules=["lm_head"], init_lora_weights=False))
+    model.save_pretrained(tmp_path / "adapter")
+    model.merge_and_unload().save_pretrained(tmp_path / "merged")
+    ra = disp(base, tmp_path / "adapter").set_index("name")
+    rm = disp(stories260k, tmp_path / "merged").set_index("name")
+    emb = "model.embed_tokens.weight"
+    assert "lm_head.weight" not in ra.index and rm.loc[emb, "delta_fro"] > 0
+    assert _rel(ra.loc[emb, "delta_fro"], rm.loc[emb, "delta_fro"]) < 1e-5

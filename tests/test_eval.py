@@ -12,6 +12,7 @@ import re
 import pytest
 import torch
 
+from mechdiag import eval_table
 from mechdiag import evaluate as E
 from mechdiag.atomic import read_jsonl
 from mechdiag.errors import UserError
@@ -118,7 +119,7 @@ def test_eval_scoring_gold_full_shuffled_zero(data_dir, name, split):
         assert m["maj@3"] == 1.0 and all(r["answer"] is not None for r in recs)
     else:
         assert "maj@3" not in m
-    key = lambda e: E.answer_key(task, e.meta["gold_completion"], e) or e.answer  # noqa: E731  ('x=5' is '5')
+    key = lambda e: task.answer_key(e.meta["gold_completion"], e) or e.answer  # noqa: E731  ('x=5' is '5')
     pairs = [(e, o) for e, o in zip(exs, exs[1:] + exs[:1], strict=True) if key(o) != key(e)]
     assert len(pairs) >= len(exs) // 2  # GSM-Plus perturbations of one problem often share the answer
     wrong = [o.meta["gold_completion"] for _, o in pairs]
@@ -165,13 +166,15 @@ def test_compare_groups_seeds_and_marks_changes():
     assert cell[("lowkl", "pass@1")]["status"] == "same" and cell[("lowkl", "pass@1")]["std"] is None
     assert cell[("grpo", "completion_length")]["status"] is None  # neither direction
     assert cell[("base", "pass@1")]["delta"] is None and cell[("base", "pass@1")]["seeds"] == 1
-    summ = {s["model"]: s for s in E.summary(rows)}  # counts score metrics only (pass@k here)
+    summ = {s["model"]: s for s in eval_table.summary(rows)}  # counts score metrics only (pass@k here)
     assert (summ["grpo"]["improve"], summ["grpo"]["regress"], summ["grpo"]["total"]) == (1, 1, 2)
     assert (summ["lowkl"]["improve"], summ["lowkl"]["same"], summ["lowkl"]["total"]) == (1, 1, 2)
-    text = E.render_table(rows)
+    text = eval_table.render_table(rows, width=100)
     assert "grpo (x2)" in text and "0.650 ± 0.071 ▲+0.150" in text and "▼-0.100" in text
     assert "grpo: 1 of 2 benchmark-metric configurations improve on the base (1 regress, 0 equal)" in text
-    assert "\x1b[" not in text and "\x1b[32m" in E.render_table(rows, color=True)
+    assert "\x1b[" not in text and "\x1b[32m" in eval_table.render_table(rows, color=True)
+    narrow = eval_table.render_table(rows, width=60)  # the base column goes before a tuned one's Δ
+    assert max(len(x) for x in narrow.splitlines()[:-2]) <= 60 and "▲+0.150" in narrow
 
 
 def test_parse_tasks_and_adapters(tmp_path):
@@ -241,7 +244,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     # samples file: every completion, greedy (-1) and sampled, per benchmark x model x problem
     recs = read_jsonl(both.samples_path)
     assert len(recs) == 2 * 3 * 3 * (1 + 3)
-    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["kind"] == "eval" for r in recs)
+    assert {r["model"] for r in recs} == {"base", "r@1", "r@2"} and all(r["split"] == "eval" for r in recs)
     assert all("prompt" in r for r in recs if r["sample"] == -1)
     # determinism: the same seed gives the same completions; another seed other samples, same greedy ones
     again = _run(stories260k, E.parse_adapters([f"r@1={adapters[0]}", f"r@2={adapters[1]}"]), tmp_path / "again")
@@ -260,7 +263,7 @@ def test_adapters_share_the_base_and_match_solo_runs(stories260k, adapters, tmp_
     assert r["value"] == pytest.approx(sum(vals) / 2) and r["seeds"] == 2 and r["n"] == 3
     assert set(r) >= {"benchmark", "metric", "model", "value", "std", "n", "step"}
     shown = read_jsonl(both.out_dir / "samples.jsonl")  # the report's base-vs-tuned pairs
-    assert len(shown) == 2 * 3 * 3 and all(s["kind"] == "eval" and s["prompt"] for s in shown)
+    assert len(shown) == 2 * 3 * 3 and all(s["split"] == "eval" and s["prompt"] for s in shown)
 
 
 def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
@@ -278,7 +281,7 @@ def test_rerun_replaces_only_its_benchmarks(stories260k, tmp_path):
 
 def test_streams_chunk_by_chunk_and_full_models(stories260k, tmp_path):
     """Completions leave in chunks of batch_size // samples problems; a full model folder is a tuned column too."""
-    from mechdiag.train.trainer import load_model
+    from mechdiag.models import load_model_and_tokenizer as load_model
 
     model, tok = load_model(str(stories260k))
     bench = E.load_benchmarks([("arith", "ood_numbers")], 6)[0]
@@ -323,7 +326,7 @@ def test_cli_json_and_bad_input(stories260k, adapters, tmp_path, cli):
                          (["--task", "arith", "--adapter", str(tmp_path)], "not a PEFT adapter"),
                          (["--task", "arith", "--k", "1,x"], "comma-separated integers"),
                          (["--task", "arith/nope"], "arith has splits"),
-                         (["--task", "arith", "--device", "nonsense"], "--device nonsense: not usable"),
+                         (["--task", "arith", "--device", "nonsense"], "--device nonsense: use auto, cpu, cuda"),
                          (["--task", "arith", "--adapter", str(adapters[0]), "--model", "bundled"],
                           "cannot load it onto bundled")]:
         model = extra[extra.index("--model") + 1] if "--model" in extra else str(stories260k)
@@ -351,8 +354,9 @@ def test_end_to_end_bundled_base_vs_trained_adapter(tmp_path, cli):
                "--n", "6", "--k", "1,3", "--samples", "3", "--max-new-tokens", "48", "--threads", "1",
                "--out", str(run.path))
     assert proc.returncode == 0, proc.stderr
-    head = proc.stdout.splitlines()[0].split()
-    assert head == ["benchmark", "metric", "base", "run"], proc.stdout
+    head = next(x for x in proc.stdout.splitlines() if "benchmark" in x).strip("┃ ").split()
+    assert [h for h in head if h != "┃"] == ["benchmark", "metric", "base", "run"], proc.stdout
+    assert max(len(x) for x in proc.stdout.splitlines()[:-1]) <= 100  # fits a 100-column pipe (console)
     # 3 benchmarks x (accuracy, pass@1, pass@3, maj@3) configurations are counted
     assert re.search(r"^run: \d+ of 12 benchmark-metric configurations improve", proc.stdout, re.M), proc.stdout
     rows = run.read("eval_benchmarks")  # in the training run's directory, where the report reads it

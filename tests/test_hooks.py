@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
-from mechdiag.train import hooks as H
 from mechdiag.train.trainer import Trainer
 from tests.test_train import small
 
@@ -51,12 +48,3 @@ def test_bad_user_hook(spec, msg, stories260k, tmp_path):
     cfg = C.load(None, small(stories260k, "max_steps=1", f"hooks=[{spec}]"))
     with pytest.raises(UserError, match=msg):
         Trainer(cfg, tmp_path / "run")
-
-
-def test_optional_recorder_warns_once_when_absent(monkeypatch):
-    rec = H.DisplacementRecorder(every=1)
-    monkeypatch.setattr(rec, "target", "mechdiag._not_there:lora_rows")
-    with warnings.catch_warnings(record=True) as w:
-        warnings.simplefilter("always")
-        assert rec._fn() is None and rec._fn() is None
-    assert len([x for x in w if "unavailable" in str(x.message)]) == 1

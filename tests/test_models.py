@@ -10,8 +10,6 @@ import torch
 
 from mechdiag.errors import UserError
 from mechdiag.models import (
-    TAGS,
-    build_char_tokenizer,
     bundled_path,
     generate,
     load_model,
@@ -19,6 +17,7 @@ from mechdiag.models import (
     load_tokenizer,
 )
 from mechdiag.tasks import get_task
+from mechdiag.tasks.arith import TAGS, build_char_tokenizer
 from mechdiag.tasks.rewards import format_ok
 
 torch.set_num_threads(1)

@@ -7,9 +7,10 @@ import pytest
 
 from mechdiag import config as configlib
 from mechdiag import recommend as R
-from mechdiag.compare import load_runs, side_by_side
+from mechdiag.compare import side_by_side
 from mechdiag.errors import UserError
 from mechdiag.paths import REPO_ROOT
+from mechdiag.run import base_eval, final_eval, load_runs
 from tests.helpers import assert_bad_input
 from tests.synth import ends_heavy, write_run
 
@@ -26,7 +27,7 @@ def cfg_with(*overrides):
 
 def rec(tmp_path, cfg=None, name="run", **kw):
     write_run(tmp_path / name, cfg or cfg_with(), **kw)
-    return R.recommend([tmp_path / name])
+    return R.recommend(load_runs([tmp_path / name]))
 
 
 def fired(r):
@@ -215,7 +216,7 @@ def test_module_mass_ignores_tensors_lora_does_not_adapt(tmp_path):
              "module": "input_layernorm", "ref_fro": 1.0, "delta_fro": 0.5, "rel_fro": 0.5}]
     with open(tmp_path / "run" / "displacement.jsonl", "a") as f:
         f.write("".join(json.dumps(r) + "\n" for r in rows))
-    r = R.recommend([tmp_path / "run"])
+    r = R.recommend(load_runs([tmp_path / "run"]))
     assert changed(r) == {"lora.target_modules": ["v_proj", "o_proj"]}
 
 
@@ -229,11 +230,11 @@ def test_module_mass_is_size_normalised(tmp_path):
             r["delta_fro"] *= 3.0
             r["ref_fro"] *= 3.0
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert R.recommend([tmp_path / "run"]).findings == []
+    assert R.recommend(load_runs([tmp_path / "run"])).findings == []
     for r in rows:
         r["ref_fro"] = 1.0
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    r = R.recommend([tmp_path / "run"])
+    r = R.recommend(load_runs([tmp_path / "run"]))
     assert sorted(changed(r)["lora.target_modules"]) == ["gate_proj", "up_proj"]
 
 
@@ -242,15 +243,42 @@ def test_mildly_uneven_module_mass_does_not_fire(tmp_path):
     assert rec(tmp_path, module_mass=mass, **FLAT).findings == []
 
 
+STALLED = {"accuracy": (0.4, 0.4)}  # held-out accuracy that did not move: entropy's cost
+
+
 def test_entropy_collapse_raises_temperature_then_beta(tmp_path):
-    r = rec(tmp_path, cfg_with("temperature=0.8"), name="a", entropy=(1.5, 0.1), **FLAT)
+    r = rec(tmp_path, cfg_with("temperature=0.8"), name="a", entropy=(1.5, 0.1), **FLAT, **STALLED)
     assert fired(r) == {"entropy_collapse"} and changed(r) == {"temperature": 1.0}
-    r = rec(tmp_path, cfg_with("temperature=1.2"), name="b", entropy=(1.5, 0.1), **FLAT)
+    assert "eval accuracy stalled 0.4" in r.findings[0].evidence
+    r = rec(tmp_path, cfg_with("temperature=1.2"), name="b", entropy=(1.5, 0.1), **FLAT, **STALLED)
     assert changed(r) == {"beta": pytest.approx(0.015)}
 
 
+def test_entropy_falling_while_accuracy_rises_with_diverse_groups_changes_nothing(tmp_path):
+    """The embedded default's shape (issue 14): greedy-ish entropy 0.08 -> 0.02, accuracy +42 points, reward CV
+    steady. A sharper policy is what RL is for; with no cost beside it nothing fires."""
+    r = rec(tmp_path, name="default", entropy=(0.08, 0.02), accuracy=(0.38, 0.80), reward_cv=0.23, **FLAT)
+    assert r.findings == [] and r.cfg == r.base_cfg
+    # relative to the run's own start, not an absolute floor: 0.078 -> 0.045 is not a collapse, even when stalled
+    r = rec(tmp_path, name="low_start", entropy=(0.078, 0.045), reward_cv=0.23, **FLAT, **STALLED)
+    assert "entropy_collapse" not in fired(r)
+
+
+def test_entropy_collapse_fires_on_each_cost(tmp_path):
+    # reward CV halved (not yet low enough for low_diversity), accuracy rising
+    r = rec(tmp_path, cfg_with("temperature=0.8"), name="cv", entropy=(1.5, 0.1), reward_cv=(0.5, 0.15), **FLAT)
+    assert fired(r) == {"entropy_collapse"} and changed(r) == {"temperature": 1.0}
+    assert "with reward_cv 0.4" in r.findings[0].evidence and "accuracy" not in r.findings[0].evidence
+    # sampled pass@4 falling while greedy accuracy rises
+    r = rec(tmp_path, cfg_with("temperature=0.8"), name="pk", entropy=(1.5, 0.1), pass_k={"pass@4": (0.7, 0.55)},
+            **FLAT)
+    assert fired(r) == {"entropy_collapse"} and "pass@4 0.7 (best) -> 0.55" in r.findings[0].evidence
+    # the same pass@4 holding up: no cost, no finding
+    assert rec(tmp_path, name="pk_ok", entropy=(1.5, 0.1), pass_k={"pass@4": (0.7, 0.72)}, **FLAT).findings == []
+
+
 def test_one_key_is_changed_by_the_first_rule_only(tmp_path):
-    r = rec(tmp_path, cfg_with("temperature=0.6"), reward_cv=0.03, entropy=(1.5, 0.1), **FLAT)
+    r = rec(tmp_path, cfg_with("temperature=0.6"), reward_cv=0.03, entropy=(1.5, 0.1), **FLAT, **STALLED)
     assert fired(r) == {"low_diversity", "entropy_collapse"}
     assert changed(r) == {"temperature": 0.8}
     assert "already changed by low_diversity" in r.findings[1].reason
@@ -278,7 +306,7 @@ def test_refined_config_round_trips_with_header(tmp_path, cli):
     proc = cli("recommend", str(tmp_path / "run"), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     again = configlib.load(out)
-    expected = R.recommend([tmp_path / "run"]).cfg
+    expected = R.recommend(load_runs([tmp_path / "run"])).cfg
     assert again == expected
     assert (again.temperature, again.beta, again.lora.layers) == (0.7, R.BETA_FROM_ZERO, "first2+last2")
     head = [ln for ln in out.read_text().splitlines() if ln.startswith("#")]
@@ -331,11 +359,11 @@ def test_seeds_pool_and_treatments_compare(tmp_path, cli):
     assert acc["temperature=0.9"]["delta"] == pytest.approx(0.15, abs=0.01)
     assert acc["temperature=0.9"]["vs_base"] == pytest.approx(0.36, abs=0.01)  # base accuracy 0.2
     # the rules read the best group (the treated one, which truncates)
-    r = R.recommend(paths)
+    r = R.recommend(load_runs(paths))
     assert fired(r) == {"truncation"} and r.base_cfg.temperature == 0.9
     proc = cli("recommend", *map(str, paths))
     assert proc.returncode == 0, proc.stderr
-    assert re.search(r"0\.56\d* ± 0\.01\d* \(\+0\.36", proc.stdout)
+    assert re.search(r"0\.55\d* ± 0\.01\d* \(\+0\.35\d", proc.stdout)  # accuracy; the synthetic runs sample no pass@k
     assert "temperature=0.9 vs temperature=0.6: accuracy +0.15" in proc.stdout and "(helped)" in proc.stdout
 
 
@@ -372,7 +400,7 @@ def test_no_records_is_bad_input(tmp_path):
     rd.mkdir()
     configlib.save(configlib.load(), rd / "config.yaml")
     with pytest.raises(UserError, match="nothing to diagnose"):
-        R.recommend([rd])
+        R.recommend(load_runs([rd]))
 
 
 def test_every_threshold_and_rule_is_documented():
@@ -385,7 +413,6 @@ def test_every_threshold_and_rule_is_documented():
 
 
 def test_flat_summary_keys_give_base_and_final(tmp_path):
-    from mechdiag.compare import base_eval, final_eval
 
     write_run(tmp_path / "run", n_evals=2)
     (tmp_path / "run" / "eval.jsonl").write_text("")
@@ -399,3 +426,97 @@ def test_nothing_solved_at_max_temperature_asks_for_easier_data(tmp_path):
     assert fired(r) == {"low_diversity"}
     assert changed(r) == {"task.options": {"difficulty": 1}}
     assert "easier data" in r.findings[0].reason
+
+
+NO_TAGS = [{"completion": "the answer is 12 apples", "truncated": False, "reward": 0.0}] * 16
+WELL_FORMED = [{"completion": "<reasoning>3+4=7</reasoning><answer>7</answer>", "truncated": False}] * 16
+ZERO = {"reward": 0.0, "reward_cv": 0.0, "frac_zero_std": 1.0, "kl": 0.0, "accuracy": 0.0, "entropy": (1.0, 0.9),
+        "noise": 0.0}
+
+
+def test_zero_reward_throughout_names_the_format_as_the_cause(tmp_path):
+    """Issue 14: a run whose reward is 0 throughout was told to raise the temperature. The base never writes the
+    rewarded format: no learning signal, and no sampling change can create one."""
+    r = rec(tmp_path, cfg_with("temperature=0.8"), samples=NO_TAGS, components={"correctness": 0.0}, **ZERO)
+    assert "no_signal" in fired(r)
+    f = next(f for f in r.findings if f.rule == "no_signal")
+    assert f.data["cause"] == "format never produced" and "0% of 16 sampled completions close an <answer>" \
+        in f.evidence
+    assert "format" in f.reason and "SFT" in f.reason
+    assert r.changes == [] and r.cfg == r.base_cfg  # low_diversity's temperature waits: no signal explains it
+    low = next(f for f in r.findings if f.rule == "low_diversity")
+    assert "deferred: no_signal" in low.reason
+    # a rambling base cut at the budget without ever opening a tag: the format, not the budget, is the cause
+    rambling = [{"completion": "Once upon a time there was a cat who", "truncated": True}] * 16
+    r = rec(tmp_path, name="rambling", samples=rambling, clipped=1.0, **ZERO)
+    f = next(f for f in r.findings if f.rule == "no_signal")
+    assert f.data["cause"] == "format never produced" and "100% cut at the budget" in f.evidence
+    assert r.changes == []
+
+
+def test_no_signal_from_truncation_raises_the_budget(tmp_path):
+    cut = [{"completion": "<reasoning>3+4=7;7*2=1", "truncated": True}] * 16
+    r = rec(tmp_path, samples=cut, clipped=0.9, **ZERO)
+    f = next(f for f in r.findings if f.rule == "no_signal")
+    assert f.data["cause"] == "budget too short" and "90% of completions cut" in f.evidence
+    assert changed(r) == {"max_completion_tokens": 72}
+    assert next(f for f in r.findings if f.rule == "truncation").changes == []  # one rule per key
+
+
+def test_no_correct_answer_throughout_asks_for_easier_data(tmp_path):
+    r = rec(tmp_path, samples=WELL_FORMED, **{**ZERO, "reward": 1.7}, components={"correctness": 0.0})
+    f = next(f for f in r.findings if f.rule == "no_signal")
+    assert f.data["cause"] == "task too hard" and "100% of sampled completions are well-formed" in f.evidence
+    assert changed(r) == {"task.options": {"difficulty": 1}}
+
+
+def test_some_correct_answers_are_a_signal(tmp_path):
+    r = rec(tmp_path, samples=WELL_FORMED, reward=(0.2, 0.3), components={"correctness": (0.0, 0.02)},
+            accuracy=(0.0, 0.01), kl=0.01)
+    assert "no_signal" not in fired(r)
+
+
+def test_too_few_records_is_never_healthy(tmp_path, cli):
+    r = rec(tmp_path, steps=2)
+    assert fired(r) == {"too_few_records"} and r.changes == []
+    assert "too few records to judge (2 < 8" in r.findings[0].evidence
+    proc = cli("recommend", str(tmp_path / "run"))
+    assert proc.returncode == 0 and "healthy" not in proc.stdout and "too few records to judge (2 < 8" in proc.stdout
+    # a symptom in a short run is not judged either
+    assert fired(rec(tmp_path, name="short_cut", steps=5, clipped=0.9)) == {"too_few_records"}
+    assert "too_few_records" not in fired(rec(tmp_path, name="enough", steps=8))
+
+
+def test_max_reward_uses_the_tasks_weights(tmp_path):
+    """MCQ's Table 6 weights sum to 3.5 (math 3.7, code 3.1): saturation is judged against the right maximum."""
+
+    for task, best in (("arith", 3.7), ("arc", 3.5), ("mbpp", 3.1)):
+        write_run(tmp_path / task, cfg_with(f"task.name={task}"))
+        assert R.Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
+    # 3.2 is 91% of MCQ's maximum (saturated) but 86% of math's
+    assert "early_saturation" in fired(rec(tmp_path, cfg_with("task.name=arc"), name="arc_sat", reward=(3.2, 3.25),
+                                           kl=0.01))
+    assert "early_saturation" not in fired(rec(tmp_path, name="math_sat", reward=(3.2, 3.25), kl=0.01))
+
+
+RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defaults are the healthy run
+    "too_few_records": {"steps": 2},
+    "no_signal": {"samples": NO_TAGS, **ZERO},
+    "early_saturation": {"reward": (3.45, 3.6), "frac_zero_std": 0.8, "reward_cv": 0.02, "kl": 0.01},
+    "low_diversity": {"reward_cv": 0.04, "frac_zero_std": 0.7, **FLAT},
+    "kl_drift": {"reward": (1.5, 1.6), "kl": (0.0, 0.2, 0.3), "accuracy": (0.4, 0.3)},
+    "reward_misalignment": {"reward": (1.0, 2.8), "accuracy": (0.4, 0.4), "kl": 0.01,
+                            "components": {"correctness": (0.4, 0.4), "format": (0.1, 0.9)}},
+    "truncation": {"clipped": 0.5, **FLAT},
+    "reduced_layers": {"layer_mass": ends_heavy(8, 6.0), **FLAT},
+    "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
+                        **FLAT},
+    "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
+}
+
+
+@pytest.mark.parametrize("name", [name for name, _, _ in R.RULES])
+def test_every_rule_has_a_run_that_fires_it_and_the_healthy_run_does_not(tmp_path, name):
+    assert name in RULE_CASES, f"rule {name} has no test run that should fire it"
+    assert name in fired(rec(tmp_path, name="sick", **RULE_CASES[name]))
+    assert name not in fired(rec(tmp_path, name="healthy"))

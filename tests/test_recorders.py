@@ -51,3 +51,15 @@ def test_shift_recorder_writes_rows_at_eval(stories260k, tmp_path):
     assert layers == sorted(set(layers)) and len(layers) == 5  # one row per decoder layer
     assert all(r["shift"] >= 0 for r in rows) and any(r["shift"] > 0 for r in rows)
     assert torch.isfinite(torch.tensor([r["shift"] for r in rows])).all()
+
+
+def test_last_step_is_always_recorded(stories260k, tmp_path):
+    """Final diagnostics: a run shorter than the displacement interval still has displacement (and shift) rows
+    at its last step, so every run has a heatmap."""
+    cfg = C.load(None, small(stories260k, "max_steps=3", "save_every=0", "record.displacement_every=2",
+                             "record.shift_at_eval=true", "record.shift_n=2"))
+    run = train(cfg, tmp_path / "run")
+    assert sorted({r["step"] for r in run.read("displacement")}) == [2, 3]
+    assert {r["step"] for r in run.read("shift")} == {3}
+    cfg = C.load(None, small(stories260k, "max_steps=2", "save_every=0", "record.displacement_every=10"))
+    assert {r["step"] for r in train(cfg, tmp_path / "short").read("displacement")} == {2}

@@ -5,21 +5,31 @@ from __future__ import annotations
 import html
 import json
 import re
-import sys
 import types
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from mechdiag import report
 from mechdiag.errors import UserError
-from mechdiag.report import default_out, render, write_report
-from mechdiag.report.load import group_runs, load_run
+from mechdiag.integrations.readers import read_any_run
+from mechdiag.report import default_out
+from mechdiag.report.figures import coloured
+from mechdiag.run import group_runs, load_run, load_runs
 from tests import chromium
 from tests.helpers import assert_bad_input
 from tests.synth_runs import XSS_IMG, XSS_MARK, XSS_SCRIPT, make_run
 
 MB = 1024 * 1024
+
+
+def render(paths, **kw) -> str:
+    return report.render(load_runs(paths, read_any_run), **kw)
+
+
+def write_report(paths, out=None, **kw) -> Path:
+    return report.write_report(load_runs(paths, read_any_run), out, **kw)
 
 
 @dataclass
@@ -68,7 +78,7 @@ def test_browser_renders_every_figure_without_console_messages(page):
     for k in range(1, n + 1):  # plotly took over every figure div and drew an svg into it
         div = re.search(rf'<div class="fig js-plotly-plot" id="fig-{k}"(.*?)<script', p.dom, re.S)
         assert div and 'class="main-svg"' in div.group(1), k
-    assert p.title == "mechdiag report: demo, beta"
+    assert p.title == "mechdiag report: beta=0.0, beta=0.01"
 
 
 def test_hostile_completion_is_text_and_never_runs(page):
@@ -238,17 +248,10 @@ def test_findings_rendered_escaped(runs):
     assert "<ol class=top><li><b>beta: 0.005 -&gt; 0.01</b>" in html
 
 
-def test_recommendations_unavailable_before_merge(runs, monkeypatch):
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", None)  # import raises ImportError
-    assert "Recommendations unavailable" in render([runs["a42"]])
-
-
 def test_recommend_called_with_all_run_dirs(runs, monkeypatch):
     seen = []
-    fake = types.ModuleType("mechdiag.recommend")
-    fake.recommend = lambda paths: seen.append(list(paths)) or [
-        Finding("low_cv", "reward CV 0.02", "cv", "temperature: 1.0 -> 1.2", 0.5)]
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
+    monkeypatch.setattr(report, "recommend", lambda loaded: seen.append([r.path for r in loaded]) or [
+        Finding("low_cv", "reward CV 0.02", "cv", "temperature: 1.0 -> 1.2", 0.5)])
     html = render([runs["a42"], runs["b42"]])
     assert seen == [[runs["a42"], runs["b42"]]]
     assert "temperature: 1.0 -&gt; 1.2" in html
@@ -276,9 +279,7 @@ def test_recommendation_object_with_changes_and_refined_config(runs, monkeypatch
     f = types.SimpleNamespace(rule="high_kl", symptom="KL high", evidence="kl 0.3", reason="closer to base",
                               changes=[Change("beta", 0.005, 0.01), Change("epsilon_high", None, 0.3)],
                               confidence=0.7)
-    fake = types.ModuleType("mechdiag.recommend")
-    fake.recommend = lambda paths: Rec(config.load(None, ["beta=0.01"]), [f])
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
+    monkeypatch.setattr(report, "recommend", lambda loaded: Rec(config.load(None, ["beta=0.01"]), [f]))
     html = render([runs["a42"]])
     assert "<code>beta: 0.005 -&gt; 0.01; epsilon_high: None -&gt; 0.3</code>" in html
     assert "closer to base" in html and "<td>70%</td>" in html
@@ -289,9 +290,7 @@ def test_recommender_refusing_the_runs_leaves_the_report(runs, monkeypatch):
     def recommend(paths):
         raise UserError("run has no config.yaml: not a run directory")
 
-    fake = types.ModuleType("mechdiag.recommend")
-    fake.recommend = recommend
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", fake)
+    monkeypatch.setattr(report, "recommend", recommend)
     html = render([runs["a42"]])
     assert "Recommendations unavailable for these runs: run has no config.yaml" in html
     assert len(_figures(html)) == 5  # one config: one heatmap
@@ -306,25 +305,22 @@ def test_run_labels_and_names_escaped(tmp_path):
 
 # ---- grouping ---------------------------------------------------------------------------------------------
 def test_grouping_by_config_and_labels(tmp_path):
-    import contextlib
-
     same = [make_run(tmp_path / "a" / "run", 42, steps=5, streams=()),
             make_run(tmp_path / "b" / "run", 42, steps=5, streams=(), overrides=["lora.layers=first2+last2"])]
     seeds = [make_run(tmp_path / "demo_42", 42, steps=5, streams=()),
              make_run(tmp_path / "demo_3407", 3407, steps=5, streams=())]
-    with contextlib.ExitStack() as st:
-        g = group_runs([load_run(r.path, st) for r in seeds])
-        assert [x.label for x in g] == ["demo"] and len(g[0].runs) == 2
-        g = group_runs([load_run(r.path, st) for r in same])
-        assert [x.label for x in g] == ["lora.layers=all", "lora.layers=first2+last2"]
-        assert g[0].color != g[1].color
+    g = group_runs([load_run(r.path) for r in seeds])
+    assert [x.label for x in g] == ["demo"] and len(g[0].runs) == 2
+    g = coloured(group_runs([load_run(r.path) for r in same]))
+    assert [x.label for x in g] == ["lora.layers=all", "lora.layers=first2+last2"]
+    assert g[0].color != g[1].color
 
 
 def test_odd_text_survives(tmp_path):
     run = make_run(tmp_path / "odd", 1, steps=5, streams=())
     # a lone surrogate is valid JSON (another writer's file) but cannot be encoded as UTF-8
     (run.path / "samples.jsonl").write_text('{"step": 5, "group": 0, "prompt": "p\\u0000", "completion": '
-                                            '"a\\ud800b ' + "x" * 5000 + '", "kind": "train", "reward": null}\n')
+                                            '"a\\ud800b ' + "x" * 5000 + '", "split": "train", "reward": null}\n')
     html = write_report([run.path], tmp_path / "odd.html").read_text(encoding="utf-8")
     assert "a\ufffdb" in html
     assert "2004 more characters" in html  # long completions are cut with a note
@@ -334,7 +330,7 @@ def test_missing_keys_tolerated(tmp_path):
     run = make_run(tmp_path / "nokl", 42, steps=20, streams=(), summary=False)
     run.append("metrics", [{"step": s, "reward": 0.1 * s, "loss": None} for s in range(1, 21)])
     run.append("eval", [{"step": 20, "accuracy": None}])
-    run.append("samples", [{"step": 5, "completion": None, "kind": "eval"}])
+    run.append("samples", [{"step": 5, "completion": None, "split": "eval"}])
     run.append("displacement", [{"step": 10, "name": "lm_head", "layer": None, "module": None,
                                  "ref_fro": 1.0, "delta_fro": 0.1}])
     html = render([run.path])
@@ -345,28 +341,13 @@ def test_missing_keys_tolerated(tmp_path):
 
 
 # ---- TRL output directories -------------------------------------------------------------------------------
-def test_trl_output_dir_read_through_reader(tmp_path, monkeypatch):
+def test_trl_output_dir_read_through_reader(tmp_path):
     trl_dir = tmp_path / "trl-out"
     trl_dir.mkdir()
     (trl_dir / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
-
-    def read_trl_run(output_dir, into):
-        hist = json.loads((Path(output_dir) / "trainer_state.json").read_text())["log_history"]
-        into.append("metrics", hist)
-        return into
-
-    pkg = types.ModuleType("mechdiag.integrations")
-    mod = types.ModuleType("mechdiag.integrations.trl")
-    mod.read_trl_run = read_trl_run
-    monkeypatch.setitem(sys.modules, "mechdiag.integrations", pkg)
-    monkeypatch.setitem(sys.modules, "mechdiag.integrations.trl", mod)
     html = render([trl_dir])
     assert "<span class=tag>TRL</span>" in html and "trl-out" in html
     assert len(_figures(html)) == 1
-
-    monkeypatch.setitem(sys.modules, "mechdiag.integrations.trl", None)
-    with pytest.raises(UserError, match="TRL reader"):
-        render([trl_dir])
 
 
 # ---- CLI --------------------------------------------------------------------------------------------------
@@ -397,6 +378,7 @@ def test_cli_report_bad_input(cli, runs, tmp_path):
 
 # ---- demo (against a stand-in trainer; the real one is exercised after merge) ------------------------------
 def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
+    from mechdiag import demo
     from mechdiag.demo import SEEDS, run_demo
 
     calls = []
@@ -406,20 +388,16 @@ def test_demo_trains_two_seeds_and_writes_report(tmp_path, monkeypatch):
         return make_run(Path(out_dir), cfg.seed, steps=cfg.max_steps, eval_every=cfg.eval_every,
                         disp_every=cfg.record.displacement_every)
 
-    pkg, mod = types.ModuleType("mechdiag.train"), types.ModuleType("mechdiag.train.trainer")
-    mod.train = train
-    monkeypatch.setitem(sys.modules, "mechdiag.train", pkg)
-    monkeypatch.setitem(sys.modules, "mechdiag.train.trainer", mod)
-    monkeypatch.setitem(sys.modules, "mechdiag.recommend", None)
+    monkeypatch.setattr(demo, "train", train)  # synthetic runs: the demo's own steps, not minutes of training
     lines = []
-    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)
+    out = run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)
     assert SEEDS == (42, 3407)
     assert calls == [(42, 20, 5, "demo-seed42"), (3407, 20, 5, "demo-seed3407")]
     assert out == tmp_path / "demo.html"
     html = out.read_text()
     assert "mechdiag report: demo</title>" in html and "n=2 seeds" in html
     assert lines[-1].startswith("demo done in")
-    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append)  # re-run replaces
+    run_demo(tmp_path / "demo", tmp_path / "demo.html", max_steps=20, echo=lines.append, eval_n=0)  # replaces
     (tmp_path / "other" / "demo-seed42").mkdir(parents=True)
     with pytest.raises(UserError, match="not a previous demo run"):
-        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append)
+        run_demo(tmp_path / "other", tmp_path / "x.html", max_steps=20, echo=lines.append, eval_n=0)

@@ -1,100 +1,330 @@
-"""The sandbox against a hostile corpus: every case is contained, scores 0 and ends within its time bound."""
+"""The sandbox against a hostile corpus, each case run by its own host process (so a killed host shows): every
+case is contained (scores 0, nothing outside changes, no secret leaks), the host lives, and each run ends
+within its wall-clock deadline. Every case is written so that an escape or a faked verdict would PASS."""
 
 from __future__ import annotations
 
+import json
 import os
-import signal
+import subprocess
+import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
-from mechdiag.sandbox import network_isolation, run_many, run_tests
+from mechdiag.sandbox import isolation, run_many, run_tests
 
-TIMEOUT = 2.0
-SLACK = 3.0  # seconds over the timeout a killed run may take on a loaded 2-core machine
+ROOT = Path(__file__).resolve().parent.parent
+TIMEOUT = 1.0  # CPU seconds
+WALL = 3.0  # wall-clock backstop
+SLACK = 0.5  # seconds past the wall deadline a run may take to be killed and cleaned up
+SECRET = "hunter2-do-not-leak"
 
-# name -> (code, tests). Paths outside the working folder are filled in from the `outside` fixture.
+ALIVE = "f()\nassert False, 'host still alive'\n"  # signal cases: what counts is the host's life
+# name -> (code, tests). {outside}: a folder outside holding keep.txt ("precious"); {host}: the host's pid.
 CORPUS = {
+    # time, processes, memory, output
     "infinite_loop": ("while True:\n    pass\n", ""),
     "busy_c_loop": ("x = 10 ** (10 ** 9)\n", ""),
     "sleep_forever": ("import time\ntime.sleep(60)\n", ""),
+    "sleep_in_call": ("import time\ndef f():\n    time.sleep(60)\n", "assert f() is None\n"),
+    "ignore_sigxcpu": ("import signal\nsignal.signal(signal.SIGXCPU, signal.SIG_IGN)\nwhile True:\n    pass\n", ""),
     "fork_bomb": ("import os\nwhile True:\n    os.fork()\n", ""),
-    "subprocess_spawn": ("import subprocess\nsubprocess.run(['sh', '-c', 'touch {outside}/spawned'])\n", ""),
-    "os_system": ("import os\nos.system('touch {outside}/system')\n", ""),
+    "subprocess_spawn": ("import subprocess\ndef f():\n    subprocess.run(['sh', '-c', 'touch {outside}/spawned'])\n",
+                         "import os\nf()\nassert os.path.exists('{outside}/spawned')\n"),
+    "os_system": ("import os\ndef f():\n    return os.system('touch {outside}/system')\n",
+                  "import os\nf()\nassert os.path.exists('{outside}/system')\n"),
     "multiprocessing": ("import multiprocessing as mp\nmp.Process(target=print).start()\n", ""),
     "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n", ""),
     "memory_one_shot": ("x = bytearray(1 << 34)\n", ""),
     "huge_output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", ""),
     "huge_file": ("with open('big', 'wb') as f:\n    while True:\n        f.write(b'x' * (1 << 20))\n", ""),
-    "write_outside_abs": ("open('{outside}/written', 'w').write('x')\n", ""),
-    "write_outside_rel": ("import os\nopen(os.path.relpath('{outside}/written_rel'), 'w').write('x')\n", ""),
-    "write_via_dir_fd": ("import os\nd = os.open('{outside}', os.O_RDONLY)\n"
-                         "os.close(os.open('dirfd', os.O_WRONLY | os.O_CREAT, dir_fd=d))\n", ""),
-    "write_via_lib_dir_fd": ("import os, sys\nd = os.open(sys.base_prefix + '/lib', os.O_RDONLY)\n"
-                             "os.close(os.open('escape', os.O_WRONLY | os.O_CREAT, dir_fd=d))\n", ""),
-    "chdir_then_write": ("import os\nos.chdir('{outside}')\nopen('chdir', 'w').write('x')\n", ""),
-    "delete_file": ("import os\nos.remove('{outside}/keep.txt')\n", ""),
-    "delete_tree": ("import shutil\nshutil.rmtree('{outside}')\n", ""),
-    "rename_file": ("import os\nos.rename('{outside}/keep.txt', 'stolen.txt')\n", ""),
-    "read_env_secret": ("import os\nprint(dict(os.environ))\nassert os.environ.get('MECHDIAG_SECRET')\n", ""),
-    "read_secret_file": ("print(open('{outside}/keep.txt').read())\n", ""),
-    "read_proc_mem": ("open('/proc/self/mem', 'rb')\n", ""),
-    "socket_connect": ("import socket\ns = socket.create_connection(('127.0.0.1', 9), timeout=1)\n", ""),
-    "socket_raw": ("import _socket\n_socket.socket()\n", ""),
-    "signal_parent": ("import os, signal\nos.kill(os.getppid(), signal.SIGTERM)\n", ""),
-    "signal_group": ("import os, signal\nos.killpg(0, signal.SIGKILL)\n", ""),
+    "huge_reply": ("def f():\n    return 'x' * (64 << 20)\n", "assert len(f()) > 0\n"),
+    "deep_reply": ("def f():\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
+                   "assert f() is not None and len(f()) == 1\n"),
     "ctypes": ("import ctypes\nctypes.CDLL(None).fork()\n", ""),
-    "exit0_before_tests": ("import sys\nsys.exit(0)\n", "assert False\n"),
-    "os_exit0": ("import os\nos._exit(0)\n", "assert False\n"),
-    "systemexit_in_tests": ("def f(x):\n    raise SystemExit(0)\n", "assert f(1) == 2\n"),
-    "exit_from_thread": ("import os, threading, time\nthreading.Thread(target=lambda: os._exit(0)).start()\n"
-                         "time.sleep(1)\n", "assert False\n"),
+    # patched shared objects: the judge's builtins and stdlib are its own
     "patch_assertionerror": ("import builtins\nbuiltins.AssertionError = ZeroDivisionError\ndef f(x):\n"
                              "    return 0\n", "assert f(1) == 2\n"),
-    "always_equal": ("class A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
-                     "def f(x):\n    return A()\n", "assert f(1) == 2\n"),
-    "always_equal_int_subclass": ("class A(int):\n    def __eq__(self, o):\n        return True\n"
-                                  "def f(x):\n    return [A(0)]\n", "assert f(1) == [2]\n"),
+    "patch_builtins_len": ("import builtins\nbuiltins.len = lambda x: 3\ndef f():\n    return [1]\n",
+                           "assert len(f()) == 3\n"),
+    "patch_math_isclose": ("import math\nmath.isclose = lambda *a, **k: True\ndef f(x):\n    return 0.0\n",
+                           "assert math.isclose(f(1), 2.5)\n"),
+    "patch_counter_eq": ("import collections\ncollections.Counter.__eq__ = lambda s, o: True\n"
+                         "def f(s):\n    return collections.Counter(s)\n",
+                         "from collections import Counter\nassert f('ab') == Counter('xyz')\n"),
     "patch_exec": ("import builtins\nbuiltins.exec = lambda *a, **k: None\nbuiltins.compile = lambda *a, **k: None\n",
                    "assert False\n"),
+    "shadow_builtin_set": ("def set(x):\n    return 0\ndef f(x):\n    return [9]\n",
+                           "assert set(f(1)) == set([1, 2])\n"),
+    "shadow_isclose": ("def isclose(*a, **k):\n    return True\ndef f(x):\n    return 0.0\n",
+                       "from math import isclose\nassert isclose(f(1), 2.5)\n"),
+    "judge_runs_os_system": ("from os import system as f\n",
+                             "import os\nf('touch {outside}/judged')\nassert os.path.exists('{outside}/judged')\n"),
+    "judge_opens_file": ("f = open\n",
+                         "f('{outside}/keep.txt', 'w')\nassert open('{outside}/keep.txt').read() == ''\n"),
+    "module_alias": ("import os as math\n", "assert math.path.exists('{outside}/keep.txt')\n"),
     "settrace_skip": ("import sys\ndef t(frame, ev, arg):\n    return t\nsys.settrace(t)\n", "assert False\n"),
-    "find_nonce_frames": ("import sys\nf = sys._getframe()\nwhile f.f_back:\n    f = f.f_back\n"
-                          "print([v for v in f.f_locals.values() if isinstance(v, bytes)])\n", "assert False\n"),
-    "find_nonce_gc": ("import gc\nprint([o for o in gc.get_objects() if isinstance(o, bytes)])\n", "assert False\n"),
-    "find_nonce_traceback": ("try:\n    1/0\nexcept ZeroDivisionError as e:\n    fr = e.__traceback__.tb_frame\n",
-                             "assert False\n"),
-    "read_stdin_nonce": ("import os\nprint(os.read(0, 100))\n", "assert False\n"),
-    "forge_result_pipe": ("import os, sys\nos.write(int(sys.argv[1]), b'0' * 32 + b'\\n')\nos._exit(0)\n", ""),
+    # objects that lie about equality, type or arithmetic
+    "always_equal": ("class A:\n    def __eq__(self, o):\n        return True\n    __hash__ = None\n"
+                     "def f(x):\n    return A()\n", "assert f(1) == 2\n"),
+    "always_equal_in_list": ("class A:\n    def __eq__(self, o):\n        return True\n"
+                             "def f(x):\n    return [A(), A()]\n", "assert f(1) == [2, 3]\n"),
+    "metaclass_lies_flags": ("class M(type):\n    @property\n    def __flags__(cls):\n        return 0\n"
+                             "class A(metaclass=M):\n    def __eq__(self, o):\n        return True\n"
+                             "    __hash__ = object.__hash__\ndef f(x):\n    return A()\n", "assert f(1) == 2\n"),
+    "lies_about_class": ("class A:\n    __class__ = int\n    def __eq__(self, o):\n        return True\n"
+                         "    __hash__ = object.__hash__\ndef f(x):\n    return A()\n",
+                         "assert isinstance(f(1), int) and f(1) == 2\n"),
+    "zero_arithmetic": ("class Z:\n    def __sub__(self, o):\n        return 0\n    __rsub__ = __sub__\n"
+                        "    def __abs__(self):\n        return 0\n    def __lt__(self, o):\n        return True\n"
+                        "def f(x):\n    return Z()\n", "assert abs(f(1) - 3.5) < 1e-9\n"),
+    "truthy_object": ("class T:\n    def __bool__(self):\n        return True\ndef f(x):\n    return T()\n",
+                      "assert f(1)\n"),
+    "str_lies": ("class S:\n    def __str__(self):\n        return 'abc'\ndef f(x):\n    return S()\n",
+                 "assert str(f(1)) == 'abc'\n"),
+    # subclasses of plain types
+    "int_subclass_eq": ("class A(int):\n    def __eq__(self, o):\n        return True\n    __hash__ = int.__hash__\n"
+                        "def f(x):\n    return [A(0)]\n", "assert f(1) == [2]\n"),
+    "str_subclass_eq": ("class S(str):\n    def __eq__(self, o):\n        return True\n    __hash__ = str.__hash__\n"
+                        "def f(x):\n    return S('no')\n", "assert f(1) == 'yes'\n"),
+    "float_subclass_sub": ("class F(float):\n    def __sub__(self, o):\n        return 0.0\n"
+                           "def f(x):\n    return F(9.0)\n", "assert abs(f(1) - 2.5) < 1e-6\n"),
+    "dict_subclass_eq": ("class D(dict):\n    def __eq__(self, o):\n        return True\n"
+                         "def f(x):\n    return D()\n", "assert f(1) == {'a': 1}\n"),
+    "list_subclass_len": ("class L(list):\n    def __len__(self):\n        return 3\n"
+                          "def f(x):\n    return L()\n", "assert len(f(1)) == 3\n"),
+    "bool_like_int": ("class B(int):\n    def __bool__(self):\n        return True\ndef f(x):\n    return B(0)\n",
+                      "assert f(1)\n"),
+    # exiting from inside a call
+    "exit0_before_tests": ("import sys\nsys.exit(0)\n", "assert False\n"),
+    "os_exit0": ("import os\nos._exit(0)\n", "assert False\n"),
+    "systemexit_in_call": ("def f(x):\n    raise SystemExit(0)\n",
+                           "try:\n    f(1)\nexcept SystemExit:\n    pass\nassert f(1) == 2\n"),
+    "os_exit_in_call": ("import os\ndef f(x):\n    os._exit(0)\n", "assert f(1) is None\n"),
+    "kill_self_in_call": ("import os, signal\ndef f(x):\n    os.kill(os.getpid(), signal.SIGKILL)\n",
+                          "assert f(1) is None\n"),
+    "exit_from_thread": ("import os, threading, time\ndef f(x):\n"
+                         "    threading.Thread(target=lambda: os._exit(0)).start()\n    time.sleep(1)\n    return 2\n",
+                         "assert f(1) == 2\nassert f(2) == 3\n"),
+    "forge_reply": ("import os\ndef f(x):\n    os.write(4, b'[\"ok\",2,false]\\n')\n    return 1\n",
+                    "assert f(1) == 2\nassert f(2) == 3\n"),
+    # signalling the trainer (the host): any API
+    "kill_host": ("import os\ndef f():\n    os.kill({host}, 9)\n    return 1\n", ALIVE),
+    "killpg_host": ("import os\ndef f():\n    os.killpg(os.getpgid({host}), 9)\n    return 1\n", ALIVE),
+    "pidfd_kill_host": ("import os, signal\ndef f():\n    fd = os.pidfd_open({host})\n"
+                        "    signal.pidfd_send_signal(fd, signal.SIGKILL)\n    return 1\n", ALIVE),
+    "kill_parent": ("import os, signal\ndef f():\n    os.kill(os.getppid(), signal.SIGKILL)\n    return 1\n",
+                    ALIVE),
+    "kill_every_pid": ("import os\ndef f():\n    n = 0\n    for p in range(2, 5000):\n        try:\n"
+                       "            os.kill(p, 9)\n            n += 1\n        except OSError:\n            pass\n"
+                       "    return n\n", "assert f() > 1\n"),
+    "kill_minus_one": ("import os\ndef f():\n    os.kill(-1, 9)\n    return 1\n", ALIVE),
+    # reading the trainer's environment
+    "read_env_secret": ("import os\ndef f():\n    return os.environ.get('MECHDIAG_SECRET', '')\n",
+                        "assert f() == '" + SECRET + "'\n"),
+    "proc_host_environ": ("def f():\n    return open('/proc/{host}/environ', 'rb').read()\n",
+                          "assert b'hunter2' in f()\n"),
+    "proc_scan_environ": ("import os\ndef f():\n    out = b''\n    for p in os.listdir('/proc'):\n"
+                          "        try:\n            out += open('/proc/' + p + '/environ', 'rb').read()\n"
+                          "        except Exception:\n            pass\n    return out\n",
+                          "assert b'hunter2' in f()\n"),
+    "proc_parent_environ": ("import os\ndef f():\n    return open('/proc/%d/environ' % os.getppid(), 'rb').read()\n",
+                            "assert b'hunter2' in f()\n"),
+    # files: absolute, relative, fd-relative, symlink and /proc/self/root tricks
+    "read_outside": ("def f():\n    return open('{outside}/keep.txt').read()\n", "assert f() == 'precious'\n"),
+    "write_outside_abs": ("def f():\n    return open('{outside}/written', 'w').write('x')\n", "assert f() == 1\n"),
+    "write_outside_rel": ("import os\ndef f():\n    return open(os.path.relpath('{outside}/written_rel'), 'w')"
+                          ".write('x')\n", "assert f() == 1\n"),
+    "write_via_dir_fd": ("import os\ndef f():\n    d = os.open('{outside}', os.O_RDONLY)\n"
+                         "    os.close(os.open('dirfd', os.O_WRONLY | os.O_CREAT, dir_fd=d))\n    return 1\n",
+                         "assert f() == 1\n"),
+    "dot_dir_fd_climb": ("import os\ndef f():\n    d = os.open('.', os.O_RDONLY)\n"
+                         "    return os.open('../' * 30 + '{outside_rel}/keep.txt', os.O_RDONLY, dir_fd=d) >= 0\n",
+                         "assert f() is True\n"),
+    "read_via_lib_dir_fd": ("import os, sys\ndef f():\n    d = os.open(sys.base_prefix + '/lib', os.O_RDONLY)\n"
+                            "    return os.read(os.open('../../../../../../..{outside}/keep.txt', os.O_RDONLY, "
+                            "dir_fd=d), 100)\n", "assert f() == b'precious'\n"),
+    "symlink_out": ("import os\ndef f():\n    os.symlink('{outside}', 'link')\n"
+                    "    return open('link/keep.txt').read()\n", "assert f() == 'precious'\n"),
+    "proc_self_root": ("def f():\n    return open('/proc/self/root{outside}/keep.txt').read()\n",
+                       "assert f() == 'precious'\n"),
+    "proc_self_cwd_climb": ("def f():\n    return open('/proc/self/cwd/../../../../..{outside}/keep.txt').read()\n",
+                            "assert f() == 'precious'\n"),
+    "proc_host_root": ("def f():\n    return open('/proc/{host}/root{outside}/keep.txt').read()\n",
+                       "assert f() == 'precious'\n"),
+    "chdir_then_write": ("import os\ndef f():\n    os.chdir('{outside}')\n    return open('chdir', 'w').write('x')\n",
+                         "assert f() == 1\n"),
+    "delete_file": ("import os\ndef f():\n    os.remove('{outside}/keep.txt')\n    return 1\n", "assert f() == 1\n"),
+    "delete_tree": ("import shutil\ndef f():\n    shutil.rmtree('{outside}')\n    return 1\n", "assert f() == 1\n"),
+    "rename_out": ("import os\ndef f():\n    os.rename('{outside}/keep.txt', 'stolen.txt')\n    return 1\n",
+                   "assert f() == 1\n"),
+    "read_home_root": ("import os\ndef f():\n    return os.listdir(os.path.expanduser('~root'))\n",
+                       "assert len(f()) > 1\n"),
+    "read_proc_mem": ("def f():\n    return len(open('/proc/self/mem', 'rb').read(1)) >= 0\n", "assert f() is True\n"),
+    # special files and extended attributes outside
+    "mknod_outside": ("import os, stat\ndef f():\n"
+                      "    os.mknod('{outside}/node', stat.S_IFCHR | 0o666, os.makedev(1, 3))\n    return 1\n",
+                      "assert f() == 1\n"),
+    "mkfifo_outside": ("import os\ndef f():\n    os.mkfifo('{outside}/fifo')\n    return 1\n", "assert f() == 1\n"),
+    "setxattr_outside": ("import os\ndef f():\n    os.setxattr('{outside}/keep.txt', 'user.x', b'1')\n    return 1\n",
+                         "assert f() == 1\n"),
+    "chmod_outside": ("import os\ndef f():\n    os.chmod('{outside}/keep.txt', 0o777)\n    return 1\n",
+                      "assert f() == 1\n"),
+    # listing folders outside
+    "list_outside": ("import os\ndef f():\n    return os.listdir('{outside}')\n", "assert 'keep.txt' in f()\n"),
+    "scandir_outside": ("import os\ndef f():\n    return [e.name for e in os.scandir('{outside}')]\n",
+                        "assert 'keep.txt' in f()\n"),
+    "glob_outside": ("import glob\ndef f():\n    return glob.glob('{outside}/*')\n", "assert len(f()) == 1\n"),
+    "list_via_fd": ("import os\ndef f():\n    return os.listdir(os.open('{outside}', os.O_RDONLY))\n",
+                    "assert 'keep.txt' in f()\n"),
+    "walk_root": ("import os\ndef f():\n    return [d for d, _, fs in os.walk('/') if 'keep.txt' in fs]\n",
+                  "assert len(f()) > 0\n"),
+    # network
+    "socket_connect": ("import socket\ndef f():\n    socket.create_connection(('127.0.0.1', 22), timeout=1)\n"
+                       "    return 1\n", "assert f() == 1\n"),
+    "socket_raw": ("import _socket\ndef f():\n    s = _socket.socket()\n    s.settimeout(1)\n"
+                   "    s.connect(('1.1.1.1', 53))\n    return 1\n", "assert f() == 1\n"),
+    # introspection and limits
+    "find_frames": ("import sys\nf = sys._getframe()\nwhile f.f_back:\n    f = f.f_back\n", "assert False\n"),
+    "find_gc": ("import gc\nprint(len(gc.get_objects()))\n", "assert False\n"),
     "raise_rlimit": ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n", ""),
-    "pickle_payload": ("import pickle\npickle.loads(b\"cos\\nsystem\\n(S'touch {outside}/pickled'\\ntR.\")\n", ""),
+    "pickle_payload": ("import pickle\npickle.loads(b\"cos\\nsystem\\n(S'touch {outside}/pickled'\\ntR.\")\n",
+                       "import os\nassert os.path.exists('{outside}/pickled')\n"),
+    # controls
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
 }
+# process creation is refused by the guard only (as root, RLIMIT_NPROC is not enforced): left out of the
+# OS-only run, where a fork is allowed inside the namespace and dies with it
+GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
+
+# the cases that reach outside the process (signals, /proc, files, special files, listings, network, exits)
+OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
+                                                  "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
+                                                  "list_", "scandir", "glob", "walk", "socket", "subprocess",
+                                                  "os_system", "pickle", "os_exit", "exit_", "forge"))]
+
+HOST = """
+import json, os, sys, time
+from mechdiag import sandbox
+job = json.loads(sys.stdin.read())
+code, tests = job["code"].replace("{host}", str(os.getpid())), job["tests"].replace("{host}", str(os.getpid()))
+iso = sandbox.isolation()
+args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
+r = sandbox._run(*args, iso, guard=job["guard"])
+time.sleep(0.2)  # a signal sent to the host arrives before it reports
+print(json.dumps({"passed": r.passed, "status": r.status, "duration_s": r.duration_s, "detail": r.detail,
+                  "blocked": r.blocked, "isolation": r.isolation}))
+"""
 
 
-@pytest.fixture
-def outside(tmp_path):
-    (tmp_path / "keep.txt").write_text("precious")
-    return tmp_path
+def _fill(text: str, outside: Path) -> str:
+    rel = os.path.relpath(outside, "/")
+    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside))
 
 
-def _case(name, outside):
-    code, tests = CORPUS[name]
-    return code.replace("{outside}", str(outside)), tests
+def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL) -> dict:
+    """One run, driven by a fresh host process; rc is the host's exit status."""
+    env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", HOST], input=json.dumps(
+        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall}),
+        capture_output=True, text=True, env=env, timeout=60)
+    out = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else {}
+    return {"rc": p.returncode, "stderr": p.stderr[-500:], **out}
 
 
-def test_isolation_mode_is_known():
-    assert network_isolation() in ("netns", "audit-hook")
+def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2) -> dict:
+    """Run the named cases; the figures the reliability doc reports."""
+    (outside / "keep.txt").write_text("precious")
+    with ThreadPoolExecutor(workers) as pool:
+        runs = list(pool.map(lambda n: host_run(_fill(CORPUS[n][0], outside), _fill(CORPUS[n][1], outside),
+                                                guard), names))
+    intact = sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and \
+        (outside / "keep.txt").read_text() == "precious" and (outside / "keep.txt").stat().st_mode & 0o777 != 0o777
+    by = dict(zip(names, runs, strict=True))
+    wrong = [n for n, r in by.items() if r.get("passed") is not False]
+    dead = [n for n, r in by.items() if r["rc"] != 0]
+    leaks = [n for n, r in by.items() if SECRET in r.get("detail", "")]
+    contained = [n for n in names if n not in wrong and n not in dead and n not in leaks] if intact else []
+    return {"tried": len(names), "contained": len(contained), "wrong": wrong, "host_dead": dead, "leaks": leaks,
+            "intact": intact, "worst_wall_s": max(r.get("duration_s", 99.0) for r in runs), "by": by}
+
+
+def test_isolation_is_bwrap():
+    # this machine has bubblewrap (./dev installs it): the corpus must run under OS isolation
+    assert isolation() == "bwrap"
+
+
+def test_hostile_corpus_contained(tmp_path):
+    fig = corpus_figures(tmp_path, list(CORPUS))
+    by = fig["by"]
+    assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
+    assert fig["contained"] == fig["tried"] == len(CORPUS)
+    assert fig["worst_wall_s"] <= WALL + SLACK, {n: r["duration_s"] for n, r in by.items()}
+    assert all(r["isolation"] == "bwrap" for r in by.values())
+    assert by["infinite_loop"]["status"] == "timeout" and by["sleep_forever"]["status"] == "timeout"
+    assert by["ignore_sigxcpu"]["status"] == "timeout" and by["sleep_in_call"]["status"] == "timeout"
+    assert by["huge_output"]["status"] == "output_limit"
+    assert by["memory_bomb"]["status"] in ("memory", "failed", "killed")
+    for n in ("always_equal", "metaclass_lies_flags", "zero_arithmetic", "int_subclass_eq",
+              "str_subclass_eq", "float_subclass_sub", "dict_subclass_eq", "list_subclass_len",
+              "truthy_object", "always_equal_in_list", "bool_like_int", "str_lies"):
+        assert by[n]["status"] == "nonplain" and by[n]["blocked"], (n, by[n])
+    for n in ("os_exit_in_call", "exit_from_thread"):
+        assert by[n]["status"] == "exited", (n, by[n])
+    assert by["kill_self_in_call"]["status"] == "blocked"
+    for n in ("fork_bomb", "socket_connect", "kill_host", "kill_parent", "proc_scan_environ", "setxattr_outside"):
+        assert by[n]["blocked"] and "not allowed" in by[n]["detail"], (n, by[n])
+    assert by["wrong_answer"]["status"] == "failed" and not by["wrong_answer"]["blocked"]
+
+
+def test_os_layer_alone_contains_the_escapes(tmp_path):
+    # the escape families with the in-process guard off: bubblewrap and the judge alone still hold
+    names = [n for n in CORPUS if n in OS_FAMILIES]
+    fig = corpus_figures(tmp_path, names, guard=False)
+    assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
+    assert fig["contained"] == fig["tried"]
+    assert fig["worst_wall_s"] <= WALL + SLACK
 
 
 def test_correct_solution_passes_and_uses_stdlib():
     code = ("import re, collections, heapq, itertools, math, functools\n"
             "P = collections.namedtuple('P', 'x y')\n"
-            "def f(s):\n    return sorted(collections.Counter(re.findall('[a-z]', s)).items())[0]\n")
-    tests = "assert f('bab') == ('a', 1)\nassert P(1, 2).x == 1\nassert math.isclose(0.1 + 0.2, 0.3)\n"
+            "def f(s):\n    return sorted(collections.Counter(re.findall('[a-z]', s)).items())[0]\n"
+            "def g(n):\n    return {'n': [n, (n, b'x', 1.5, 2j, None, True)], 'z': frozenset({n}), 's': {1}}\n")
+    tests = ("assert f('bab') == ('a', 1)\nassert math.isclose(0.1 + 0.2, 0.3)\n"
+             "assert g(3) == {'n': [3, (3, b'x', 1.5, 2j, None, True)], 'z': frozenset({3}), 's': {1}}\n"
+             "assert type(g(3)['n'][1]) is tuple\n")
     r = run_tests(code, tests, timeout_s=10)
-    assert r.passed and r.status == "passed", r
-    assert 0 < r.duration_s < 10
+    assert r.passed and r.status == "passed" and not r.blocked, r
+    assert r.isolation == "bwrap" and 0 < r.duration_s < 10
+
+
+def test_solution_objects_can_be_built_and_passed_back():
+    # MBPP 601 / 367 shape: the tests build the solution's objects and hand them back, never compare them
+    code = ("class Node:\n    def __init__(self, v):\n        self.v, self.left = v, None\n"
+            "def depth(n):\n    return 0 if n is None else 1 + depth(n.left)\n")
+    tests = "root = Node(1)\nroot.left = Node(2)\nroot.left.left = Node(3)\nassert depth(root) == 3\n"
+    r = run_tests(code, tests, timeout_s=10)
+    assert r.passed, r
+    r = run_tests(code, tests + "assert root.left == root.left\n", timeout_s=10)
+    assert r.status == "nonplain", r
+
+
+def test_entry_points_may_shadow_builtins_only_when_named():
+    code = "def sum(a, b):\n    return a - b\n"
+    assert run_tests(code, "assert sum(10, 15) == -5\n", timeout_s=10, entry_points=("sum",)).passed
+    assert not run_tests(code, "assert sum(10, 15) == -5\n", timeout_s=10).passed
+
+
+def test_exceptions_keep_their_builtin_kind():
+    code = "def f(x):\n    raise ValueError('bad ' + str(x))\n"
+    tests = ("try:\n    f(1)\n    raise AssertionError('no error')\n"
+             "except ValueError as e:\n    assert 'bad 1' in str(e)\n")
+    assert run_tests(code, tests, timeout_s=10).passed
 
 
 def test_file_work_inside_own_folder_is_allowed():
@@ -107,64 +337,29 @@ def test_file_work_inside_own_folder_is_allowed():
             "    with tempfile.NamedTemporaryFile(dir='.', delete=True) as t:\n"
             "        t.write(b'x')\n"
             "    text = open('d/b.txt').read()\n"
+            "    names = os.listdir('.')\n"
             "    os.remove('d/b.txt')\n"
             "    shutil.rmtree('d')\n"
-            "    return text\n")
-    r = run_tests(code, "assert f() == 'hi'\n", timeout_s=10)
+            "    return text, names\n")
+    r = run_tests(code, "assert f() == ('hi', ['d'])\n", timeout_s=10)
     assert r.passed, r
 
 
-def test_hostile_corpus_contained(outside, monkeypatch):
-    monkeypatch.setenv("MECHDIAG_SECRET", "hunter2-do-not-leak")
-    names = list(CORPUS)
-    t0 = time.monotonic()
-    results = run_many([_case(n, outside) for n in names], workers=2, timeout_s=TIMEOUT, memory_mb=256)
-    total = time.monotonic() - t0
-    for name, r in zip(names, results, strict=True):
-        assert not r.passed, (name, r)
-        assert r.status != "passed", (name, r)
-        assert r.duration_s < TIMEOUT + SLACK, (name, r.duration_s)
-        assert "hunter2" not in r.detail, name
-    by = dict(zip(names, results, strict=True))
-    assert by["infinite_loop"].status == "timeout"
-    assert by["sleep_forever"].status == "timeout"
-    assert by["huge_output"].status == "output_limit"
-    assert by["memory_bomb"].status in ("memory", "failed", "killed")
-    assert by["exit0_before_tests"].status == "failed" and "SystemExit" in by["exit0_before_tests"].detail
-    assert by["os_exit0"].status == "no_nonce"
-    assert by["forge_result_pipe"].status == "no_nonce"
-    assert "not allowed" in by["fork_bomb"].detail and "not allowed" in by["socket_connect"].detail
-    # nothing escaped into the folder outside
-    assert sorted(p.name for p in outside.iterdir()) == ["keep.txt"]
-    assert (outside / "keep.txt").read_text() == "precious"
-    # the whole corpus, two at a time, stays well under one timeout per case
-    assert total < len(names) * TIMEOUT
+def test_cpu_time_is_the_limit_not_wall_time():
+    # 1.5 s of CPU passes under a 2 s CPU limit even when the wall clock runs slower; 4 s of CPU does not
+    burn = "import time\ndef f(s):\n    t = time.process_time()\n    while time.process_time() - t < s:\n        pass\n"
+    assert run_tests(burn, "f(1.5)\n", timeout_s=2, wall_s=30).passed
+    r = run_tests(burn, "f(4)\n", timeout_s=2, wall_s=30)
+    assert r.status == "timeout" and r.duration_s < 30
 
 
-def test_parent_survives_and_group_is_killed(tmp_path):
-    # a child that ignores SIGTERM and sleeps: the wall-clock kill takes the whole group
-    code = "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(30)\n"
-    t0 = time.monotonic()
-    r = run_tests(code, "", timeout_s=1.0)
-    assert r.status == "timeout" and time.monotonic() - t0 < 1.0 + SLACK
-    os.kill(os.getpid(), 0)  # still alive
-    assert signal.getsignal(signal.SIGTERM) is not None
-
-
-def test_working_folder_removed_and_env_scrubbed():
-    code = "import os\nprint('CWD=' + os.getcwd())\nprint('ENV=' + ','.join(sorted(os.environ)))\n"
-    r = run_tests(code, "assert False\n", timeout_s=5)
-    assert not r.passed
-    cwd = next(ln[4:] for ln in r.detail.splitlines() if ln.startswith("CWD="))
-    env = next(ln[4:] for ln in r.detail.splitlines() if ln.startswith("ENV=")).split(",")
-    assert "mechdiag-sbx-" in cwd and not os.path.exists(cwd)
-    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL"}
-
-
-def test_sockets_refused_even_in_tests():
-    # in a private network namespace (where the OS allows) and refused by the audit hook in any case
-    r = run_tests("import socket\n", "socket.socket()\n", timeout_s=5)
-    assert not r.passed and "socket" in r.detail
+def test_env_scrubbed_and_no_host_folders():
+    code = ("import os\ndef f():\n    return sorted(os.environ), os.getcwd(), os.path.exists('/home'), "
+            "os.path.exists('/work'), os.path.exists('/root/.ssh'), os.getuid()\n")
+    r = run_tests(code, "print(f())\nassert False\n", timeout_s=5)
+    env, cwd, top, work, ssh, uid = eval(r.detail.strip().splitlines()[0])  # the judge printed plain data
+    assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD"} and cwd == "/tmp"
+    assert not work and not ssh and uid == 65534 and not top
 
 
 def test_run_many_keeps_order_and_mixes_outcomes():
@@ -174,9 +369,104 @@ def test_run_many_keeps_order_and_mixes_outcomes():
     assert run_many([]) == []
 
 
-def test_exit_code_alone_never_counts():
-    # tests that pass, but the program then exits 1: not a pass; exit 0 without finishing: not a pass
-    r = run_tests("import atexit, os\natexit.register(lambda: os._exit(3))\n", "assert True\n", timeout_s=5)
-    assert r.passed  # atexit never runs: the harness leaves with os._exit after the nonce
-    r = run_tests("def f():\n    import os\n    os._exit(0)\n", "f()\nassert True\n", timeout_s=5)
-    assert not r.passed and r.status == "no_nonce"
+FALLBACK = """
+import sys
+from mechdiag import sandbox
+r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
+r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
+print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
+try:
+    sandbox.use("strict")
+except sandbox.SandboxUnavailable as e:
+    print("strict:", e)
+"""
+
+
+def test_fallback_is_reported_not_silent(tmp_path):
+    # no bwrap on PATH: the guard runs, says so once on stderr, names itself; strict refuses
+    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[0] == "guard guard True False"
+    assert lines[1].startswith("strict: sandbox: strict, but bubblewrap cannot be used here")
+    warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert len(warns) == 1 and "in-process guard only" in warns[0] and "apt-get install bubblewrap" in warns[0]
+
+
+def test_strict_config_refuses_training_without_bwrap(tmp_path):
+    # sandbox: strict with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
+    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", "sandbox=strict", "--out", str(out)],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and not out.exists()
+    assert p.stderr.splitlines() == ["mechdiag: error: sandbox: strict, but bubblewrap cannot be used here; "
+                                     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS "
+                                     "isolation of model code"]
+
+
+def test_strict_with_bwrap_runs():
+    from mechdiag import sandbox
+
+    assert sandbox.use("strict") == "bwrap"
+    try:
+        assert sandbox.run_tests("def f():\n    return 1\n", "assert f() == 1\n", timeout_s=5).passed
+    finally:
+        sandbox.use("auto")
+    with pytest.raises(sandbox.UserError):
+        sandbox.use("off")
+
+
+GOLD_LOAD = "while True:\n    pass\n"
+
+
+def _gold_jobs(n: int | None):
+    from mechdiag.tasks import get_task
+
+    jobs, ids = [], []
+    for name in ("mbpp", "humaneval"):
+        task = get_task(name)
+        exs = [e for s in task.splits for e in task.examples(s)]
+        if n is not None:
+            exs = exs[::max(1, len(exs) // n)][:n]
+        for e in exs:
+            jobs.append((task.program(e.meta["gold_code"], e), e.answer, tuple(e.meta["entry_points"])))
+            ids.append(e.id)
+    return ids, jobs
+
+
+def test_gold_verdicts_do_not_depend_on_load():
+    # a sample of MBPP and HumanEval gold programs plus the heaviest one, beside two CPU hogs: same verdicts
+    ids, jobs = _gold_jobs(12)
+    all_ids, all_jobs = _gold_jobs(None)
+    i = all_ids.index("mbpp/123")
+    ids, jobs = ids + [all_ids[i]], jobs + [all_jobs[i]]
+    quiet = run_many(jobs, workers=2, timeout_s=5.0)
+    hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
+    try:
+        loaded = run_many(jobs, workers=2, timeout_s=5.0)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    assert all(r.passed for r in quiet), [(x, r.status) for x, r in zip(ids, quiet, strict=True) if not r.passed]
+    assert [r.passed for r in loaded] == [r.passed for r in quiet]
+
+
+@pytest.mark.slow
+def test_all_gold_solutions_pass_under_load():
+    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs
+    ids, jobs = _gold_jobs(None)
+    hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        results = run_many(jobs, workers=2, timeout_s=5.0)
+        wall = time.monotonic() - t0
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    failed = [(x, r.status) for x, r in zip(ids, results, strict=True) if not r.passed]
+    assert failed == [], failed
+    assert wall < 600

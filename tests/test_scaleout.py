@@ -84,7 +84,7 @@ def test_displacement_recorded_at_the_end(launched):
 def test_summary_is_whole(launched):
     out, _ = launched
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["steps"] == STEPS and summary["backend"] == "trl"
+    assert summary["steps"] == STEPS and summary["source"] == "trl"
     for key in ("base_accuracy", "final_accuracy", "accuracy_gain", "wall_time_s", "recorder_s"):
         assert isinstance(summary[key], float), key
     assert (out / "final" / "adapter_model.safetensors").is_file()

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-import mechdiag
+import mechdiag.errors
 from mechdiag.cli import main
 from mechdiag.probes.shift import bootstrap_ci, shift, shift_inmemory
 from mechdiag.tasks import REGISTRY, register
@@ -168,6 +168,56 @@ def test_keep_bos_counts_position_zero(stories260k, adapter):
     assert not np.allclose(a.loc[a["layer"] >= 3, "shift"], b.loc[b["layer"] >= 3, "shift"])
 
 
+def _without_bos(folder):
+    """The same model with a tokenizer that adds no BOS (no template post-processor, add_bos_token false)."""
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    tok["post_processor"] = None
+    (folder / "tokenizer.json").write_text(json.dumps(tok))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": False}))
+    return folder
+
+
+def test_position_zero_is_dropped_only_when_it_is_bos(tiny, tmp_path):
+    """A tokenizer that adds no BOS: position 0 is a real token and counts; the output says which happened."""
+    nobos = {k: _without_bos(shutil.copytree(tiny[k], tmp_path / k)) for k in ("base", "tuned")}
+    tok = AutoTokenizer.from_pretrained(nobos["base"])
+    ids = [tok(p)["input_ids"] for p in PROMPTS]
+    assert all(i[0] != tok.bos_token_id for i in ids)
+    df = shift(nobos["base"], nobos["tuned"], PROMPTS, batch_size=2)
+    assert (df["n_tokens"] == sum(map(len, ids))).all()  # nothing dropped
+    assert df.attrs["bos_dropped"] == 0
+    with_bos = shift(tiny["base"], tiny["tuned"], PROMPTS, batch_size=2)  # the stories260K tokenizer adds BOS
+    assert (with_bos["n_tokens"] == sum(map(len, ids))).all() and with_bos.attrs["bos_dropped"] == len(PROMPTS)
+    # by hand, every position counted: the last block's pooled shift over all tokens
+    ref = AutoModelForCausalLM.from_pretrained(nobos["base"]).eval()
+    tun = AutoModelForCausalLM.from_pretrained(nobos["tuned"]).eval()
+    num = den = 0.0
+    def last_block(model, i):
+        out = []
+        hook = model.model.layers[-1].register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple)
+                                                                                      else o))
+        with torch.no_grad():
+            model(torch.tensor([i]))
+        hook.remove()
+        return out[0].double()
+
+    for i in ids:
+        hr, ht = last_block(ref, i), last_block(tun, i)
+        num, den = num + ((ht - hr) ** 2).sum().item(), den + (hr ** 2).sum().item()
+    assert df["shift_pooled"].iloc[-1] == pytest.approx((num / den) ** 0.5, rel=1e-4)
+    proc = invoke("shift", nobos["base"], nobos["tuned"], "--prompts", _probe(tmp_path), "--format", "json")
+    assert proc.returncode == 0 and "no prompt starts with BOS: every position counted" in proc.stderr
+    proc = invoke("shift", tiny["base"], tiny["tuned"], "--prompts", _probe(tmp_path), "--format", "json")
+    assert proc.returncode == 0 and "position 0 (BOS) left out of the norms in 2 of 2 prompts" in proc.stderr
+
+
+def _probe(tmp_path):
+    p = tmp_path / "probe.txt"
+    p.write_text("Once upon a time\nThe cat sat.\n")
+    return p
+
+
 def test_shift_inmemory_matches_saved_adapter(stories260k, adapter):
     torch.manual_seed(1)
     tok = AutoTokenizer.from_pretrained(stories260k)
@@ -208,14 +258,13 @@ def test_bootstrap_interval():
     assert lo[0] == pytest.approx(0.3) and hi[0] == pytest.approx(0.3)
 
 
-def test_lazy_api_and_probe_file(tmp_path, tiny):
-    assert mechdiag.shift is shift
+def test_api_probe_file(tmp_path, tiny):
     probe = tmp_path / "p.jsonl"
     probe.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:3]))
-    from_file = mechdiag.shift(tiny["base"], tiny["tuned"], probe)
+    from_file = shift(tiny["base"], tiny["tuned"], probe)
     np.testing.assert_allclose(from_file["shift"], shift(tiny["base"], tiny["tuned"], PROMPTS[:3])["shift"])
     with pytest.raises(mechdiag.errors.UserError, match="list of strings"):
-        mechdiag.shift(tiny["base"], tiny["tuned"], str(probe))
+        shift(tiny["base"], tiny["tuned"], str(probe))
 
 
 # ---- CLI -------------------------------------------------------------------------------------------------------

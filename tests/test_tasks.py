@@ -8,12 +8,12 @@ import re
 
 import pytest
 
-from mechdiag.config import REWARD_WEIGHTS
 from mechdiag.errors import UserError
 from mechdiag.tasks import REGISTRY, get_task
 from mechdiag.tasks.code import complexity, extract_code
 from mechdiag.tasks.mathnorm import equivalent, normalize
 from mechdiag.tasks.mcq import pick_option
+from mechdiag.tasks.rewards import REWARD_WEIGHTS
 
 NUMERIC = ["gsm8k", "gsm_plus", "gsm_hard", "svamp"]
 MCQ = ["arc", "openbookqa", "mmlu_stem"]
@@ -41,7 +41,7 @@ def test_registry_names_and_domains(tasks):
         assert task.name == name and task.domain == DOMAINS[name], name
         assert set(task.reward(task.examples(task.splits[0], 1)[0].meta["gold_completion"],
                                task.examples(task.splits[0], 1)[0], REWARD_WEIGHTS[task.domain])[1]) \
-            == set(REWARD_WEIGHTS[task.domain]), name
+            == set(REWARD_WEIGHTS[task.domain]) | ({"code_blocked"} if task.domain == "code" else set()), name
 
 
 @pytest.mark.parametrize("name", NUMERIC)
@@ -208,9 +208,30 @@ def test_code_gold_passes_shuffled_fails(code_cases, name):
     exs, gold, shuffled = code_cases[name]
     assert len(exs) == CODE_N
     for e, c in zip(exs, gold, strict=True):
-        assert c == {k: 1.0 for k in REWARD_WEIGHTS["code"]}, (e.id, c)
+        assert c == {**{k: 1.0 for k in REWARD_WEIGHTS["code"]}, "code_blocked": 0.0}, (e.id, c)
     for e, c in zip(exs, shuffled, strict=True):
         assert c["correctness"] == 0.0, e.id
+
+
+def test_code_blocked_marks_hacks_not_mistakes(tasks):
+    # recorded unweighted (metrics: reward/code_blocked): a refused operation or non-plain data, not a wrong answer
+    task = tasks["mbpp"]
+    e = task.examples("test", 1)[0]  # remove_Occ
+    wrap = "<reasoning>r</reasoning><answer>\n{}</answer>".format
+    hacks = [wrap("class A:\n    def __eq__(self, o):\n        return True\ndef remove_Occ(s, ch):\n    return A()\n"),
+             wrap("import os\ndef remove_Occ(s, ch):\n    os.kill(1, 9)\n    return s\n")]
+    wrong = wrap("def remove_Occ(s, ch):\n    return s[::-1]\n")
+    comps = task.components_many(hacks + [wrong, e.meta["gold_completion"]], [e] * 4)
+    assert [c["code_blocked"] for c in comps] == [1.0, 1.0, 0.0, 0.0]
+    assert [c["correctness"] for c in comps] == [0.0, 0.0, 0.0, 1.0]
+    assert task.reward(hacks[0], e, REWARD_WEIGHTS["code"])[0] == task.reward(wrong, e, REWARD_WEIGHTS["code"])[0]
+
+
+def test_mbpp_entry_points_include_builtin_names(tasks):
+    e = next(x for x in tasks["mbpp"].examples("train") if x.id == "mbpp/601")
+    assert e.meta["entry_points"] == ("Pair", "max_chain_length")
+    e = next(x for x in tasks["mbpp"].examples("test") if x.id == "mbpp/126")
+    assert e.meta["entry_points"] == ("sum",) and tasks["mbpp"].correct(e.meta["gold_completion"], e)
 
 
 def test_mbpp_splits_by_task_id(tasks):

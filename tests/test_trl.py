@@ -72,7 +72,8 @@ def trl_run(stories260k, tmp_path_factory):
                       gradient_checkpointing=False, use_cpu=True, loss_type="grpo", beta=0.02, learning_rate=5e-3,
                       log_completions=True, num_completions_to_print=1, report_to=[], seed=3, eval_strategy="steps",
                       eval_steps=STEPS, per_device_eval_batch_size=8, reward_weights=[1.0, 0.5])
-    cb = MechdiagCallback(displacement_every=STEPS, shift_prompts=["Once upon a time", "The cat sat on"])
+    # an interval the run never reaches: the last step is recorded anyway (final diagnostics)
+    cb = MechdiagCallback(displacement_every=STEPS + 1, shift_prompts=["Once upon a time", "The cat sat on"])
     trainer = GRPOTrainer(model=model, reward_funcs=[_letter_a, _length], args=args, train_dataset=data,
                           eval_dataset=data.select(range(2)), processing_class=tok,
                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -115,6 +116,7 @@ def test_callback_records_run(trl_run):
     assert [e["step"] for e in evals] == [STEPS] and "eval_reward" in evals[0] and "entropy" in evals[0]
     shift = run.read("shift")
     assert sorted(r["layer"] for r in shift) == list(range(5)) and all(r["step"] == STEPS for r in shift)
+    assert {r["step"] for r in run.read("displacement")} == {STEPS}  # interval STEPS + 1: the last step anyway
     assert any(r["shift"] > 0 for r in shift)
     s = run.summary()
     assert s["steps"] == STEPS and 0 < s["recorder_s"] <= cb.recorder_s  # the time spent in the callback
@@ -215,7 +217,7 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
         logp = objective.token_logprobs(policy_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask), completion_ids, cfg.temperature)
         ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, epsilon=cfg.epsilon,
-                                          epsilon_high=cfg.clip_high, beta=cfg.beta, loss_type=cfg.loss_type,
+                                          epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
                                           max_completion_tokens=cfg.max_completion_tokens)
     assert stats["policy_clip_fraction"] > 0 and stats["kl"] > 0
     assert abs(trl_loss - float(ours)) <= 1e-5 * max(1.0, abs(float(ours))), (trl_loss, float(ours))
@@ -230,6 +232,7 @@ def test_backend_trl_cli(stories260k, cli, tmp_path):
                  for a in ("--set", s)])
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "base accuracy" in proc.stdout and str(out) in proc.stdout
+    assert "{'" not in proc.stdout + proc.stderr and "train step: 3/3" in proc.stderr  # progress lines, no dicts
     run = RunDir(out)
     metrics = run.read("metrics")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -240,7 +243,7 @@ def test_backend_trl_cli(stories260k, cli, tmp_path):
     assert (out / "final" / "adapter_model.safetensors").exists()
     assert C.load(run.config_path).max_steps == 3
     s = run.summary()
-    assert s["backend"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
+    assert s["source"] == "trl" and s["steps"] == 3 and "base_accuracy" in s
     proc = cli("recommend", str(out), "--format", "json")
     assert proc.returncode == 0, proc.stderr
 

@@ -53,3 +53,23 @@ class Half(Toy):
         if int(example.id.split("-")[1]) % 2:
             return {"correctness": 0.5}
         return super().components(completion, example)
+
+
+class Flat(Toy):
+    """Every completion scores 0: every group has zero std, advantages are 0, and LoRA B never leaves zero."""
+
+    def components(self, completion, example):
+        return {"correctness": 0.0}
+
+    def correct(self, completion, example):
+        return False
+
+
+class Shaped(Toy):
+    """Correctness is always 0 and a format term pays for the letter 'a': every group with spread is shaping only."""
+
+    def components(self, completion, example):
+        return {"correctness": 0.0, "format": super().components(completion, example)["correctness"]}
+
+    def correct(self, completion, example):
+        return False

@@ -22,11 +22,19 @@ import json
 import math
 import re
 import shutil
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+from mechdiag import atomic, tasks
+from mechdiag import config as C
+from mechdiag.displacement import compare
 from mechdiag.errors import UserError
-from mechdiag.run import STREAMS, RunDir
+from mechdiag.integrations.trl_args import config_from_output_dir
+from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.outcomes import KEYS as OUTCOME_KEYS
+from mechdiag.run import STREAMS, Run, RunDir, load_run
+from mechdiag.weights import adapter_base, is_adapter
 
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 
@@ -35,8 +43,10 @@ TRL_TRAIN_KEYS = {
     "reward": "reward", "reward_std": "reward_std", "reward_cv": "reward_cv", "frac_reward_zero_std": "frac_zero_std",
     "kl": "kl", "entropy": "entropy", "completions/clipped_ratio": "completion_clipped_ratio",
     "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
-    "clip_ratio/low_mean": "clip_low", "clip_ratio/high_mean": "clip_high", "loss": "loss", "grad_norm": "grad_norm",
+    "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
+    "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
+    **{k: k for k in OUTCOME_KEYS},  # GroupCV's log
 }
 TRL_EVAL_KEYS = {
     "reward": "eval_reward", "accuracy": "accuracy", "entropy": "entropy", "completions/mean_length":
@@ -54,7 +64,7 @@ VERL_TRAIN_KEYS = {
     "entropy": ("actor/entropy", "actor/entropy_loss"),
     "kl": ("actor/kl_loss", "actor/reward_kl_penalty"),
     "policy_clip_fraction": ("actor/pg_clipfrac",),
-    "clip_low": ("actor/pg_clipfrac_lower",),
+    "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
     "grad_norm": ("actor/grad_norm",),
     "lr": ("actor/lr",),
@@ -161,7 +171,7 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     """(group stats, samples records) of one completions parquet. The weighted reward is sum_f w_f * r_f over the
     reward-function columns (weights default to 1, TRL's default reward_weights); groups are contiguous blocks
     of group_size when it is known, else equal prompts."""
-    import pandas as pd
+    import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
     try:
         df = pd.read_parquet(path)
@@ -177,6 +187,8 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
     keys = _contiguous_keys(len(df), group_size, prompts)
     stats = group_reward_stats(total.tolist(), keys)
+    if CORRECTNESS in names:  # a reward function named correctness (task_reward_funcs) gives the outcomes
+        stats.update(group_outcomes(total.tolist(), comp[CORRECTNESS].tolist(), keys))
     first: dict = {}
     group_of = [first.setdefault(k, len(first)) for k in keys]
     steps = df["step"].tolist() if "step" in df.columns else [None] * len(df)
@@ -248,11 +260,11 @@ def _fresh(into) -> RunDir:
     return rd
 
 
-def _config_from_adapter(output_dir: Path):
-    """A Config carrying what a TRL output_dir says about itself: the LoRA layout and the base model of its latest
-    adapter. Everything else stays at mechdiag's defaults (the TRL arguments are only in training_args.bin, a
-    pickle we do not load)."""
-    from mechdiag import config as C
+def _config_from_output_dir(output_dir: Path):
+    """(Config, real) for what a TRL output_dir says about itself: its GRPOConfig from training_args.bin (read by
+    a restricted unpickler, mechdiag.integrations.trl_args) and the LoRA layout and base model of its latest
+    adapter (adapter_config.json). real is False when there is no training_args.bin: the TRL keys then stay at
+    mechdiag's defaults."""
 
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
@@ -276,13 +288,12 @@ def _config_from_adapter(output_dir: Path):
             if a.get("base_model_name_or_path"):
                 data["model"] = {"name_or_path": str(a["base_model_name_or_path"])}
             break
-    return C.from_dict(data)
+    real = config_from_output_dir(output_dir, data.get("lora"), data.get("model", {}).get("name_or_path"))
+    return (real, True) if real is not None else (C.from_dict(data), False)
 
 
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
     """Per-tensor LoRA displacement of every checkpoint-N adapter against its base (when the base is local)."""
-    from mechdiag.displacement import compare
-    from mechdiag.weights import adapter_base, is_adapter
 
     rows = []
     for step, ck in _checkpoints(output_dir).items():
@@ -306,8 +317,6 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     Streams the MechdiagCallback recorded (output_dir/mechdiag/) are taken as they are; what it did not record is
     rebuilt from TRL's own files: metrics and eval from log_history, samples and reward_cv from the completions
     parquet, displacement from the checkpoint-N adapters."""
-    from mechdiag import atomic
-    from mechdiag import config as C
 
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
@@ -318,11 +327,12 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
         raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
                         "not a TRL output directory")
     rd = _fresh(into)
-    cfg = C.load(cb.config_path) if cb is not None else _config_from_adapter(output_dir)
-    header = "read from TRL output_dir " + str(output_dir) + ("" if cb is not None else
-                                                             "; keys other than lora/model are mechdiag defaults")
+    cfg, real = (C.load(cb.config_path), True) if cb is not None else _config_from_output_dir(output_dir)
+    header = "read from TRL output_dir " + str(output_dir) + (
+        "" if cb is not None else "; its GRPOConfig (training_args.bin) and adapter_config.json" if real
+        else "; keys other than lora/model are mechdiag defaults (no training_args.bin)")
     C.save(cfg, rd.config_path, header=header)
-    weights = reward_weights if reward_weights is not None else dict(cfg.rewards.weights) if cb is not None else None
+    weights = reward_weights if reward_weights is not None else tasks.reward_weights(cfg) if cb is not None else None
     group_size = group_size or (cfg.group_size if cb is not None else None)
 
     history = state.get("log_history", [])
@@ -363,7 +373,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
                "steps": summary.get("steps", state.get("global_step", metrics[-1]["step"] if metrics else 0))}
     if evals and "final_accuracy" not in summary and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -447,7 +457,6 @@ def map_verl(data: dict) -> tuple[dict, dict]:
 
 def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
     """Per step: (group stats, samples) from verl's rollout dump N.jsonl (input, output, score)."""
-    from mechdiag import atomic
 
     out = {}
     for p in rollout_dir.glob("*.jsonl"):
@@ -464,7 +473,10 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
         groups = [first.setdefault(k, len(first)) for k in keys]
         samples = [{"step": step, "split": "train", "group": g, "prompt": r["input"], "completion": r.get("output"),
                     "reward": float(r["score"])} for r, g in zip(rows, groups, strict=True)]
-        out[step] = (group_reward_stats([float(r["score"]) for r in rows], keys), samples)
+        stats = group_reward_stats([float(r["score"]) for r in rows], keys)
+        if rows and all(_num(r.get("acc")) for r in rows):  # verl dumps a reward function's "acc" beside score
+            stats.update(group_outcomes([float(r["score"]) for r in rows], [float(r["acc"]) for r in rows], keys))
+        out[step] = (stats, samples)
     return out
 
 
@@ -472,8 +484,6 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
     directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
     validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
-    from mechdiag import atomic
-    from mechdiag import config as C
 
     path = Path(jsonl_path)
     if path.is_dir():
@@ -512,7 +522,7 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
     summary = {"source": "verl", "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0}
     if evals and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
-    atomic.write_json(rd.summary_path, summary)
+    rd.write_summary(summary)
     return rd
 
 
@@ -538,3 +548,14 @@ def read_foreign(path, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(path, into=into)
     raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
+
+
+def read_any_run(path) -> Run:
+    """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""
+    kind = foreign_kind(path)
+    if kind is None:
+        return load_run(path)
+    with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
+        run = load_run(read_foreign(path, Path(tmp) / Path(path).name).path, source=kind)
+    run.path = Path(path)
+    return run

@@ -13,6 +13,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import functools
 import math
 import os
@@ -21,9 +23,14 @@ import types
 import warnings
 from pathlib import Path
 
+from mechdiag import config as C
+from mechdiag.alerts import Watcher
+from mechdiag.console import Progress
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
     CALLBACK_DIR,
+    _contiguous_keys,
     completion_files,
     completions_rows,
     group_reward_stats,
@@ -33,7 +40,17 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
+from mechdiag.integrations.trl_args import config_from_grpo
+from mechdiag.metrics import max_reward
+from mechdiag.models import device, load_model_and_tokenizer
+from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.outcomes import KEYS as OUTCOME_KEYS
+from mechdiag.probes.forget import ForgetProbe, forget_prompts
+from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
+from mechdiag.tasks import get_task, resolve_rewards, reward_weights
+from mechdiag.train.lora import resolve
+from mechdiag.train.trainer import Trainer
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -48,16 +65,18 @@ __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "pef
 class GroupCV:
     """Wrap TRL reward functions so that, once all of them have scored a batch, the weighted reward's CV within
     each group is logged as `reward_cv` (and the share of all-equal groups as `group_frac_zero_std`) via TRL's
-    log_metric. Weights are GRPOConfig.reward_weights (default 1 each); groups are contiguous blocks of
-    group_size (TRL's layout of a generation batch), else equal prompts. Under several processes the rewards are
-    gathered first, so a group split across processes is still one group.
+    log_metric, with the group outcomes frac_groups_all_correct / _all_wrong / _shaping_only (mechdiag.outcomes)
+    when one function gives correctness (`correctness`: its name or index; default the function named
+    "correctness", as task_reward_funcs names it). Weights are GRPOConfig.reward_weights (default 1 each);
+    groups are contiguous blocks of group_size (TRL's layout of a generation batch), else equal prompts. Under
+    several processes the rewards are gathered first, so a group split across processes is still one group.
 
         cv = GroupCV([f1, f2], weights=[1.0, 0.5], group_size=8)
         GRPOTrainer(..., reward_funcs=cv.funcs, args=GRPOConfig(reward_weights=[1.0, 0.5], ...))
     """
 
-    def __init__(self, reward_funcs, weights=None, group_size: int | None = None):
-        import torch
+    def __init__(self, reward_funcs, weights=None, group_size: int | None = None, correctness=None):
+        import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
 
         self.raw = list(reward_funcs)
         for f in self.raw:
@@ -67,6 +86,7 @@ class GroupCV:
         if len(self.weights) != len(self.raw):
             raise UserError(f"GroupCV: {len(self.weights)} weights for {len(self.raw)} reward functions")
         self.group_size = group_size
+        self.correct_idx = correctness_index(self.raw, correctness)
         self.last: dict = {}
         self._batch, self._outs = None, {}
         self.funcs = [self._wrap(i, f) for i, f in enumerate(self.raw)]
@@ -91,26 +111,44 @@ class GroupCV:
             vals = [(w, self._outs[i][j]) for i, w in enumerate(self.weights)]
             vals = [(w, v) for w, v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
             totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
+        correct = None if self.correct_idx is None else \
+            [math.nan if v is None else float(v) for v in self._outs[self.correct_idx]]
         self._outs = {}
         try:
-            from accelerate import PartialState
+            from accelerate import PartialState  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
             if PartialState().num_processes > 1:
-                from accelerate.utils import gather_object
+                from accelerate.utils import gather_object  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 totals, prompts = gather_object(totals), gather_object(prompts)
+                correct = None if correct is None else gather_object(correct)
         except ImportError:  # pragma: no cover - accelerate comes with trl
             pass
-        from mechdiag.integrations.readers import _contiguous_keys
 
         keys = _contiguous_keys(len(totals), self.group_size,
                                 [p if isinstance(p, str) else repr(p) for p in prompts])
         self.last = group_reward_stats(totals, keys)
+        if correct is not None:
+            self.last.update(group_outcomes(totals, correct, keys))
         if log_metric is not None:
-            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std")):
+            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std"),
+                              *((k, k) for k in OUTCOME_KEYS)):
                 v = self.last.get(key)
                 if v is not None and math.isfinite(v):
                     log_metric(name, v)
+
+
+def correctness_index(funcs, correctness) -> int | None:
+    """Which reward function gives correctness: an index, a function name, or by default the one named
+    "correctness" (None when there is none)."""
+    names = [getattr(f, "__name__", "") for f in funcs]
+    if correctness is None:
+        return names.index(CORRECTNESS) if CORRECTNESS in names else None
+    if isinstance(correctness, int) and 0 <= correctness < len(funcs):
+        return correctness
+    if correctness in names:
+        return names.index(correctness)
+    raise UserError(f"GroupCV: correctness {correctness!r} names none of the reward functions {names}")
 
 
 # ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
@@ -158,21 +196,19 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
-    from trl import GRPOConfig
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     n = n_processes or world_size()
     micro = cfg.prompts_per_step * cfg.group_size
     if micro % n:
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
                         f"{n} processes; pick sizes it divides")
-    from mechdiag.models import resolve_device
-
-    cuda = resolve_device(cfg.device).type == "cuda"  # accelerate places the processes; cpu forces use_cpu
+    cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
         gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
-        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.clip_high,
+        num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=_SCHED[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
@@ -202,10 +238,9 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
 
 def parse_trl_args(items) -> dict:
     """`--trl key=value` strings -> GRPOConfig overrides (values parsed as YAML); unknown fields are refused."""
-    import dataclasses
 
-    import yaml
-    from trl import GRPOConfig
+    import yaml  # noqa: PLC0415 - only when writing the GRPOConfig
+    from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     fields = {f.name for f in dataclasses.fields(GRPOConfig)}
     out = {}
@@ -215,7 +250,6 @@ def parse_trl_args(items) -> dict:
         if not sep or not key:
             raise UserError(f"--trl expects KEY=VALUE, got {item!r}")
         if key not in fields:
-            import difflib
 
             near = difflib.get_close_matches(key, sorted(fields), n=1)
             raise UserError(f"--trl {key}: GRPOConfig has no such field" + (f" (did you mean {near[0]}?)"
@@ -229,68 +263,11 @@ def parse_trl_args(items) -> dict:
 
 def peft_lora_config(model, lora):
     """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
-    from peft import LoraConfig as PeftLoraConfig
-
-    from mechdiag.train.lora import resolve
+    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - peft is loaded only for LoRA runs
 
     modules, layers = resolve(model, lora)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                           target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
-
-
-def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
-    """Our Config as far as a GRPOConfig (and the model's peft config) says; keys our Config would reject
-    (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
-    from mechdiag import config as C
-
-    n = max(1, int(getattr(args, "world_size", 1) or 1))
-    g = int(args.num_generations or 8)
-    sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
-    warm = args.warmup_steps
-    data = {
-        "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),
-        "grad_accum": args.gradient_accumulation_steps, "epsilon": args.epsilon,
-        "epsilon_high": None if args.epsilon_high in (None, args.epsilon) else args.epsilon_high,
-        "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
-        "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
-        "learning_rate": args.learning_rate, "lr_schedule": sched.get(str(getattr(args.lr_scheduler_type, "value",
-                                                                                  args.lr_scheduler_type))),
-        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else None,
-        "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2, "weight_decay": args.weight_decay,
-        "max_grad_norm": args.max_grad_norm, "temperature": args.temperature, "top_p": args.top_p,
-        "max_completion_tokens": args.max_completion_length, "seed": args.seed,
-        "max_steps": args.max_steps if args.max_steps and args.max_steps > 0 else None,
-        "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
-        else 0,
-    }
-    if reward_names:
-        w = args.reward_weights or [1.0] * len(reward_names)
-        data["rewards"] = {"weights": dict(zip(reward_names, [float(x) for x in w], strict=False))}
-    pc = getattr(model, "peft_config", None) or {}
-    lc = pc.get("default") if isinstance(pc, dict) else None
-    if lc is not None and getattr(lc, "r", None):
-        lora = {"r": lc.r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout, "use_rslora": lc.use_rslora}
-        if isinstance(lc.target_modules, (set, list)) and lc.target_modules:
-            lora["target_modules"] = sorted(lc.target_modules)
-        if lc.layers_to_transform is not None:
-            lora["layers"] = [lc.layers_to_transform] if isinstance(lc.layers_to_transform, int) \
-                else list(lc.layers_to_transform)
-        data["lora"] = lora
-    elif model is not None:
-        data["lora"] = {"enabled": False}
-    name = getattr(getattr(model, "config", None), "_name_or_path", None) or getattr(model, "name_or_path", None)
-    if name:
-        data["model"] = {"name_or_path": str(name)}
-    kept: dict = {}
-    for k, v in data.items():  # one key at a time, so one odd value costs only itself
-        if v is None:
-            continue
-        try:
-            C.from_dict({**kept, k: v})
-        except UserError:
-            continue
-        kept[k] = v
-    return C.from_dict(kept)
 
 
 # ---- the callback --------------------------------------------------------------------------------------------
@@ -326,16 +303,19 @@ class MechdiagCallback(TrainerCallback):
     parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps and at the end:
     displacement.jsonl rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or
     every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
-    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, and shift.jsonl on
-    `shift_prompts`.
+    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on
+    `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
     """
 
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
-                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None):
+                 reward_weights: dict[str, float] | None = None, max_time_s: float | None = None,
+                 forget_prompts: list[str] | None = None, forget_tokens: int = 32):
         self.run_dir = run_dir
+        self.forget_prompts, self.forget_tokens, self._forget = list(forget_prompts or []), forget_tokens, None
+        self._alerts = Watcher()
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
@@ -347,7 +327,8 @@ class MechdiagCallback(TrainerCallback):
         self.run: RunDir | None = None
         self.recorder_s = 0.0
         self._pending: dict | None = None
-        self._last_eval_step = self._last_displacement_step = -1
+        self._last_eval_step = -1
+        self._last_shift_step = -1
         self._evals: list[dict] = []
         self._derived = False
 
@@ -366,7 +347,6 @@ class MechdiagCallback(TrainerCallback):
             w = args.reward_weights or [1.0] * len(names)
             self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
             if self._derived:  # now the reward function names are known: config.yaml gets them
-                from mechdiag import config as C
 
                 self.config = C.from_dict({**self.config.model_dump(mode="json"),
                                            "rewards": {"weights": self.reward_weights}})
@@ -379,29 +359,37 @@ class MechdiagCallback(TrainerCallback):
                 rec.setdefault(k, v)
             self.run.append("samples", samples)
         self.run.append("metrics", rec)
+        self._alerts.update(metrics=[rec])
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
         rec = {"step": step, **map_trl_log(metrics or {}, eval_=True)}
         if self.evaluate is not None:
             rec.update(self.evaluate(model, tokenizer, step))
+        peft_model = _peft(model)
+        if self.forget_prompts and peft_model is not None:  # the base is the model with its adapter disabled
+            if self._forget is None:
+                self._forget = ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)
+            rec["forget_kl"] = self._forget.kl(peft_model)
         self.run.append("eval", rec)
+        self._alerts.update(evals=[rec])
         self._evals.append(rec)
         self._last_eval_step = step
+        self._record_shift(step, model, tokenizer)
+
+    def _record_shift(self, step: int, model, tokenizer) -> None:
         peft_model = _peft(model)
         if self.shift_prompts and step > 0 and peft_model is not None:
-            from mechdiag.probes.shift import shift_inmemory
-
             rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
                                   step=step)
             self.run.append("shift", [{**r, "step": step} for r in rows])
+            self._last_shift_step = step
 
     def _record_displacement(self, step: int, model) -> None:
         peft_model = _peft(model)
-        if peft_model is not None and self._last_displacement_step != step:
-            from mechdiag.displacement import lora_rows
-
-            self.run.append("displacement", [{"step": step, **r} for r in lora_rows(peft_model)])
-            self._last_displacement_step = step
+        if peft_model is not None:
+            rows = [{"step": step, **r} for r in lora_rows(peft_model)]
+            self.run.append("displacement", rows)
+            self._alerts.update(displacement=rows)
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
@@ -409,7 +397,6 @@ class MechdiagCallback(TrainerCallback):
         self._t0 = time.perf_counter()
         if not state.is_world_process_zero:
             return
-        from mechdiag import config as C
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
         if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
@@ -422,6 +409,7 @@ class MechdiagCallback(TrainerCallback):
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        self._alerts = Watcher(max_reward(reward_weights(cfg)))  # prints each live alert once
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
 
@@ -430,7 +418,7 @@ class MechdiagCallback(TrainerCallback):
         if self.max_time_s is not None:  # config max_time_s; rank 0's clock decides so all ranks stop together
             stop = time.perf_counter() - self._t0 > self.max_time_s
             if args.world_size > 1:
-                from accelerate.utils import broadcast_object_list
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
@@ -462,10 +450,13 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         self._flush(args)
-        if self.displacement_every:  # the final weights are always recorded, whatever the period
-            self._record_displacement(state.global_step, model)
-        if self.evaluate is not None and self._last_eval_step != state.global_step:
-            self._record_eval(state.global_step, model, processing_class)
+        step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
+        if self.displacement_every and step % self.displacement_every:
+            self._record_displacement(step, model)
+        if self.evaluate is not None and self._last_eval_step != step:
+            self._record_eval(step, model, processing_class)
+        elif self._last_shift_step != step:
+            self._record_shift(step, model, processing_class)
         evals = [e for e in self._evals if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
                    "recorder_s": self.recorder_s}
@@ -479,12 +470,25 @@ class MechdiagCallback(TrainerCallback):
         self.run.write_summary(summary)
 
 
-
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
+class ProgressLines(TrainerCallback):
+    """TRL's logs as mechdiag's progress lines (rank 0, at most every ~10 s) instead of raw dicts on stdout."""
+
+    KEYS = (("reward", "reward"), ("kl", "kl"), ("loss", "loss"), ("completions/mean_length", "length"))
+
+    def __init__(self, total: int):
+        self.lines = Progress("train step", total=total, force=True)
+
+    def on_log(self, args, state, control, logs=None, **kw):
+        if state.is_world_process_zero and logs:
+            note = "  ".join(f"{name} {logs[k]:.4g}" for k, name in self.KEYS
+                             if isinstance(logs.get(k), (int, float)))
+            self.lines.update(state.global_step, note, final="train_runtime" in logs)
+
+
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
     """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
     length, pass@k), so both backends report the same held-out numbers."""
-    from mechdiag.train.trainer import Trainer
 
     def evaluate(model, tokenizer, step):
         m = _peft(model) or model
@@ -492,10 +496,7 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
                                    eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
                                    sampler=lambda: m)
         ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
-        out = Trainer.evaluate(ev, step)
-        if cfg.eval_samples == 1:
-            out.update({f"pass@{k}": out["accuracy"] for k in cfg.pass_k if k == 1})
-        return out
+        return Trainer.evaluate(ev, step)
 
     return evaluate
 
@@ -503,20 +504,19 @@ def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
 def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
     directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
-    import torch
-    from datasets import Dataset
-    from trl import GRPOTrainer
-
-    from mechdiag.train.trainer import get_task, load_model
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+    from datasets import Dataset  # noqa: PLC0415 - datasets is loaded only for hf: task paths
+    from trl import GRPOTrainer  # noqa: PLC0415 - trl is an optional extra
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
+    resolve_rewards(cfg)
     torch.manual_seed(cfg.seed)
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
-    task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
+    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
     if not train_ex:
@@ -533,16 +533,25 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
                           eval_every=cfg.eval_every * cfg.num_iterations,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
-                          max_time_s=getattr(cfg, "max_time_s", None))
+                          max_time_s=getattr(cfg, "max_time_s", None),
+                          forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
+                          if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
     trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    from transformers.trainer_callback import (  # noqa: PLC0415 - next to the trainer whose callbacks it edits
+        PrinterCallback,
+        ProgressCallback,
+    )
+
+    trainer.remove_callback(PrinterCallback)  # prints each log dict
+    trainer.remove_callback(ProgressCallback)  # a tqdm bar that also writes each log dict
+    trainer.add_callback(ProgressLines(args.max_steps))
     return trainer, run, cb
 
 
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
-    from mechdiag import config as C
 
     t0 = time.perf_counter()
     run_path = Path(out_dir)
@@ -562,7 +571,7 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
         return run
     trainer.processing_class.save_pretrained(str(run.final))
     summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n, "backend": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+               "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
                "planned_steps": cfg.max_steps,
                "wall_time_s": time.perf_counter() - t0}
     run.write_summary(summary)

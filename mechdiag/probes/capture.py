@@ -12,7 +12,9 @@ import warnings
 import weakref
 from dataclasses import dataclass
 
+import nnsight
 import torch
+from nnsight import NNsight
 from torch import nn
 
 from mechdiag.errors import UserError
@@ -90,7 +92,6 @@ class Probe:
     """nnsight view of one model: per-layer residuals and logits for a batch, plus the logit-lens head."""
 
     def __init__(self, model: nn.Module):
-        from nnsight import NNsight
 
         self.model = model
         self.inner = unwrap(model)
@@ -112,7 +113,6 @@ class Probe:
 
     @torch.no_grad()
     def run(self, batch: Batch) -> Captured:
-        import nnsight
 
         layers = _envoy(self.nn, self.layers_path)
         with self.nn.trace(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False):

@@ -8,16 +8,19 @@ checkpoint loads as a second model. Pickle checkpoints (.bin, .pt) are refused.
 from __future__ import annotations
 
 import contextlib
-import json
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from transformers import AutoConfig
 
+from mechdiag import models
 from mechdiag.errors import UserError
+from mechdiag.models import adapter_base as _adapter_base
+from mechdiag.models import adapter_context as _adapter_ctx
+from mechdiag.models import is_adapter as _is_adapter
+from mechdiag.models import load_adapters as _with_adapters
 from mechdiag.probes.capture import Probe, n_layers_of
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -34,10 +37,6 @@ class Source:
         return str(self.adapter_dir or self.model_dir)
 
 
-def _is_adapter(path: Path) -> bool:
-    return (path / "adapter_config.json").is_file()
-
-
 def _check_model_dir(path: Path) -> None:
     if not path.is_dir():
         raise UserError(f"model folder not found: {path}")
@@ -48,19 +47,6 @@ def _check_model_dir(path: Path) -> None:
         if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
             raise UserError(f"{path} holds only pickle weights; refusing to unpickle (convert to safetensors)")
         raise UserError(f"no .safetensors weights in {path}")
-
-
-def _adapter_base(adapter: Path) -> Path | None:
-    try:
-        cfg = json.loads((adapter / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"unreadable {adapter / 'adapter_config.json'}: {e}") from None
-    name = cfg.get("base_model_name_or_path")
-    if name and Path(name).is_dir():
-        return Path(name)
-    if name and (adapter / name).is_dir():
-        return adapter / name
-    return None
 
 
 def _check_adapter_dir(path: Path) -> None:
@@ -98,19 +84,8 @@ def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
     return ref, out
 
 
-def load_model(path: Path, dtype: str = "float32", device: str | torch.device = "cpu"):
-    from mechdiag import models
-
+def _load(path: Path, dtype: str, device):
     return models.load_model(path, dtype).to(device).eval()
-
-
-def load_tokenizer(path: Path):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise UserError(f"cannot load a tokenizer from {path}: {str(e).splitlines()[0]}") from None
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -141,65 +116,27 @@ class Pair:
     shared: bool  # one model in memory, adapter toggled
 
 
-def _adapter_ctx(model, name: str | None):
-    """Context that runs `model` as the plain base (name None) or with adapter `name` active."""
-    if not hasattr(model, "peft_config"):
-        return contextlib.nullcontext
-    if name is None:
-        return model.disable_adapter
-
-    @contextlib.contextmanager
-    def ctx():
-        prev = model.active_adapter
-        model.base_model.set_adapter(name)
-        try:
-            yield
-        finally:
-            model.base_model.set_adapter(prev)
-
-    return ctx
-
-
-def _with_adapters(model, adapters: dict[str, Path]):
-    from peft import PeftModel
-
-    model_out = model
-    for name, path in adapters.items():
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", FutureWarning)  # peft reads a deprecated transformers attribute
-                if hasattr(model_out, "peft_config"):
-                    model_out.load_adapter(path, adapter_name=name)
-                else:
-                    model_out = PeftModel.from_pretrained(model_out, path, adapter_name=name)
-        except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
-            raise UserError(f"cannot load adapter {path}: {str(e).splitlines()[0]}") from None
-    return model_out.eval()
-
-
 def load_pair(base: str | Path, tuned: str | Path, dtype: str = "float32",
               device: str | torch.device = "cpu") -> Pair:
     ref_src, tun_src = resolve(base, tuned)
-    tok = load_tokenizer(ref_src.model_dir)
+    tok = models.load_tokenizer(ref_src.model_dir)
     for d in {tun_src.model_dir, tun_src.adapter_dir} - {None, ref_src.model_dir}:
-        if _has_tokenizer(d) and load_tokenizer(d).get_vocab() != tok.get_vocab():
+        if _has_tokenizer(d) and models.load_tokenizer(d).get_vocab() != tok.get_vocab():
             raise UserError(f"base and tuned have different vocabularies: tokenizer of {d} differs from "
                             f"{ref_src.model_dir}")
     if ref_src.model_dir.resolve() == tun_src.model_dir.resolve():
         adapters = {k: s.adapter_dir for k, s in (("ref", ref_src), ("tuned", tun_src)) if s.adapter_dir}
-        model = _with_adapters(load_model(ref_src.model_dir, dtype, device), adapters)
+        model = _with_adapters(_load(ref_src.model_dir, dtype, device), adapters)
         probe = Probe(model)
         return Pair(probe, probe, tok, _adapter_ctx(model, "ref" if ref_src.adapter_dir else None),
                     _adapter_ctx(model, "tuned" if tun_src.adapter_dir else None), shared=True)
-    from transformers import AutoConfig
-
     try:
         cfgs = [AutoConfig.from_pretrained(s.model_dir) for s in (ref_src, tun_src)]
     except (OSError, ValueError, KeyError) as e:
         raise UserError(f"cannot read a model config: {str(e).splitlines()[0]}") from None
     check_compatible(*cfgs, str(ref_src), str(tun_src))
-    models = []
+    loaded = []
     for name, src in (("ref", ref_src), ("tuned", tun_src)):
-        m = load_model(src.model_dir, dtype, device)
-        models.append(_with_adapters(m, {name: src.adapter_dir}) if src.adapter_dir else m)
-    return Pair(Probe(models[0]), Probe(models[1]), tok, contextlib.nullcontext, contextlib.nullcontext, shared=False)
+        m = _load(src.model_dir, dtype, device)
+        loaded.append(_with_adapters(m, {name: src.adapter_dir}) if src.adapter_dir else m)
+    return Pair(Probe(loaded[0]), Probe(loaded[1]), tok, contextlib.nullcontext, contextlib.nullcontext, shared=False)

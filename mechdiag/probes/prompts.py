@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.tasks import get_task
 
 NO_LIMIT = 1_000_000  # tokenizers without a limit report model_max_length ~1e30
 
@@ -39,21 +40,12 @@ def read_prompts(path: str | Path, n: int | None = None) -> list[str]:
 
 def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None) -> list[str]:
     """Prompts of a registered task, formatted exactly as in training (task.prompt, chat template included)."""
-    from mechdiag.tasks import get_task
 
     task = get_task(name)
     examples = task.examples(split, n)
     if not examples:
         raise UserError(f"task {name!r} split {split!r} has no examples")
     return [task.prompt(ex, tokenizer) for ex in examples]
-
-
-def pad_id_of(tokenizer) -> int:
-    """Id used for padding; only ever masked, so eos or unk serve when the tokenizer has no pad token."""
-    for tid in (tokenizer.pad_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id):
-        if tid is not None:
-            return int(tid)
-    return 0
 
 
 def max_length_of(tokenizer, config) -> int:

@@ -1,6 +1,7 @@
 """Activation shift between a reference and a tuned model, layer by layer (paper-notes §4, field-notes).
 
-For block l with post-block residual h_l and token mask m (padding and, by default, position 0 left out):
+For block l with post-block residual h_l and token mask m (padding left out, and position 0 of a prompt whose
+first token is the tokenizer's BOS, unless keep_bos; a tokenizer that adds no BOS keeps every position):
 
     shift_pooled_l = sqrt(sum_{x,t} m ||h_tuned - h_ref||^2) / sqrt(sum_{x,t} m ||h_ref||^2 + delta_h)  (eq. 13)
     shift_l        = mean over prompts x of the same ratio taken within x (the study's figure), with a
@@ -26,9 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from mechdiag import atomic, models
 from mechdiag.errors import UserError
+from mechdiag.models import pad_id
 from mechdiag.probes.capture import Captured, Probe, pad_batch
-from mechdiag.probes.prompts import encode, max_length_of, pad_id_of, read_prompts
+from mechdiag.probes.load import load_pair
+from mechdiag.probes.prompts import encode, max_length_of, read_prompts
 
 DELTA_H = 1e-12  # delta_h of eq. 13: guards the denominator only
 N_BOOT = 1000
@@ -43,16 +47,19 @@ class ShiftSums:
         z = lambda: np.zeros((n_prompts, n_layers))  # noqa: E731
         self.diff, self.ref, self.cos, self.inc_diff, self.inc_ref, self.lens_kl = z(), z(), z(), z(), z(), z()
         self.tokens = np.zeros(n_prompts)
+        self.bos = np.zeros(n_prompts, dtype=bool)  # position 0 was BOS and left out of the norms
         self.out_kl = np.zeros(n_prompts)
         self.out_tokens = np.zeros(n_prompts)
 
     @torch.no_grad()
     def add(self, idx: list[int], ref: Captured, tuned: Captured, lens_ref: torch.Tensor, lens_tuned: torch.Tensor,
-            mask: torch.Tensor, keep_bos: bool = False) -> None:
+            mask: torch.Tensor, drop_first: torch.Tensor | None = None) -> None:
+        """drop_first [B] bool: leave position 0 out of the norms for these prompts (their BOS)."""
         real = mask.bool()
         m = real.clone()
-        if not keep_bos:
-            m[:, 0] = False
+        if drop_first is not None:
+            m[:, 0] &= ~drop_first.to(m.device)
+            self.bos[idx] = drop_first.cpu().numpy()
 
         def per_prompt(q):  # [B, T] per-token values -> [B] masked sums; where() so NaN in padding cannot leak
             return torch.where(m, q, 0).double().sum(-1).cpu().numpy()
@@ -110,8 +117,11 @@ def bootstrap_ci(ratio: np.ndarray, n_boot: int = N_BOOT, seed: int = 0, level: 
 
 
 def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_size: int = 16,
-            ref_ctx=contextlib.nullcontext, tuned_ctx=contextlib.nullcontext, keep_bos: bool = False) -> ShiftSums:
-    """Run both models on the same batches and reduce each batch into per-prompt sums."""
+            ref_ctx=contextlib.nullcontext, tuned_ctx=contextlib.nullcontext, keep_bos: bool = False,
+            bos_id: int | None = None, progress=None) -> ShiftSums:
+    """Run both models on the same batches and reduce each batch into per-prompt sums (progress(done, total)
+    after each batch, when given). Position 0 is left out only where it holds `bos_id` (the tokenizer added a BOS,
+    or the prompt text began with it) and not keep_bos."""
     if ref.n_layers != tuned.n_layers:
         raise UserError(f"base has {ref.n_layers} layers, tuned has {tuned.n_layers}")
     if batch_size < 1:
@@ -128,8 +138,11 @@ def measure(ref: Probe, tuned: Probe, seqs: list[list[int]], pad_id: int, batch_
         with tuned_ctx():
             cap_tuned = tuned.run(batch)
             lens_tuned = tuned.lens(torch.stack([h[rows, batch.last] for h in cap_tuned.resid[1:]]))
-        sums.add(idx, cap_ref, cap_tuned, lens_ref, lens_tuned, batch.attention_mask, keep_bos)
+        first = torch.tensor([not keep_bos and bos_id is not None and seqs[i][0] == bos_id for i in idx])
+        sums.add(idx, cap_ref, cap_tuned, lens_ref, lens_tuned, batch.attention_mask, first)
         del cap_ref, cap_tuned, lens_ref, lens_tuned
+        if progress is not None:
+            progress(min(start + batch_size, len(order)), len(order))
     return sums
 
 
@@ -146,31 +159,29 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
 
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
           max_length: int | None = None, dtype: str = "float32", device: str = "auto", n_boot: int = N_BOOT,
-          seed: int = 0):
+          seed: int = 0, progress=None):
     """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame.
 
     prompts: a list of strings, or a pathlib.Path to a probe file (see read_prompts).
 
     base, tuned: model folders or PEFT adapter folders (see mechdiag.probes.load). df.attrs carries
-    truncated (prompts cut to max_length), max_length, shared (one model with the adapter toggled).
+    truncated (prompts cut to max_length), max_length, shared (one model with the adapter toggled), bos_dropped
+    (prompts whose position 0 was BOS and left out of the norms) and n_prompts.
     """
-    import pandas as pd
-
-    from mechdiag.probes.load import load_pair
+    import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
     if isinstance(prompts, Path):
         prompts = read_prompts(prompts)
     elif isinstance(prompts, str):
         raise UserError("prompts must be a list of strings or a pathlib.Path to a probe file")
-    from mechdiag.models import resolve_device
-
-    device = resolve_device(device)
+    device = models.device(device)
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
-    sums = measure(pair.ref, pair.tuned, seqs, pad_id_of(pair.tokenizer), batch_size, pair.ref_ctx,
-                   pair.tuned_ctx, keep_bos)
+    sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,
+                   pair.tuned_ctx, keep_bos, pair.tokenizer.bos_token_id, progress)
     df = pd.DataFrame(sums.rows(n_boot, seed), columns=COLUMNS)
-    df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared)
+    df.attrs.update(truncated=truncated, max_length=limit, shared=pair.shared, bos_dropped=int(sums.bos.sum()),
+                    n_prompts=len(seqs))
     return df
 
 
@@ -188,8 +199,8 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
     was_training = model.training
     model.eval()
     try:
-        sums = measure(probe, probe, seqs, pad_id_of(tokenizer), batch_size, model.disable_adapter,
-                       contextlib.nullcontext, keep_bos)
+        sums = measure(probe, probe, seqs, pad_id(tokenizer), batch_size, model.disable_adapter,
+                       contextlib.nullcontext, keep_bos, tokenizer.bos_token_id)
     finally:
         model.train(was_training)
     return [{"step": step, **r} for r in sums.rows()]
@@ -198,10 +209,8 @@ def shift_inmemory(model, tokenizer, prompts: list[str], batch_size: int = 8, st
 # ---- output -------------------------------------------------------------------------------------------------
 def write_html(df, path: str | Path, title: str = "Activation shift") -> None:
     """One offline page: shift with its 95% interval, and the companion measures, per layer."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
-
-    from mechdiag import atomic
+    import plotly.graph_objects as go  # noqa: PLC0415 - plotly loads only when a figure is drawn
+    from plotly.subplots import make_subplots  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
     fig = make_subplots(rows=2, cols=2, subplot_titles=("shift (mean over prompts, 95% CI)", "cosine distance",
                                                         "block increment", "logit-lens KL (last token)"))
@@ -218,6 +227,14 @@ def write_html(df, path: str | Path, title: str = "Activation shift") -> None:
                       height=700)
     fig.update_xaxes(title_text="layer")
     atomic.write_text(path, fig.to_html(include_plotlyjs=True, full_html=True))
+
+
+def bos_note(df) -> str:
+    """What happened to position 0, for the user: it is left out only where it was BOS."""
+    k, n = df.attrs.get("bos_dropped", 0), df.attrs.get("n_prompts", 0)
+    if k:
+        return f"position 0 (BOS) left out of the norms in {k} of {n} prompts (--keep-bos counts it)"
+    return "no prompt starts with BOS: every position counted"
 
 
 def note(msg: str) -> None:

@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.report.load import Group
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass
+from mechdiag.run import Group
 
+PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
+           "#7f7f7f", "#bcbd22"]
 MAX_POINTS = 400
 MAX_SLIDER_STEPS = 40
 
-# The study's eight signals (Figure 1): four from training, four from evaluation.
-TRAIN_SIGNALS = [("reward", "train reward"), ("reward_cv", "reward CV (within groups)"),
-                 ("kl", "KL to reference"), ("completion_clipped_ratio", "completion clipped ratio")]
-EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), ("entropy", "eval entropy"),
-                ("completion_length", "eval completion length")]
+
+
+@dataclass
+class Coloured(Group):
+    """A group as the report draws it: one colour for its runs (seeds as mean and band)."""
+
+    color: str = PALETTE[0]
+
+
+def coloured(groups: list[Group]) -> list[Coloured]:
+    return [Coloured(g.label, g.runs, PALETTE[i % len(PALETTE)]) for i, g in enumerate(groups)]
+
 
 _FONT = dict(family="system-ui, -apple-system, Segoe UI, Roboto, sans-serif", size=12, color="#222")
 _AXIS = dict(gridcolor="#eee", zerolinecolor="#ccc", linecolor="#999", showline=True, ticks="outside")
@@ -131,9 +142,9 @@ def _small_multiples(groups: list[Group], panels: list[tuple[str, str, str]], co
                           row=row, col=col)
             in_legend.add(gi)
         if not drawn:
+            # row/col: plotly picks this panel's axes (hand-built "x{i+1}" names drift from the grid's)
             fig.add_annotation(text="not recorded", showarrow=False, font=dict(color="#999"),
-                               xref=f"x{i + 1 if i else ''} domain", yref=f"y{i + 1 if i else ''} domain",
-                               x=0.5, y=0.5)
+                               xref="x domain", yref="y domain", x=0.5, y=0.5, row=row, col=col)
     fig.update_xaxes(title_text="step", row=rows)
     return _layout(fig, 140 + height_per_row * rows)
 
@@ -149,11 +160,15 @@ def training_dynamics(groups: list[Group]) -> go.Figure | None:
 OTHER_TRAIN = [("frac_zero_std", "groups with zero reward std"), ("entropy", "train entropy"),
                ("completion_length", "train completion length"), ("reward_std", "reward std"),
                ("policy_clip_fraction", "policy clip fraction"), ("grad_norm", "grad norm"), ("loss", "loss"),
-               ("lr", "learning rate"), ("tokens_per_s", "tokens / s")]
+               ("lr", "learning rate"), ("tokens_per_s", "tokens / s"),
+               ("frac_groups_all_correct", "groups all correct"), ("frac_groups_all_wrong", "groups all wrong"),
+               ("frac_groups_shaping_only", "groups shaping only")]
+OTHER_EVAL = [("forget_kl", "forget KL to base (off-task)")]
 
 
 def other_signals(groups: list[Group]) -> go.Figure | None:
-    """Every other recorded train signal: reward components first, then the canonical extras that exist."""
+    """Every other recorded signal: reward components first, then the canonical extras that exist (forget_kl
+    from eval.jsonl last)."""
     keys: dict[str, None] = {}
     for g in groups:
         for r in g.runs:
@@ -161,10 +176,27 @@ def other_signals(groups: list[Group]) -> go.Figure | None:
                 keys.update((k, None) for k in rec)
     comps = [(k, f"reward: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward/")][:8]
     panels = [("metrics", k, t) for k, t in comps + [kt for kt in OTHER_TRAIN if kt[0] in keys]]
-    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)][:16]
+    evals = [("eval", k, t) for k, t in OTHER_EVAL if any(_series(r.read("eval"), k) for g in groups for r in g.runs)]
+    panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)]
+    panels = panels[:16 - len(evals)] + evals
     if not panels:
         return None
-    return _small_multiples(groups, panels, cols=4, height_per_row=190)
+    fig = _small_multiples(groups, panels, cols=4, height_per_row=190)
+    keys = [k for _, k, _ in panels]
+    if "policy_clip_fraction" in keys and clip_is_zero_by_construction(groups):
+        i = keys.index("policy_clip_fraction")
+        fig.add_annotation(text="0 by construction: num_iterations = 1, so the<br>ratio is exactly 1 and "
+                                "nothing is clipped", showarrow=False, font=dict(color="#666", size=10),
+                           xref="x domain", yref="y domain", x=0.5, y=0.8, row=i // 4 + 1, col=i % 4 + 1)
+    return fig
+
+
+def clip_is_zero_by_construction(groups: list[Group]) -> bool:
+    """Every run updates once per rollout (num_iterations = 1) and recorded a clip fraction of exactly 0."""
+    runs = [r for g in groups for r in g.runs]
+    values = [v for r in runs for v in _series(r.read("metrics"), "policy_clip_fraction").values()]
+    iters = [(r.config or {}).get("num_iterations", 1) for r in runs]
+    return bool(values) and all(v == 0 for v in values) and all(n == 1 for n in iters)
 
 
 def _module_order(modules) -> list[str]:
@@ -259,7 +291,7 @@ def weight_heatmap(group: Group) -> go.Figure | None:
                                  hovertemplate="layer %{y} step %{x}<br>WDisp = %{z:.3g}<extra></extra>",
                                  ygap=1), row=1, col=2)
         fig.update_xaxes(title_text="step", row=1, col=2)
-        fig.update_yaxes(autorange="reversed", row=1, col=2)
+        fig.update_yaxes(autorange="reversed", row=1, col=2, **LAYER_TICKS)
     label = _safe(group.label)
     title = f"{label}: weight displacement at step {{}}" + (" (left) and per layer over steps (right)" if two else "")
     if len(steps) > 1:
@@ -267,7 +299,7 @@ def weight_heatmap(group: Group) -> go.Figure | None:
             active=len(steps) - 1, currentvalue=dict(prefix="step "), pad=dict(t=40), len=0.5 if two else 1.0,
             steps=[dict(label=f"{s:g}", method="update",
                         args=[{"z": [z(s)]}, {"title.text": title.format(f"{s:g}")}, [0]]) for s in steps])])
-    fig.update_yaxes(title_text="layer", dtick=1 if len(layers) <= 40 else None, autorange="reversed", row=1, col=1)
+    fig.update_yaxes(title_text="layer", autorange="reversed", row=1, col=1, **LAYER_TICKS)
     fig.update_xaxes(title_text="module", showgrid=False, row=1, col=1)
     return _layout(fig, max(320, 60 + 18 * len(layers)) + (90 if len(steps) > 1 else 0),
                    title=dict(text=title.format(f"{last:g}"), x=0, font=dict(size=13)))
@@ -286,19 +318,8 @@ def _wdisp_by_step(run) -> dict[float, float]:
 
 
 def _module_mass(run) -> dict[str, float]:
-    """Share of the squared displacement sum_g ||dW_g||^2 carried by each module type, at the last step."""
-    rows = run.read("displacement")
-    steps = [_num(r.get("step")) for r in rows if _num(r.get("step")) is not None]
-    if not steps:
-        return {}
-    last = max(steps)
-    mass = defaultdict(float)
-    for r in rows:
-        delta = _num(r.get("delta_fro"))
-        if _num(r.get("step")) == last and delta is not None and r.get("module") is not None:
-            mass[str(r["module"])] += delta * delta
-    total = sum(mass.values())
-    return {m: v / total for m, v in mass.items()} if total > 0 else {}
+    """Update mass per module type at the last recorded step (mechdiag.metrics.update_mass)."""
+    return update_mass(last_step(run.read("displacement")), "module")
 
 
 def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
@@ -333,6 +354,9 @@ def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
     fig.update_yaxes(tickformat=".0%", row=1, col=2)
     return _layout(fig, 360, barmode="group")
 
+
+# Layers are whole numbers: ticks only on integers (plotly's auto ticks put 0.5s on a 2-5 layer axis).
+LAYER_TICKS = dict(tick0=0, dtick=1, tickformat="d")
 
 SHIFT_PANELS = [("shift", "activation shift (relative L2)"), ("increment", "block increment shift"),
                 ("logit_kl", "logit-lens KL"), ("cos_dist", "cosine distance")]
@@ -379,5 +403,5 @@ def activation_shift(groups: list[Group]) -> go.Figure | None:
                                                    "%{y:.4g}<extra></extra>"),
                           row=1, col=col)
             seen.add(name)
-        fig.update_xaxes(title_text="layer", row=1, col=col)
+        fig.update_xaxes(title_text="layer", row=1, col=col, **LAYER_TICKS)
     return _layout(fig, 380)

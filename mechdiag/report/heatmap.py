@@ -6,6 +6,8 @@ import os
 
 import pandas as pd
 
+from mechdiag.atomic import write_text
+
 OUTSIDE = "outside blocks"  # row label for embeddings, final norm and lm_head (layer null)
 
 
@@ -25,7 +27,7 @@ def displacement_grid(df: pd.DataFrame) -> pd.DataFrame:
 
 def displacement_heatmap(df: pd.DataFrame, title: str = "Relative weight displacement ||W - W_ref||_F / ||W_ref||_F"):
     """A plotly Figure: rel_fro per layer (rows) x module (columns) from per-tensor displacement rows."""
-    import plotly.graph_objects as go
+    import plotly.graph_objects as go  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
     grid = displacement_grid(df)
     fig = go.Figure(go.Heatmap(
@@ -39,6 +41,5 @@ def displacement_heatmap(df: pd.DataFrame, title: str = "Relative weight displac
 
 def write_html(fig, path: str | os.PathLike) -> None:
     """A self-contained HTML page (plotly.js inlined, works offline), written atomically."""
-    from mechdiag.atomic import write_text
 
     write_text(path, fig.to_html(include_plotlyjs=True, full_html=True))

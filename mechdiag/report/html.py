@@ -17,16 +17,56 @@ import math
 import re
 import secrets
 from collections import defaultdict
+from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
+from mechdiag.config import to_yaml
+from mechdiag.metrics import attribution_reference, causal_shares, direction, mean_std, rank_correlation
 from mechdiag.report import figures as F
-from mechdiag.report.load import Group, Run
+from mechdiag.run import Group, Run, base_eval, final_eval
 
 MAX_COMPLETION_CHARS = 3000
 MAX_PAIRS = 6
 MAX_ROLLOUTS = 8
-HIGHER_IS_BETTER = ("accuracy", "eval_reward", "reward", "pass@", "score", "exact", "f1")
-NEUTRAL = ("entropy", "completion_length", "length", "kl", "step", "n")
+
+
+@dataclass
+class Shown:
+    """A finding as the page shows it, whatever the recommender's own class looks like."""
+
+    rule: str
+    symptom: str
+    evidence: str
+    change: str
+    confidence: float | None
+    reason: str = ""
+
+
+@dataclass
+class Advice:
+    findings: list[Shown] = field(default_factory=list)
+    note: str = ""  # shown where there is no finding
+    refined_yaml: str | None = None  # the refined config, when the recommender returns one
+
+
+def _shown(f) -> Shown:
+    change = getattr(f, "change", None)
+    if change is None:  # mechdiag.recommend: a list of Change(key, old, new)
+        change = "; ".join(str(c) for c in getattr(f, "changes", None) or []) or "none (advice only)"
+    ev = getattr(f, "evidence", "")
+    return Shown(rule=str(getattr(f, "rule", "")), symptom=str(getattr(f, "symptom", "")),
+                 evidence=ev if isinstance(ev, str) else json.dumps(ev, default=str, ensure_ascii=False),
+                 change=str(change), confidence=getattr(f, "confidence", None), reason=str(getattr(f, "reason", "")))
+
+
+def advice_from(result) -> Advice:
+    """Findings (and the refined config) from what recommend returned: a Recommendation or a list of findings."""
+    findings = getattr(result, "findings", result)
+    advice = Advice([_shown(f) for f in findings or []], "No recommendation: no rule fired on these runs.")
+    cfg = getattr(result, "cfg", None)
+    if cfg is not None and hasattr(cfg, "model_dump"):
+        advice.refined_yaml = to_yaml(cfg, getattr(result, "header", "") or "")
+    return advice
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -53,31 +93,10 @@ def _fmt(v, digits: int = 4) -> str:
     return esc(v)
 
 
-def _direction(metric: str) -> int:
-    """+1 when a larger value is better, 0 when neither (entropy, length...)."""
-    m = metric.lower()
-    if any(m == n or m.startswith(n + "/") for n in NEUTRAL) or "length" in m or "entropy" in m:
-        return 0
-    if m.endswith("loss") or "error" in m or "ppl" in m:
-        return -1
-    return 1 if any(h in m for h in HIGHER_IS_BETTER) else 0
-
-
 def _delta_class(delta: float | None, direction: int) -> str:
     if delta is None or direction == 0 or abs(delta) < 1e-12:
         return ""
     return "up" if delta * direction > 0 else "down"
-
-
-def _mean_std(vals: list[float]) -> tuple[float | None, float | None]:
-    vals = [v for v in vals if v is not None]
-    if not vals:
-        return None, None
-    m = sum(vals) / len(vals)
-    if len(vals) < 2:
-        return m, None
-    sd = math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1))
-    return m, 0.0 if sd <= 1e-9 * max(1.0, abs(m)) else sd  # equal seeds: no float noise
 
 
 def _pm(mean, std) -> str:
@@ -133,35 +152,49 @@ RUN_COLUMNS = [("seed", "seed"), ("learning_rate", "lr"), ("beta", "β"), ("epsi
                ("lora.alpha", "α"), ("lora.target_modules", "modules"), ("lora.layers", "layers")]
 
 
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in (cfg or {}).items():
+        if isinstance(v, dict) and k not in ("weights", "options"):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def differing_keys(runs: list[Run]) -> list[str]:
+    """Config keys whose values are not the same in every run (the seed aside: seeds are pooled)."""
+    flats = [_flat(r.config) for r in runs]
+    keys = dict.fromkeys(k for f in flats for k in f)
+    return [k for k in keys if k != "seed"
+            and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
+
+
 def section_runs(groups: list[Group]) -> str:
-    head = "".join(f"<th>{esc(t)}</th>" for _, t in RUN_COLUMNS)
+    runs = [r for g in groups for r in g.runs]
+    differ = differing_keys(runs) if len(runs) > 1 else []
+    columns = RUN_COLUMNS + [(k, k) for k in differ if k not in dict(RUN_COLUMNS)]
+    head = "".join(f"<th{' class=diff' if k in differ else ''}>{esc(t)}</th>" for k, t in columns)
     rows = []
     for g in groups:
         for r in g.runs:
             steps = [x.get("step") for x in r.read("metrics") if isinstance(x.get("step"), (int, float))]
-            cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in RUN_COLUMNS)
+            cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in columns)
             src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
-                        f"<td class=path title='{esc(r.rundir.path)}'>{esc(r.name)}{src}</td>"
+                        f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
-    return (f"<table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
-            + "".join(rows) + "</table>")
+    note = (f"<p class=note>highlighted: config keys that differ between runs ({esc(', '.join(differ))})</p>"
+            if differ else "")
+    return (f"<div class=scroll><table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
+            + "".join(rows) + "</table></div>" + note)
 
 
 def _base_final(run: Run) -> tuple[dict, dict, str]:
-    """Base and final eval numbers: summary.json ({"base": {...}, "final": {...}} or flat base_X / final_X keys),
-    else the first (step 0) and last records of eval.jsonl."""
-    s = run.summary or {}
-    if isinstance(s.get("base"), dict) or isinstance(s.get("final"), dict):
-        return s.get("base") or {}, s.get("final") or {}, "summary.json"
-    flat = [{k.removeprefix(p): v for k, v in s.items() if k.startswith(p)} for p in ("base_", "final_")]
-    if any(flat):
-        return flat[0], flat[1], "summary.json"
-    ev = sorted((e for e in run.read("eval") if isinstance(e.get("step"), (int, float))), key=lambda e: e["step"])
-    if not ev:
-        return {}, {}, ""
-    base = ev[0] if ev[0]["step"] == 0 and len(ev) > 1 else {}
-    return base, ev[-1], "eval.jsonl"
+    """Base and final eval numbers (mechdiag.run.base_eval / final_eval) and where they come from."""
+    src = "summary.json" if any(k.startswith(("base_", "final_")) for k in run.summary) else "eval.jsonl"
+    base, final = base_eval(run), final_eval(run)
+    return base, final, src if base or final else ""
 
 
 def section_summary(groups: list[Group], advice) -> str:
@@ -172,10 +205,10 @@ def section_summary(groups: list[Group], advice) -> str:
         metrics = dict.fromkeys(k for b, f, _ in pairs for k in [*b, *f]
                                 if k != "step" and _num(f.get(k, b.get(k))) is not None)
         for k in metrics:
-            bm, bs = _mean_std([_num(b.get(k)) for b, _, _ in pairs])
-            fm, fs = _mean_std([_num(f.get(k)) for _, f, _ in pairs])
+            bm, bs = mean_std([_num(b.get(k)) for b, _, _ in pairs])
+            fm, fs = mean_std([_num(f.get(k)) for _, f, _ in pairs])
             d = fm - bm if fm is not None and bm is not None else None
-            cls = _delta_class(d, _direction(k))
+            cls = _delta_class(d, direction(k))
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td>{esc(k)}</td><td>{_pm(bm, bs)}</td><td>{_pm(fm, fs)}</td>"
                         f"<td class='{cls}'>{'–' if d is None else f'{d:+.4g}'}</td></tr>")
@@ -247,6 +280,44 @@ def section_shift(groups: list[Group], figs: _Figures) -> str:
         "prompts.</p>")
 
 
+def section_attribution(groups: list[Group]) -> str:
+    """Causal share (output KL lost without the part) beside displacement share, per layer and module."""
+    out = []
+    for g in groups:
+        for r in g.runs:
+            rows = r.read("attribution")
+            if not rows:
+                continue
+            none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
+            head = (f"<h3>{esc(r.name)}</h3><p>tuned accuracy {_fmt(none and none.get('accuracy_without'))}, "
+                    f"without the whole adapter {_fmt(allr and allr.get('accuracy_without'))}</p>")
+            tables = []
+            for by in ("layer", "module"):
+                parts = [x for x in rows if x.get("by") == by]
+                if not parts:
+                    continue
+                causal = causal_shares(rows, by)
+                disp = {(x["layer"] if by == "layer" else x["module"]): x.get("disp_share") for x in parts
+                        if _num(x.get("disp_share")) is not None}
+                rho = rank_correlation(disp, causal)
+                body = "".join(
+                    f"<tr><th>{esc(x['part'])}</th><td>{_fmt(x.get('disp_share'), 3)}</td>"
+                    f"<td>{_fmt(causal.get(x['layer'] if by == 'layer' else x['module']), 3)}</td>"
+                    f"<td>{_fmt(x.get('accuracy_without'))}</td><td>{_fmt(x.get('accuracy_only'))}</td>"
+                    f"<td>{_fmt(x.get('output_kl_without'), 3)}</td></tr>" for x in parts)
+                tables.append(f"<table class=cmp><tr><th>{by}</th><th>displacement share</th><th>causal share</th>"
+                              f"<th>accuracy without</th><th>accuracy only</th><th>output KL without</th></tr>"
+                              f"{body}</table><p>Spearman rank correlation (displacement vs causal, by {by}): "
+                              f"{_fmt(rho, 3)}</p>")
+            out.append(head + "".join(tables))
+    if not out:
+        return _missing("No attribution recorded (attribution.jsonl missing; run `mechdiag attribute RUN --save`)")
+    return "".join(out) + (
+        "<p class=note>Causal share: a part's output KL(tuned || tuned without the part) on the held-out greedy "
+        "completions, over the sum for all parts of its kind. Displacement share: its share of Σ ||ΔW||². A rank "
+        "correlation near 1 means displacement predicted which parts mattered on this run.</p>")
+
+
 def section_benchmarks(groups: list[Group]) -> str:
     # (benchmark, metric) -> column -> values over seeds; the column is the model label, per group.
     cells: dict[tuple[str, str], dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
@@ -279,20 +350,21 @@ def section_benchmarks(groups: list[Group]) -> str:
     for b in benches:
         tds = []
         for m in metrics:
-            base_mean, _ = _mean_std(cells.get((b, m), {}).get("base", []))
+            base_mean, _ = mean_std(cells.get((b, m), {}).get("base", []))
             for c in columns:
                 vals = cells.get((b, m), {}).get(c, [])
-                mean, std = _mean_std(vals)
+                mean, std = mean_std(vals)
                 if std is None and len(vals) == 1 and stds.get((b, m, c)):
                     std = stds[(b, m, c)][0]
                 d = mean - base_mean if c != "base" and mean is not None and base_mean is not None else None
-                cls = _delta_class(d, _direction(m) or 1)
+                cls = _delta_class(d, direction(m))
                 tip = f" title='Δ vs base {d:+.4g}'" if d is not None else ""
                 tds.append(f"<td class='{cls}'{tip}>{_pm(mean, std) if mean is not None else '–'}</td>")
         body.append(f"<tr><th class=bench>{esc(b)}</th>{''.join(tds)}</tr>")
-    return (f"<table class='cmp bench'><tr><th rowspan=2>benchmark</th>{head1}</tr><tr>{head2}</tr>"
-            + "".join(body) + "</table><p class=note>mean ± std over seeds (or the recorded std); "
-            "<span class=up>green</span>: better than base, <span class=down>red</span>: worse.</p>")
+    return (f"<div class=scroll><table class='cmp bench'><tr><th rowspan=2>benchmark</th>{head1}</tr>"
+            f"<tr>{head2}</tr>" + "".join(body) + "</table></div><p class=note>mean ± std over seeds "
+            "(or the recorded std); <span class=up>green</span>: better than base, "
+            "<span class=down>red</span>: worse; entropy and length are not judged.</p>")
 
 
 def _metric_order(m: str):
@@ -340,16 +412,26 @@ def _badge(s: dict) -> str:
     return "".join(bits)
 
 
+def _is_base(s: dict) -> bool:
+    """mechdiag eval labels the untrained model "base"; a training run's eval at step 0 is the untrained model."""
+    return s.get("model") == "base" if "model" in s else (_num(s.get("step")) or 0.0) == 0.0
+
+
 def _pairs(run: Run) -> tuple[list[tuple[str, dict, dict]], float | None]:
-    ev = [s for s in run.read("samples") if s.get("kind") == "eval"]
-    tuned = [s for s in ev if s.get("model", "tuned") != "base"]
-    base = {str(s.get("prompt")): s for s in ev if s.get("model") == "base"}
+    """(prompt, base, tuned) eval completions: the untrained model against the last evaluated step."""
+    ev = [s for s in run.read("samples") if s.get("split") == "eval"]
+    tuned = [s for s in ev if not _is_base(s)]
+
+    def key(s):
+        return str(s.get("prompt") if s.get("prompt") is not None else s.get("example_id"))
+
+    base = {key(s): s for s in ev if _is_base(s)}
     if not tuned:
         return [], None
     last = max((_num(s.get("step")) or 0.0) for s in tuned)
     out, seen = [], set()
     for s in tuned:
-        p = str(s.get("prompt"))
+        p = key(s)
         if (_num(s.get("step")) or 0.0) == last and p not in seen:
             seen.add(p)
             out.append((p, base.get(p, {}), s))
@@ -366,17 +448,18 @@ def section_samples(groups: list[Group]) -> str:
         pairs, last = _pairs(run)
         out.append(f"<h3><span class=sw style='background:{g.color}'></span>{esc(g.label)} "
                    f"<span class=sub>({esc(run.name)}, eval at step {_fmt(last)})</span></h3>")
+        tuned_label = f"tuned, step {_fmt(last)}" if last else "tuned"
         for prompt, b, t in pairs:
             bcell = (f"{_badge(b)}{_completion(b.get('completion'))}" if b
                      else "<p class=missing>no base completion recorded for this prompt.</p>")
             out.append(f"<div class=pair><div class=prompt><b>prompt</b><pre class=completion>{esc(prompt)}</pre>"
-                       f"</div><div class=side><div><b>base</b> {bcell}</div><div><b>tuned</b> {_badge(t)}"
+                       f"</div><div class=side><div><b>base</b> {bcell}</div><div><b>{tuned_label}</b> {_badge(t)}"
                        f"{_completion(t.get('completion'))}</div></div></div>")
     rollouts = _rollouts(groups)
     if not out and not rollouts:
         return _missing("No sample completions recorded (samples.jsonl missing or empty)")
     if not out:
-        out.append(_missing("No eval completions recorded (samples with kind=eval)"))
+        out.append(_missing("No eval completions recorded (samples with split=eval)"))
     return "".join(out) + rollouts
 
 
@@ -384,7 +467,7 @@ def _rollouts(groups: list[Group]) -> str:
     """One training group of the last sampled step: G completions with their rewards and advantages."""
     for g in groups:
         for r in g.runs:
-            train = [s for s in r.read("samples") if s.get("kind", "train") == "train"]
+            train = [s for s in r.read("samples") if s.get("split", "train") == "train"]
             if not train:
                 continue
             last = max((_num(s.get("step")) or 0.0) for s in train)
@@ -418,6 +501,7 @@ pre.completion{white-space:pre-wrap;word-break:break-word;background:#f7f7f9;bor
 margin:3px 0;max-height:320px;overflow:auto;font-size:12px}.cut{color:#999;font-size:11px}
 .pair{border-top:1px solid #eee;padding:6px 0}.side{display:grid;grid-template-columns:1fr 1fr;gap:12px}
 td.ev{max-width:520px;font-size:12px}td.path{font-family:monospace}
+.scroll{max-width:100%;overflow-x:auto}table.bench td{white-space:nowrap}th.diff{background:#fff3cd}
 #report-errors{display:none;background:#fdecea;color:#a61b1b;padding:8px 28px;white-space:pre-wrap}
 """
 
@@ -448,11 +532,9 @@ d.setAttribute('data-report-status','ok');},function(e){window.__reportError('pl
 def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) -> str:
     """The whole page. `advice`: mechdiag.report.Advice (findings, or the note shown in their place)."""
     if advice is None:
-        from mechdiag.report import Advice
-
         advice = Advice(note="Recommendations not requested.")
     if plotly_js is None:
-        from plotly.offline import get_plotlyjs
+        from plotly.offline import get_plotlyjs  # noqa: PLC0415 - plotly loads only when a figure is drawn
 
         plotly_js = get_plotlyjs()
     if "</script" in plotly_js.lower():
@@ -463,6 +545,7 @@ def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) 
         ("dynamics", "Training dynamics: the eight signals", section_dynamics(groups, figs)),
         ("displacement", "Weight displacement", section_displacement(groups, figs)),
         ("shift", "Activation shift", section_shift(groups, figs)),
+        ("attribution", "Attribution: causal vs displacement share", section_attribution(groups)),
         ("benchmarks", "Evaluation: base vs tuned", section_benchmarks(groups)),
         ("recommendations", "Recommendations", section_recommendations(advice)),
         ("samples", "Sample completions: base vs tuned", section_samples(groups)),

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 
+from mechdiag.config import Config
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
 
@@ -27,8 +29,8 @@ def register(name: str, target: str) -> None:
     REGISTRY[name] = target
 
 
-def get_task(name: str, path: str | None = None, **options) -> Task:
-    import importlib
+def task_class(name: str) -> type[Task]:
+    """The class of a registered task, or of a user task given as "package.module:Class" (not instantiated)."""
 
     target = REGISTRY.get(name) or (name if ":" in name else None)  # a user task class "package.module:Class"
     if target is None:
@@ -37,10 +39,50 @@ def get_task(name: str, path: str | None = None, **options) -> Task:
                         + f"; known: {', '.join(sorted(REGISTRY))}")
     mod, cls = target.split(":", 1)
     try:
-        task_cls = getattr(importlib.import_module(mod), cls)
+        return getattr(importlib.import_module(mod), cls)
     except (ImportError, AttributeError) as e:
         raise UserError(f"task {name!r}: cannot load it ({e})") from None
-    return task_cls(path=path, **options)
 
 
-__all__ = ["Example", "Task", "get_task", "register", "REGISTRY"]
+def get_task(name: str, path: str | None = None, **options) -> Task:
+    return task_class(name)(path=path, **options)
+
+
+# ---- reward weights (Table 6) ------------------------------------------------------------------------------
+def _task_classes(cfg: Config) -> list[type[Task]]:
+    return [task_class(cfg.task.name)] + [task_class(s.name) for s in cfg.task.mixture]
+
+
+def reward_weights(cfg: Config) -> dict[str, float]:
+    """The weights a run of cfg uses: rewards.weights when set, else the study's weights of its task; components
+    of mixed-in tasks of another domain come along (the main task's weight wins where both score one)."""
+    if cfg.rewards.weights is not None:
+        return dict(cfg.rewards.weights)
+    out: dict[str, float] = {}
+    for cls in reversed(_task_classes(cfg)):
+        out.update(cls.reward_weights())
+    return out
+
+
+def check_reward_weights(cfg: Config) -> None:
+    """Every name in rewards.weights must be a component the task (or a mixed-in task) scores: a misspelt name
+    would silently weigh nothing. Raises UserError with the nearest name."""
+    known: dict[str, None] = {}
+    for cls in _task_classes(cfg):
+        known.update(dict.fromkeys(cls.reward_weights()))
+    for name in cfg.rewards.weights or {}:
+        if name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            raise UserError(f"unknown reward component {name!r} in rewards.weights for task {cfg.task.name}"
+                            + (f" (did you mean {near[0]}?)" if near else "") + f"; known: {', '.join(known)}")
+
+
+def resolve_rewards(cfg: Config) -> Config:
+    """cfg, checked, with rewards.weights filled in (in place) so the config a run saves shows what ran."""
+    check_reward_weights(cfg)
+    cfg.rewards.weights = reward_weights(cfg)
+    return cfg
+
+
+__all__ = ["Example", "Task", "check_reward_weights", "get_task", "register", "resolve_rewards", "reward_weights",
+           "task_class", "REGISTRY"]

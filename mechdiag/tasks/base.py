@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mechdiag.tasks.rewards import REWARD_WEIGHTS, answer_number, extract_answer
+
 
 @dataclass
 class Example:
@@ -22,6 +24,13 @@ class Example:
 class Task:
     name: str = "task"
     domain: str = "math"  # math | mcq | code: picks the default reward weights (paper-notes §6)
+    votable: bool = True  # answers compare equal across samples (maj@k is reported)
+
+    @classmethod
+    def reward_weights(cls) -> dict[str, float]:
+        """The study's components and weights for this task (Table 6 by domain); keys are the components it
+        scores. Used unless the config sets rewards.weights. Override for a task with other components."""
+        return dict(REWARD_WEIGHTS[cls.domain])
 
     def examples(self, split: str, n: int | None = None, seed: int = 0) -> list[Example]:
         raise NotImplementedError
@@ -42,6 +51,15 @@ class Task:
 
     def correct_many(self, completions: list[str], examples: list[Example]) -> list[bool]:
         return [self.correct(c, e) for c, e in zip(completions, examples, strict=True)]
+
+    def answer_key(self, completion: str, example: Example):
+        """The answer a completion gives, in a form where equal answers compare equal (maj@k); None if none.
+        Here: its number, else its answer block's text."""
+        num = answer_number(completion)
+        if num is not None:
+            return num
+        text = " ".join((extract_answer(completion) or "").lower().split()).rstrip(".")
+        return text or None
 
     def reward(self, completion: str, example: Example, weights: dict[str, float]) -> tuple[float, dict]:
         comps = self.components(completion, example)

@@ -2,11 +2,13 @@
 
 The completion's code is the <answer> block (a fenced ```python block inside it is unwrapped); without an answer
 tag, the last fenced block of the completion. Components (Table 6, code), each in [0, 1]:
-- correctness: every test passes in the sandbox (nonce protocol; see mechdiag/sandbox.py);
+- correctness: every test passes: the verdict of the sandbox's judge (see mechdiag/sandbox.py);
 - complexity: 1 unless the code is degenerate (see `complexity`);
 - xml_count: a quarter per reasoning/answer tag present exactly once;
 - syntax: the code is non-empty and ast.parse accepts it;
 - reasoning_nonempty: the reasoning (or <think>) block has text.
+Not paid (no weight), recorded so hacking attempts show on the curves (metrics: reward/code_blocked):
+- code_blocked: 1 when the sandbox refused an operation of the program or it returned non-plain data.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def code_components(completion: str, result: SandboxResult | None, tests: str,
         "xml_count": xml_count(completion),
         "syntax": 1.0 if parses(program) else 0.0,
         "reasoning_nonempty": nonempty(extract_reasoning(completion)),
+        "code_blocked": 1.0 if result is not None and result.blocked else 0.0,
     }
 
 
@@ -173,6 +176,10 @@ class CodeTask(FileTask):
     """Shared by MBPP and HumanEval: a program is `program(code, example)`, run against example.answer (tests)."""
 
     domain = "code"
+    votable = False  # programs have no answer to vote on
+
+    def answer_key(self, completion: str, example: Example):
+        return None
     timeout_s = 5.0
     memory_mb = 512
     workers = 2
@@ -190,8 +197,8 @@ class CodeTask(FileTask):
     def program(self, code: str, example: Example) -> str:
         return code
 
-    def _run(self, jobs: list[tuple[str, str]]) -> list[SandboxResult]:
-        keys = [hashlib.sha1((c + "\0" + t).encode()).hexdigest() for c, t in jobs]
+    def _run(self, jobs: list[tuple[str, str, tuple[str, ...]]]) -> list[SandboxResult]:
+        keys = [hashlib.sha1("\0".join((c, t, *names)).encode()).hexdigest() for c, t, names in jobs]
         todo = {k: j for k, j in zip(keys, jobs, strict=True) if k not in self._results}
         if todo:
             got = run_many(list(todo.values()), workers=self.workers, timeout_s=self.timeout_s,
@@ -211,7 +218,8 @@ class CodeTask(FileTask):
         progs = self.programs(completions, examples)
         idx = [i for i, p in enumerate(progs) if parses(p)]
         results: list[SandboxResult | None] = [None] * len(completions)
-        for i, r in zip(idx, self._run([(progs[i], examples[i].answer) for i in idx]), strict=True):
+        jobs = [(progs[i], examples[i].answer, tuple(examples[i].meta.get("entry_points", ()))) for i in idx]
+        for i, r in zip(idx, self._run(jobs), strict=True):
             results[i] = r
         return results
 
@@ -230,6 +238,18 @@ class CodeTask(FileTask):
 
     def correct_many(self, completions: list[str], examples: list[Example]) -> list[bool]:
         return [r is not None and r.passed for r in self.run_completions(completions, examples)]
+
+
+def entry_points(gold_code: str, tests: str) -> tuple[str, ...]:
+    """The functions and classes the gold code defines that the tests use: the names the sandbox's judge takes
+    from the solution even where they shadow a builtin (MBPP 126 defines `sum`)."""
+    try:
+        defined = {n.name for n in _parse(gold_code).body if isinstance(n, (ast.FunctionDef, ast.ClassDef,
+                                                                             ast.AsyncFunctionDef))}
+        used = {n.id for n in ast.walk(_parse(tests)) if isinstance(n, ast.Name)}
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ()
+    return tuple(sorted(defined & used))
 
 
 def gold_code_completion(code: str) -> str:
@@ -252,10 +272,11 @@ class MBPP(CodeTask):
             return None
         tests = [str(t) for t in rec["test_list"]]
         setup = str(rec.get("test_setup_code") or "")
-        return Example(id=f"mbpp/{tid}", question=str(rec["text"]).strip(),
-                       answer=(setup + "\n" if setup else "") + "\n".join(tests) + "\n",
+        answer = (setup + "\n" if setup else "") + "\n".join(tests) + "\n"
+        return Example(id=f"mbpp/{tid}", question=str(rec["text"]).strip(), answer=answer,
                        meta={"example_test": tests[0], "gold_code": rec["code"],
-                             "gold_completion": gold_code_completion(rec["code"])})
+                             "gold_completion": gold_code_completion(rec["code"]),
+                             "entry_points": entry_points(rec["code"], answer)})
 
     def prompt(self, example, tokenizer=None):
         text = (f"{example.question}\nYour code should pass this test:\n{example.meta['example_test']}\n"
@@ -277,7 +298,8 @@ class HumanEval(CodeTask):
         gold = rec["prompt"] + rec.get("canonical_solution", "")
         return Example(id=str(rec["task_id"]), question=rec["prompt"],
                        answer=f"{rec['test']}\n\ncheck({entry})\n",
-                       meta={"entry_point": entry, "gold_code": gold, "gold_completion": gold_code_completion(gold)})
+                       meta={"entry_point": entry, "gold_code": gold, "gold_completion": gold_code_completion(gold),
+                             "entry_points": (entry,)})
 
     def program(self, code, example):
         entry = example.meta["entry_point"]

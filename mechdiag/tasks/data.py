@@ -68,7 +68,7 @@ def load_hub(spec: str, split: str) -> list[dict]:
     """`hf:NAME[:CONFIG]` -> the split's records via `datasets` (for users online; never used by the tests)."""
     name, _, config = spec[3:].partition(":")
     try:
-        import datasets
+        import datasets  # noqa: PLC0415 - datasets is loaded only for hf: task paths
     except ImportError:
         raise UserError(f"--path {spec} needs the `datasets` package (pip install datasets)") from None
     try:

@@ -178,6 +178,10 @@ class MATH500(FileTask):
 
     name = "math500"
     domain = "math"
+
+    def answer_key(self, completion: str, example: Example):
+        got = latex_answer(completion)
+        return normalize(got) if got else None
     files = {"test": ("math500", "test.jsonl")}
     schemas = [("problem", "answer")]
     hub = "HuggingFaceH4/MATH-500"

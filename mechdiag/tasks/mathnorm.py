@@ -187,8 +187,8 @@ def _sympy_equal(a: str, b: str) -> bool:
 
 
 def _sympy_values_equal(ta: str, tb: str) -> bool:
-    from sympy import N
-    from sympy.parsing import sympy_parser as sp
+    from sympy import N  # noqa: PLC0415 - sympy loads only for LaTeX answers
+    from sympy.parsing import sympy_parser as sp  # noqa: PLC0415 - sympy loads only for LaTeX answers
 
     tr = sp.standard_transformations + (sp.implicit_multiplication_application,)
     ea, eb = sp.parse_expr(ta, transformations=tr), sp.parse_expr(tb, transformations=tr)

@@ -75,6 +75,9 @@ def mcq_example(id_: str, question: str, options: list[str], labels: list[str] |
 
 class MCQTask(FileTask):
     domain = "mcq"
+
+    def answer_key(self, completion: str, example: Example):
+        return pick_option(extract_answer(completion), example.meta["labels"], example.meta["options"])
     schemas = [("question", "answerKey"), ("question_stem", "choices", "answerKey"), ("query", "choices", "gold"),
                ("question", "choices", "answer")]
 

@@ -11,6 +11,15 @@ from fractions import Fraction
 
 REASONING_ALIASES = ("reasoning", "think")
 
+# Table 6 (paper-notes §6): the study's reward components and their weights per domain. A task's default
+# weights are its domain's (Task.reward_weights); config rewards.weights replaces them.
+REWARD_WEIGHTS = {
+    "math": {"correctness": 2.0, "xml_count": 0.5, "numeric": 0.5, "format": 0.5,
+             "reasoning_nonempty": 0.1, "answer_nonempty": 0.1},
+    "mcq": {"correctness": 2.0, "valid_option": 0.5, "xml_count": 0.5, "format": 0.5},
+    "code": {"correctness": 1.0, "complexity": 1.0, "xml_count": 0.5, "syntax": 0.5, "reasoning_nonempty": 0.1},
+}
+
 
 def extract_tag(text: str, tag: str) -> str | None:
     """Content of the first <tag>...</tag>; an unclosed last tag runs to the end of the text."""

@@ -15,9 +15,14 @@ from __future__ import annotations
 import importlib
 import sys
 import time
-import warnings
 
+from mechdiag.alerts import Watcher
+from mechdiag.console import Progress as Lines
+from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
+from mechdiag.metrics import max_reward
+from mechdiag.probes.shift import shift_inmemory
+from mechdiag.tasks import reward_weights
 
 
 class Hook:
@@ -80,58 +85,30 @@ def sample_records(step: int, r) -> list[dict]:
             for i in range(len(r.texts))]
 
 
-class _Lazy(Hook):
-    """Calls a function of another part of mechdiag, warning once (and then staying quiet) if it is absent."""
-
-    target = ""
-    _warned = False
-
-    def on_train_start(self, trainer):  # import now, in setup, not inside the first step that records
-        self._fn()
-
-    def _fn(self):
-        mod, attr = self.target.split(":")
-        try:
-            return getattr(importlib.import_module(mod), attr)
-        except ImportError as e:
-            if not self._warned:
-                warnings.warn(f"{type(self).__name__}: {self.target} is unavailable ({e}); not recording",
-                              stacklevel=2)
-                self._warned = True
-            return None
-
-
-class DisplacementRecorder(_Lazy):
-    """Every `every` steps and at the last step, rel_fro per layer x module of the effective LoRA weights
-    against the base (the final weights are always recorded, so a short run has its end point)."""
-
-    target = "mechdiag.displacement:lora_rows"
+class DisplacementRecorder(Hook):
+    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base."""
 
     def __init__(self, every: int):
         self.every = every
-        self.last = -1
 
     def _record(self, trainer, step):
-        fn = self._fn()
-        if fn is None or not trainer.cfg.lora.enabled or step == self.last:
+        if not trainer.cfg.lora.enabled:
             return
-        rows = fn(trainer.model)
+        rows = lora_rows(trainer.model)
         trainer.run.append("displacement", [{"step": step, **r} for r in rows])
-        self.last = step
 
     def on_step_end(self, trainer, step, metrics, rollout):
-        if self.every and (step % self.every == 0 or step == trainer.total_steps):
+        if self.every and step % self.every == 0:
             self._record(trainer, step)
 
-    def on_train_end(self, trainer, summary):  # stopped early (max_time_s): the weights it ended with
-        if self.every and trainer.step > 0:
+    def on_train_end(self, trainer, summary):
+        # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
+        if self.every and trainer.step % self.every:
             self._record(trainer, trainer.step)
 
 
-class ShiftRecorder(_Lazy):
+class ShiftRecorder(Hook):
     """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
-
-    target = "mechdiag.probes.shift:shift_inmemory"
 
     def __init__(self, n: int):
         self.n = n
@@ -139,12 +116,27 @@ class ShiftRecorder(_Lazy):
     def on_eval(self, trainer, step, metrics):
         if step == 0:
             return
-        fn = self._fn()
-        if fn is None:
-            return
         prompts = trainer.eval_prompts[:self.n]
-        rows = fn(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
+        rows = shift_inmemory(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
         trainer.run.append("shift", [{**r, "step": step} for r in rows])
+
+
+class AlertPrinter(Hook):
+    """Prints each live alert (mechdiag.alerts) once, when it first fires; after the recorders of the step."""
+
+    def on_train_start(self, trainer):
+        self.watcher = Watcher(max_reward(reward_weights(trainer.cfg)))
+        run = trainer.run  # a resumed run's records: history for the alerts, already announced
+        self.watcher.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
+
+    def on_step_end(self, trainer, step, metrics, rollout):
+        every = trainer.cfg.record.displacement_every
+        disp = [r for r in trainer.run.read("displacement") if r.get("step") == step] \
+            if every and step % every == 0 else []
+        self.watcher.update(metrics=[{"step": step, **metrics}], displacement=disp)
+
+    def on_eval(self, trainer, step, metrics):
+        self.watcher.update(evals=[{"step": step, **metrics}])
 
 
 class Checkpointer(Hook):
@@ -162,18 +154,21 @@ class Checkpointer(Hook):
 
 
 class ProgressBar(Hook):
-    """A rich progress bar with live reward and accuracy (a plain line per eval when not on a terminal)."""
+    """A rich progress bar with live reward and accuracy; when stderr is not a terminal (nohup, CI logs), a plain
+    line per eval and a progress line at most every ~10 s (mechdiag.console.Progress)."""
 
     def __init__(self):
         self.progress = None
+        self.lines = None
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+        from rich.console import Console  # noqa: PLC0415 - rich progress only when training on a terminal
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415 - rich progress only when training on a terminal
 
         self.console = Console(stderr=True)
         if not self.console.is_terminal:
+            self.lines = Lines("train step", total=trainer.total_steps)
             return
         self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                                  TextColumn("{task.fields[info]}"), console=self.console, transient=False)
@@ -182,9 +177,11 @@ class ProgressBar(Hook):
                                            info="")
 
     def on_step_end(self, trainer, step, metrics, rollout):
+        info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
         if self.progress is not None:
-            info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
             self.progress.update(self.task, completed=step, info=info)
+        elif self.lines is not None:
+            self.lines.update(step, info)
 
     def on_eval(self, trainer, step, metrics):
         self.acc = metrics["accuracy"]

@@ -6,6 +6,9 @@ import difflib
 import re
 
 import torch
+from peft import LoraConfig as PeftLoraConfig
+from peft import get_peft_model
+from peft.tuners.lora import LoraLayer
 
 from mechdiag.config import LoraConfig, parse_layers
 from mechdiag.errors import UserError
@@ -39,8 +42,6 @@ def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
 
 def apply_lora(model, lora: LoraConfig):
     """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
 
     modules, layers = resolve(model, lora)
     pcfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
@@ -50,7 +51,6 @@ def apply_lora(model, lora: LoraConfig):
 
 def lora_modules(model) -> list[dict]:
     """The exact modules carrying a LoRA adapter: name, layer, module, shape, trainable parameters."""
-    from peft.tuners.lora import LoraLayer
 
     rows = []
     for name, mod in model.named_modules():
@@ -75,7 +75,6 @@ def merge_into(peft_model, plain) -> None:
     Sampling through plain Linear layers skips peft's per-module overhead (about 30% of decode time on small
     models); the product B A is formed here only because the sampler needs the weight itself.
     """
-    from peft.tuners.lora import LoraLayer
 
     targets = dict(plain.named_modules())
     for name, mod in peft_model.named_modules():

@@ -6,12 +6,13 @@ under full fine-tuning. Each of the old and reference log-probs is one batched f
 
 from __future__ import annotations
 
-import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens
+from mechdiag.generate import cache_kw, encode_prompts, eos_ids, pad_id, policy_logits, sample_tokens
+from mechdiag.models import reference_context
 from mechdiag.train import objective as obj
 
 
@@ -33,7 +34,6 @@ class Rollout:
     ref_logp: torch.Tensor | None = None
     sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
     sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
-    extra: dict = field(default_factory=dict)
 
     def __len__(self) -> int:
         return self.completion_ids.size(0)
@@ -52,24 +52,10 @@ class Rollout:
                        t(self.ref_logp), t(self.sample_logp), t(self.sample_entropy))
 
 
-def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attn = torch.cat([prompt_mask, completion_mask], dim=1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    t = completion_ids.size(1)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                   logits_to_keep=t + 1).logits
-    return logits[:, :-1, :]
-
-
 @torch.inference_mode()
 def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
     """Token log-probs of the completions under `model` (no grad). Rows come in groups of `group_size` sharing
     one prompt, so each prompt is run once and its KV cache serves the group's completions."""
-    from transformers import DynamicCache
-
-    from mechdiag.generate import cache_kw
 
     g, t = group_size, r.completion_ids.size(1)
     if g == 1 or t == 1:
@@ -87,13 +73,6 @@ def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1
     rest = model(input_ids=r.completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
                  **kv).logits
     return obj.token_logprobs(torch.cat([first, rest], dim=1), r.completion_ids, temperature)
-
-
-def reference_context(model, ref_model):
-    """The reference policy: the frozen copy if there is one, else the model with its adapter disabled."""
-    if ref_model is not None:
-        return ref_model, contextlib.nullcontext()
-    return model, model.disable_adapter()
 
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:

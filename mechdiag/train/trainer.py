@@ -1,5 +1,6 @@
-"""The GRPO training recipe, read top to bottom: setup, evaluate the base, then per step
-rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics, recorders, checkpoint).
+"""The GRPO training recipe, read top to bottom in the order it runs: setup (__init__); fit: evaluate the base,
+then per step (train_step) rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics,
+recorders, checkpoint); evaluate; checkpoints (written through mechdiag.run).
 
 A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
 num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
@@ -15,49 +16,30 @@ import json
 import math
 import os
 import random
-import shutil
 import time
 import warnings
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import get_scheduler
 
-from mechdiag import atomic
+from mechdiag import atomic, models, sandbox, tasks
 from mechdiag.config import Config, save
 from mechdiag.errors import UserError
-from mechdiag.evaluate import pass_at_k
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, sample_tokens, samples_from
+from mechdiag.generate import generate, greedy
+from mechdiag.metrics import pass_at_k
+from mechdiag.outcomes import outcomes_from
+from mechdiag.probes.forget import ForgetProbe
 from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
+from mechdiag.train.lora import apply_lora, merge_into
 from mechdiag.train.rollout import collect, policy_logits
 
 
 # ---- model ------------------------------------------------------------------------------------------------
-def load_model(name_or_path: str, dtype: str = "float32"):
-    """(model, tokenizer): through mechdiag.models when present (it knows "bundled"), else a local HF dir."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    try:
-        from mechdiag.models import load_model_and_tokenizer
-    except ImportError:
-        load_model_and_tokenizer = None
-    if load_model_and_tokenizer is not None:
-        model, tok = load_model_and_tokenizer(name_or_path)
-    else:
-        if name_or_path == "bundled" or not Path(name_or_path).is_dir():
-            raise UserError(f"model {name_or_path!r} not found (give a local Hugging Face model directory)")
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(name_or_path)
-        model = AutoModelForCausalLM.from_pretrained(name_or_path)
-    model = model.to(getattr(torch, dtype))
-    if tok.pad_token_id is None:
-        tok.pad_token_id = pad_id(tok)
-    return model, tok
-
-
 def frozen_copy(model):
     out = copy.deepcopy(model).eval()
     for p in out.parameters():
@@ -84,7 +66,7 @@ def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def prepare_model(cfg: Config, device: torch.device | None = None):
+def prepare_model(cfg: Config, device: torch.device | str | None = None):
     """(model, tokenizer, ref_model, sampler).
 
     LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
@@ -92,9 +74,8 @@ def prepare_model(cfg: Config, device: torch.device | None = None):
     the base into which the effective weights are written before each rollout and eval, because plain layers
     decode faster; it is None otherwise and the model samples itself.
     """
-    from mechdiag.train.lora import apply_lora
 
-    model, tok = load_model(cfg.model.name_or_path, cfg.model.dtype)
+    model, tok = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     model.to(device or torch.device("cpu"))  # before LoRA: peft puts the factors beside the base weights
     if cfg.gradient_checkpointing:  # only active in train mode: decoding (eval mode) keeps its KV cache
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
@@ -106,7 +87,6 @@ def prepare_model(cfg: Config, device: torch.device | None = None):
 
 
 def make_scheduler(opt, cfg: Config, total_updates: int):
-    from transformers import get_scheduler
 
     name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
     return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
@@ -127,34 +107,59 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
 
 
-def get_task(name: str, path: str | None, options: dict):
-    """A registered task by name, or a user task class by import path "package.module:Class"."""
-    from mechdiag import tasks
+def check_data(cfg: Config) -> None:
+    """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
+    examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
+    main = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+    if not main.examples(cfg.task.train_split, n=1, seed=cfg.seed):
+        raise UserError(f"task {cfg.task.name} has no training examples in split {cfg.task.train_split!r}")
+    if not main.examples(cfg.task.eval_split, n=1, seed=0):
+        raise UserError(f"task {cfg.task.name} has no examples in eval split {cfg.task.eval_split!r}")
+    for s in cfg.task.mixture:
+        if not tasks.get_task(s.name, s.path, **s.options).examples("train", n=1, seed=cfg.seed):
+            raise UserError(f"mixture task {s.name} has no training examples")
 
+
+# ---- held-out evaluation -----------------------------------------------------------------------------------
+@torch.inference_mode()
+def heldout_eval(model, tokenizer, task, examples: list, prompts: list[str], cfg: Config,
+                 batch_size: int = 256) -> tuple[dict, list]:
+    """The trainer's held-out numbers from the one greedy pass (generate.greedy): accuracy, eval reward, entropy
+    and completion length of `model` on `examples`, and per problem (Sample, correct, reward). `mechdiag attribute`
+    scores with it too, so its reference rows equal summary.json exactly."""
+    was = model.training
+    model.eval()
     try:
-        return tasks.get_task(name, path, **options)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"task {name!r}: cannot load it ({e})") from None
+        done, ent_sum, ent_n = greedy(model, tokenizer, prompts, cfg.max_completion_tokens, cfg.max_prompt_tokens,
+                                      batch_size)
+    finally:
+        model.train(was)
+    scored = [(smp, bool(task.correct(smp.text, ex)), task.reward(smp.text, ex, tasks.reward_weights(cfg))[0])
+              for smp, ex in zip(done, examples, strict=True)]
+    n = len(scored)
+    out = {"accuracy": sum(ok for _, ok, _ in scored) / n, "eval_reward": sum(r for _, _, r in scored) / n,
+           "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / n}
+    return out, scored
 
 
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        tasks.resolve_rewards(cfg)  # before config.yaml is saved: it shows the weights that ran
+        self.isolation = sandbox.use(cfg.sandbox)  # for summary.json; sandbox: strict without bwrap stops here
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        from mechdiag.models import resolve_device
-
-        self.device = resolve_device(cfg.device)  # a device that is not here fails before the model loads
+        self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
         # what the copies cost: the reference (full fine-tuning) or the merged sampler (LoRA) is one more model
         self.memory = {"weights_bytes": param_bytes(self.model),
                        "sampler": "merged" if self._sampler is not None else "adapter",
                        "sampler_bytes": param_bytes(self._sampler) if self._sampler is not None else 0,
                        "reference_bytes": param_bytes(self.ref_model) if self.ref_model is not None else 0}
-        self.task = get_task(cfg.task.name, cfg.task.path, cfg.task.options)
-        self.sources = [(self.task, 1.0)] + [(get_task(s.name, s.path, s.options), s.weight)
+        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+        self.sources = [(self.task, 1.0)] + [(tasks.get_task(s.name, s.path, **s.options), s.weight)
                                              for s in cfg.task.mixture]
         self.train_examples = [t.examples(cfg.task.train_split if i == 0 else "train", n=cfg.task.n_train,
                                           seed=cfg.seed)
@@ -163,6 +168,7 @@ class Trainer:
             raise UserError(f"task {cfg.task.name} has no training examples")
         self.eval_examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
         self.eval_prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
+        self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -186,7 +192,7 @@ class Trainer:
         self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
         if cfg.record.shift_at_eval:
             self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
-        self.hooks.append(H.ProgressBar())
+        self.hooks += [H.AlertPrinter(), H.ProgressBar()]
         self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
         self.checkpointer = H.Checkpointer(cfg.save_every)
 
@@ -194,87 +200,48 @@ class Trainer:
         """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
         if self._sampler is None:
             return self.model
-        from mechdiag.train.lora import merge_into
 
         merge_into(self.model, self._sampler)
         return self._sampler
 
-    # ---- data -----------------------------------------------------------------------------------------
-    def batch(self, step: int) -> list:
-        """The prompts of step `step` (1-based): a slice of the epoch's permutation, or a weighted mixture."""
-        k = self.prompts_per_update
-        main = self.train_examples[0]
-        if len(self.sources) == 1:
-            start = (step - 1) * k
-            out = []
-            for j in range(start, start + k):
-                epoch, i = divmod(j, len(main))
-                perm = list(range(len(main)))
-                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
-                out.append(main[perm[i]])
-            return out
-        rng = random.Random(step_seed(self.cfg.seed, step, 2))
-        weights = [w for _, w in self.sources]
-        picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
-        return [rng.choice(self.train_examples[s]) for s in picks]
-
-    # ---- evaluation -----------------------------------------------------------------------------------
-    @torch.inference_mode()
-    def evaluate(self, step: int, batch_size: int = 256) -> dict:
-        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        cfg, tok, model = self.cfg, self.tokenizer, self.sampler()
-        was = model.training
-        model.eval()
-        eos, pad = eos_ids(model, tok), pad_id(tok)
-        correct, rewards, lengths, ent_sum, ent_n, samples = [], [], [], 0.0, 0, []
-        try:
-            for s in range(0, len(self.eval_prompts), batch_size):
-                ids, mask = encode_prompts(tok, self.eval_prompts[s:s + batch_size], cfg.max_prompt_tokens)
-                ent: list = []
-                comp, cmask, trunc = sample_tokens(model, ids.to(self.device), mask.to(self.device),
-                                                   max_new_tokens=cfg.max_completion_tokens, eos=eos, pad=pad,
-                                                   temperature=0.0, entropy=ent)
-                ent_sum += float((ent[0] * cmask).sum())
-                ent_n += int(cmask.sum())
-                for j, smp in enumerate(samples_from(tok, comp, cmask, trunc)):
-                    ex = self.eval_examples[s + j]
-                    r, _ = self.task.reward(smp.text, ex, cfg.rewards.weights)
-                    ok = bool(self.task.correct(smp.text, ex))
-                    correct.append(ok)
-                    rewards.append(r)
-                    lengths.append(smp.length)
-                    if len(samples) < 16:
-                        samples.append({"step": step, "split": "eval", "example_id": ex.id, "completion": smp.text,
-                                        "correct": ok, "reward": r})
-            out = {"accuracy": sum(correct) / len(correct), "eval_reward": sum(rewards) / len(rewards),
-                   "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(lengths) / len(lengths)}
-            out.update(self._pass_at_k(step))
-        finally:
-            model.train(was)
-        self.run.append("samples", samples)
-        return out
-
-    def _pass_at_k(self, step: int) -> dict:
+    # ---- the loop -------------------------------------------------------------------------------------
+    def fit(self) -> RunDir:
+        t_start = time.perf_counter()
         cfg = self.cfg
-        n = cfg.eval_samples
-        if n == 1:  # greedy accuracy stands for pass@1
-            return {}
-        from mechdiag.generate import generate
-
-        k_list = [k for k in cfg.pass_k if k <= n]
-        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
-                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
-        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
-              for g, ex in zip(groups, self.eval_examples, strict=True)]
-        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
-
-    def _eval(self, step: int) -> dict:
-        metrics = self.evaluate(step)
-        if self.cfg.eval_samples == 1:
-            metrics.update({f"pass@{k}": metrics["accuracy"] for k in self.cfg.pass_k if k == 1})
-        H.call(self.hooks, "on_eval", self, step, metrics)
-        return metrics
+        H.call(self.hooks, "on_train_start", self)
+        try:
+            if self.base_eval is None:
+                self.base_eval = {"step": 0, **self._eval(0)}
+            t_train = time.perf_counter()
+            for step in range(self.step + 1, self.total_steps + 1):
+                metrics, roll = self.train_step(step)
+                self.step = step
+                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
+                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
+                    self._eval(step)
+                self.checkpointer.on_step_end(self, step, metrics, roll)
+                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
+                        and step < self.total_steps:
+                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
+                                  f"{self.total_steps}", stacklevel=2)
+                    break
+            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
+            self._save_final()
+            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
+                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
+                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
+                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
+                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
+                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation,
+                       "memory": self.memory}
+            self.run.write_summary(summary)
+            H.call(self.hooks, "on_train_end", self, summary)
+        except BaseException:
+            for h in self.hooks:
+                if isinstance(h, H.ProgressBar) and h.progress is not None:
+                    h.progress.stop()
+            raise
+        return self.run
 
     # ---- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[dict, object]:
@@ -329,9 +296,11 @@ class Trainer:
         n_tok = int(roll.completion_mask.sum())
         m_all = roll.completion_mask
         stats["entropy"] = [obj.masked_mean(roll.sample_entropy, m_all).item()]
-        stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
+        if "kl" not in stats:  # beta = 0: no penalty computed it; measure it on the rollout
+            stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
         g = obj.group_stats(roll.rewards, cfg.group_size)
         metrics = {"reward": roll.rewards.mean().item(), **g,
+                   **outcomes_from(roll.rewards, roll.components, roll.group_ids),
                    "completion_clipped_ratio": roll.truncated.float().mean().item(),
                    "completion_length": n_tok / len(roll),
                    **{k: float(sum(v) / len(v)) for k, v in stats.items()},
@@ -353,72 +322,107 @@ class Trainer:
         return max(1, int(budget // max(per_token * width, 1)))
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """The loss of rows `rows` as their share of the aggregate over micro-batch `of` (default: rows itself).
+        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
+        (mechdiag.train.objective.grpo_loss) weighs it by the micro-batch's counts, so the shares sum to its loss.
 
         With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
-        the forward pass (often half the batch: groups with equal rewards) and the aggregate rescaled to match.
+        the forward pass (often half the batch: groups with equal rewards); the objective is told the counts.
         """
         cfg = self.cfg
-        keep = rows
-        if cfg.beta == 0:
-            keep = rows[roll.advantages[rows].cpu() != 0]
+        keep = rows[roll.advantages[rows].cpu() != 0] if cfg.beta == 0 else rows
         of = rows if of is None else of
-        tokens_all = roll.completion_mask[of].sum().clamp(min=1)
+        n_tokens = int(roll.completion_mask[of].sum())
         if len(keep) == 0:
-            return torch.zeros(()), {"clip_low": 0.0, "clip_high": 0.0, "policy_clip_fraction": 0.0}
+            return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
         logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
         logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                 epsilon=cfg.epsilon, epsilon_high=cfg.clip_high, beta=cfg.beta,
-                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens)
-        token_share = (mb.completion_mask.sum() / tokens_all).item()
-        share = token_share if cfg.loss_type in ("dapo", "bnpo") else len(keep) / len(of)
-        st = {k: v * token_share for k, v in st.items() if k != "kl"}
-        return loss * share, st
+                                 epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
+                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
+                                 n_rows=len(of), n_tokens=n_tokens)
+        if "kl" in st:  # a token mean over these rows: weighted so the passes' values sum to the micro-batch's
+            st["kl"] *= int(mb.completion_mask.sum()) / max(n_tokens, 1)
+        return loss, st
+
+    # ---- data -----------------------------------------------------------------------------------------
+    def batch(self, step: int) -> list:
+        """The prompts of step `step` (1-based): a slice of the epoch's permutation, or a weighted mixture."""
+        k = self.prompts_per_update
+        main = self.train_examples[0]
+        if len(self.sources) == 1:
+            start = (step - 1) * k
+            out = []
+            for j in range(start, start + k):
+                epoch, i = divmod(j, len(main))
+                perm = list(range(len(main)))
+                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
+                out.append(main[perm[i]])
+            return out
+        rng = random.Random(step_seed(self.cfg.seed, step, 2))
+        weights = [w for _, w in self.sources]
+        picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
+        return [rng.choice(self.train_examples[s]) for s in picks]
+
+    # ---- evaluation -----------------------------------------------------------------------------------
+    def evaluate(self, step: int, batch_size: int = 256) -> dict:
+        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
+        out, scored = heldout_eval(self.sampler(), self.tokenizer, self.task, self.eval_examples, self.eval_prompts,
+                                   self.cfg, batch_size)
+        out.update(self._pass_at_k(step))
+        self.run.append("samples", [{"step": step, "split": "eval", "example_id": ex.id, "prompt": prompt,
+                                     "completion": smp.text, "correct": ok, "reward": r}
+                                    for ex, prompt, (smp, ok, r) in zip(self.eval_examples, self.eval_prompts,
+                                                                        scored[:16], strict=False)])
+        return out
+
+    def _pass_at_k(self, step: int) -> dict:
+        cfg = self.cfg
+        n = cfg.eval_samples
+        if n == 1:  # pass@k only from sampled completions; greedy accuracy is `accuracy`, never pass@1
+            return {}
+
+        k_list = [k for k in cfg.pass_k if k <= n]
+        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
+                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
+                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
+        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
+              for g, ex in zip(groups, self.eval_examples, strict=True)]
+        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
+
+    def _eval(self, step: int) -> dict:
+        metrics = self.evaluate(step)
+        if self.forget is not None:
+            metrics["forget_kl"] = self.forget.kl(self.model, self.ref_model)
+        H.call(self.hooks, "on_eval", self, step, metrics)
+        return metrics
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
         self.model.save_pretrained(path)
 
     def save_checkpoint(self, step: int) -> Path:
-        final = self.run.checkpoints / f"step-{step}"
-        tmp = self.run.checkpoints / f".step-{step}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        self._save_weights(tmp)
-        torch.save(self.opt.state_dict(), tmp / "optimizer.pt")
-        torch.save(self.sched.state_dict(), tmp / "scheduler.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-        atomic.write_json(tmp / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
-        # durable before the marker: every record of steps <= N and every file of the checkpoint
-        from mechdiag.run import STREAMS
+        def save(folder: Path) -> None:
+            self._save_weights(folder)
+            torch.save(self.opt.state_dict(), folder / "optimizer.pt")
+            torch.save(self.sched.state_dict(), folder / "scheduler.pt")
+            torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
+            atomic.write_json(folder / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
 
-        for p in [self.run.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
-            atomic.fsync_file(p)
-        os.replace(tmp, final)
-        atomic.write_text(final / "COMPLETE", "")
-        atomic.fsync_file(self.run.checkpoints)
+        final = self.run.write_checkpoint(step, save)
         H.call(getattr(self, "hooks", []), "on_save", self, step, final)
         return final
 
     def _save_final(self) -> None:
-        """final/ appears whole or not at all: written beside it, then renamed over it."""
-        tmp = self.run.path / ".final.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self._save_weights(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        for p in sorted(tmp.iterdir()) + [tmp]:
-            atomic.fsync_file(p)
-        shutil.rmtree(self.run.final, ignore_errors=True)
-        os.replace(tmp, self.run.final)
+        def save(folder: Path) -> None:
+            self._save_weights(folder)
+            self.tokenizer.save_pretrained(folder)
+
+        self.run.write_final(save)
 
     def _load_weights(self, path: Path) -> None:
-        from safetensors.torch import load_file
 
         if self.cfg.lora.enabled:
-            from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(self.model, load_file(path / "adapter_model.safetensors"))
         else:
@@ -434,7 +438,7 @@ class Trainer:
             self.run.drop_after(-1)
             return
         last = steps[-1]
-        ck = self.run.checkpoints / f"step-{last}"
+        ck = self.run.checkpoint(last)
         try:
             self._load_weights(ck)
             self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
@@ -451,44 +455,6 @@ class Trainer:
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
         self.base_eval = base[0] if base else None
-
-    # ---- the loop -------------------------------------------------------------------------------------
-    def fit(self) -> RunDir:
-        t_start = time.perf_counter()
-        cfg = self.cfg
-        H.call(self.hooks, "on_train_start", self)
-        try:
-            if self.base_eval is None:
-                self.base_eval = {"step": 0, **self._eval(0)}
-            t_train = time.perf_counter()
-            for step in range(self.step + 1, self.total_steps + 1):
-                metrics, roll = self.train_step(step)
-                self.step = step
-                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
-                if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
-                    self._eval(step)
-                self.checkpointer.on_step_end(self, step, metrics, roll)
-                if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
-                        and step < self.total_steps:
-                    warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
-                                  f"{self.total_steps}", stacklevel=2)
-                    break
-            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
-            self._save_final()
-            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
-                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
-                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
-                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
-                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start, "memory": self.memory}
-            self.run.write_summary(summary)
-            H.call(self.hooks, "on_train_end", self, summary)
-        except BaseException:
-            for h in self.hooks:
-                if isinstance(h, H.ProgressBar) and h.progress is not None:
-                    h.progress.stop()
-            raise
-        return self.run
 
 
 def train(cfg: Config, out_dir, resume: bool = False, hooks: list | None = None) -> RunDir:

@@ -1,0 +1,207 @@
+"""Live alerts: pure functions over the records of a run that say, while it trains, that something is wrong.
+
+`check(metrics, evals, displacement, max_reward)` returns one Alert per condition that has held at some step:
+its name, the first step where it held, and the evidence. `mechdiag watch` shows them; the native trainer and
+the TRL callback print each once, when it first fires (Watcher). Thresholds: docs/recommendations.md.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH
+
+NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
+NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
+KL_SPIKE_FACTOR = 5.0  # kl above this many times the median of the steps before it...
+KL_WINDOW = 50  # ...over at most this many steps before it...
+KL_MIN_HISTORY = 5  # ...given at least this many...
+KL_SPIKE_MIN = 0.01  # ...and above this (nats per token; noise near zero is not a spike)
+WINDOW = 5  # truncation, entropy and zero_std look at the mean of this many steps ending at each step
+GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of the maximum reward...
+GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
+ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
+
+NAMES = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap")
+
+
+@dataclass(frozen=True)
+class Alert:
+    alert: str
+    step: int
+    evidence: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _series(records: list[dict], key: str) -> list[tuple[int, float]]:
+    out = []
+    for r in records:
+        v, s = r.get(key), r.get("step")
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and isinstance(s, int):
+            out.append((s, float(v)))
+    return out
+
+
+def _windows(series: list[tuple[int, float]], n: int = WINDOW):
+    """(step, mean of the n values ending at that step) from the n-th value on."""
+    for i in range(n - 1, len(series)):
+        yield series[i][0], math.fsum(v for _, v in series[i - n + 1:i + 1]) / n
+
+
+# ---- the alerts ---------------------------------------------------------------------------------------------
+def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
+    """The adapter has not moved after NO_UPDATE_STEPS steps: its displacement is ~0 (exactly 0: LoRA B is still
+    zero), or reward and loss have been exactly 0 for NO_UPDATE_STEPS steps in a row."""
+    by_step: dict[int, list[float]] = {}
+    for r in displacement:
+        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
+            d = by_step.setdefault(r["step"], [0.0, 0.0])
+            d[0] += float(r["delta_fro"]) ** 2
+            d[1] += float(r["ref_fro"]) ** 2
+    for step in sorted(by_step):
+        if step < NO_UPDATE_STEPS:
+            continue
+        delta2, ref2 = by_step[step]
+        wdisp = math.sqrt(delta2) / math.sqrt(ref2 + 1e-12)
+        if delta2 == 0.0:
+            return Alert("no_update", step, f"every LoRA delta is exactly zero at step {step} (B still zero)")
+        if wdisp <= NO_UPDATE_WDISP:
+            return Alert("no_update", step, f"wdisp {wdisp:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")
+    run = 0
+    for r in metrics:
+        reward, loss = r.get("reward"), r.get("loss")
+        flat = isinstance(reward, (int, float)) and isinstance(loss, (int, float)) and abs(reward) <= ZERO \
+            and abs(loss) <= ZERO
+        run = run + 1 if flat else 0
+        if run >= NO_UPDATE_STEPS:
+            return Alert("no_update", r["step"], f"reward 0 and loss 0 for {run} steps in a row (to step {r['step']})")
+    return None
+
+
+def kl_spike(metrics: list[dict]) -> Alert | None:
+    kl = _series(metrics, "kl")
+    for i, (step, v) in enumerate(kl):
+        before = [x for _, x in kl[max(0, i - KL_WINDOW):i]]
+        if len(before) < KL_MIN_HISTORY or v <= KL_SPIKE_MIN:
+            continue
+        med = statistics.median(before)
+        if v > KL_SPIKE_FACTOR * med:
+            ratio = f"{v / med:.1f}x" if med > 0 else "inf x"
+            return Alert("kl_spike", step, f"kl {v:.4g} = {ratio} the median {med:.3g} of the {len(before)} steps "
+                                           f"before (threshold {KL_SPIKE_FACTOR:g}x)")
+    return None
+
+
+def truncation(metrics: list[dict]) -> Alert | None:
+    for step, m in _windows(_series(metrics, "completion_clipped_ratio")):
+        if m > CLIPPED_HIGH:
+            return Alert("truncation", step, f"{m:.0%} of completions cut at max_completion_tokens (mean of "
+                                             f"{WINDOW} steps to {step}; > {CLIPPED_HIGH:.0%}): their rewards are "
+                                             "often zero")
+    return None
+
+
+def entropy_collapse(metrics: list[dict]) -> Alert | None:
+    ent = _series(metrics, "entropy")
+    if len(ent) < 2 * WINDOW:
+        return None
+    head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
+    for i, (step, m) in enumerate(_windows(ent)):
+        if i < WINDOW:  # the head itself is not a collapse from the head
+            continue
+        if m < ENTROPY_COLLAPSE_RATIO * head:
+            return Alert("entropy_collapse", step,
+                         f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in the first {WINDOW} "
+                         f"steps (< {ENTROPY_COLLAPSE_RATIO:g}x)")
+    return None
+
+
+def zero_std(metrics: list[dict]) -> Alert | None:
+    by_step = {r["step"]: r for r in metrics if isinstance(r.get("step"), int)}
+    for step, m in _windows(_series(metrics, "frac_zero_std")):
+        if m > FRAC_ZERO_STD_HIGH:
+            r = by_step[step]
+            split = ""
+            if "frac_groups_all_correct" in r and "frac_groups_all_wrong" in r:
+                split = (f"; at step {step} all correct {r['frac_groups_all_correct']:.0%}, all wrong "
+                         f"{r['frac_groups_all_wrong']:.0%}")
+            return Alert("zero_std", step, f"{m:.0%} of groups have identical rewards (mean of {WINDOW} steps to "
+                                           f"{step}; > {FRAC_ZERO_STD_HIGH:.0%}): no gradient signal{split}")
+    return None
+
+
+def reward_accuracy_gap(metrics: list[dict], evals: list[dict], max_reward: float) -> Alert | None:
+    """At an eval after the base: train reward (mean of WINDOW steps to it) up by GAP_REWARD_RISE x max_reward from
+    the first WINDOW steps, while accuracy is at most GAP_ACC_FLAT above the base eval's."""
+    reward = _series(metrics, "reward")
+    acc = _series(evals, "accuracy")
+    if len(reward) < 2 * WINDOW or len(acc) < 2:
+        return None
+    base_step, base = acc[0]
+    head = math.fsum(v for _, v in reward[:WINDOW]) / WINDOW
+    for step, a in acc[1:]:
+        upto = [v for s, v in reward if s <= step][-WINDOW:]
+        if step <= base_step or len(upto) < WINDOW or len([s for s, _ in reward if s <= step]) < 2 * WINDOW:
+            continue
+        tail = math.fsum(upto) / WINDOW
+        if tail - head > GAP_REWARD_RISE * max_reward and a - base <= GAP_ACC_FLAT:
+            rise = (tail - head) / max_reward
+            return Alert("reward_accuracy_gap", step,
+                         f"train reward {head:.3g} -> {tail:.3g} (+{rise:.0%} of max {max_reward:.3g}) while eval "
+                         f"accuracy {base:.3g} -> {a:.3g} (step {base_step} -> {step}): suspected reward hacking")
+    return None
+
+
+def check(metrics: list[dict], evals: list[dict] = (), displacement: list[dict] = (),
+          max_reward: float = 1.0) -> list[Alert]:
+    """Every alert that has fired, in the order of NAMES."""
+    metrics = sorted((r for r in metrics if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    evals = sorted((r for r in evals if isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    found = [no_update(metrics, list(displacement)), kl_spike(metrics), truncation(metrics),
+             entropy_collapse(metrics), zero_std(metrics), reward_accuracy_gap(metrics, evals, max_reward)]
+    return [a for a in found if a is not None]
+
+
+# ---- in a trainer: print each alert once ---------------------------------------------------------------------
+class Watcher:
+    """Holds a run's records as they come and prints each alert once, the first time it fires."""
+
+    def __init__(self, max_reward: float = 1.0, out=None):
+        self.max_reward = max_reward
+        self.metrics: list[dict] = []
+        self.evals: list[dict] = []
+        self.displacement: list[dict] = []
+        self.fired: dict[str, Alert] = {}
+        self.out = out
+
+    def update(self, metrics=(), evals=(), displacement=(), announce: bool = True) -> list[Alert]:
+        """Add records; print (unless `announce` is False: records of a resumed run) and return the alerts that
+        fire for the first time."""
+        self.metrics += list(metrics)
+        self.evals += list(evals)
+        self.displacement += _per_step(displacement)
+        new = [a for a in check(self.metrics, self.evals, self.displacement, self.max_reward)
+               if a.alert not in self.fired]
+        for a in new:
+            self.fired[a.alert] = a
+            if announce:
+                print(f"mechdiag: alert {a.alert} at step {a.step}: {a.evidence}", file=self.out or sys.stderr,
+                      flush=True)
+        return new
+
+
+def _per_step(rows) -> list[dict]:
+    """Displacement rows summed per step into one row (sqrt of the summed squares), which is all no_update reads:
+    a long run's history stays a row per recorded step."""
+    sums: dict[int, list[float]] = {}
+    for r in rows:
+        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
+            d = sums.setdefault(r["step"], [0.0, 0.0])
+            d[0] += float(r["delta_fro"]) ** 2
+            d[1] += float(r["ref_fro"]) ** 2
+    return [{"step": s, "delta_fro": math.sqrt(d), "ref_fro": math.sqrt(ref)} for s, (d, ref) in sums.items()]

@@ -1,0 +1,229 @@
+"""`mechdiag attribute`: which layers and modules of a LoRA update caused its effect.
+
+The final adapter of a run is evaluated on the run's own held-out problems with one part's factors zeroed
+(`*_without`) and with every other part's zeroed (`*_only`). A part is one layer (all its adapted modules) or one
+module type across the layers. Zeroing B makes that part's s*B@A exactly zero, so "without" is exactly the tuned
+model without that part; the factors are zeroed and restored in place (no reloads). Evaluation is the trainer's
+own (train.trainer.heldout_eval over generate.greedy, through the merged sampler when the run used one), so the
+two reference rows are exact: part "none" (nothing removed) reproduces summary.json's final_accuracy and part
+"all" its base_accuracy.
+
+    output_kl = mean over the tuned model's greedy completion tokens of KL(tuned || variant)(next token)
+
+causal share of a part = its output_kl_without / the sum over the parts of the same `by` (sums to 1, the
+counterpart of the displacement share disp_share).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+
+from mechdiag import config as configlib
+from mechdiag import models, tasks
+from mechdiag.displacement import lora_rows
+from mechdiag.errors import UserError
+from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
+from mechdiag.run import RunDir
+from mechdiag.train.lora import lora_modules, merge_into
+from mechdiag.train.rollout import policy_logits
+from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
+
+COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
+           "accuracy_only", "output_kl_only"]
+STREAM = "attribution"
+
+
+@dataclass
+class Part:
+    part: str
+    by: str
+    layer: int | None
+    module: str | None
+    names: list[str] = field(default_factory=list)  # LoRA module paths in the part
+
+
+def check_out(out: str | None, fmt: str) -> None:
+    """A bad --out is found before any work: a folder, or a file whose folder does not exist or is not writable."""
+    if fmt == "parquet" and not out:
+        raise UserError("--format parquet needs --out PATH")
+    if not out:
+        return
+    p = Path(out)
+    if p.is_dir():
+        raise UserError(f"--out {out} is a directory; give a file path")
+    if not p.parent.is_dir():
+        raise UserError(f"--out {out}: folder {p.parent} does not exist")
+    if not os.access(p.parent, os.W_OK):
+        raise UserError(f"--out {out}: folder {p.parent} is not writable")
+
+
+def open_run(path):
+    """(RunDir, Config) of a finished native LoRA run, checked before any model is loaded."""
+    run = RunDir(path)
+    if not run.config_path.is_file():
+        raise UserError(f"{run.path} has no config.yaml: not a mechdiag run directory (attribute reads runs of "
+                        "mechdiag train)")
+    cfg = configlib.load(run.config_path)
+    if not cfg.lora.enabled:
+        raise UserError(f"{run.path} is not a LoRA run (lora.enabled is false): nothing to attribute")
+    if not (run.final / "adapter_model.safetensors").is_file():
+        raise UserError(f"{run.path} has no final/adapter_model.safetensors: the run did not finish "
+                        "(or is not a LoRA run)")
+    summary = run.summary()
+    if "final_accuracy" not in summary:
+        raise UserError(f"{run.path} has no summary.json with final_accuracy: the run did not finish")
+    return run, cfg
+
+
+class Attribution:
+    """The final model of a LoRA run, with parts of its adapter switched off and on in place."""
+
+    def __init__(self, path, n: int | None = None):
+        self.run, self.cfg = open_run(path)
+        cfg = self.cfg
+        torch.set_num_threads(cfg.threads or auto_threads())  # the trainer's setting: same kernels, same numbers
+        self.model, self.tokenizer, _, self._sampler = prepare_model(cfg)
+        try:
+            set_peft_model_state_dict(self.model, load_file(self.run.final / "adapter_model.safetensors"))
+        except Exception as e:  # a damaged or mismatched adapter file
+            raise UserError(f"cannot load {self.run.final / 'adapter_model.safetensors'}: "
+                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+        self.model.eval()
+        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+        examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)  # the trainer's held-out set
+        self.examples = examples[:n] if n else examples
+        self.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.examples]
+        self.sites = {r["name"]: r for r in lora_modules(self.model)}
+        self._factors = {}  # module path -> (B weight, saved copy)
+        for name, mod in self.model.named_modules():
+            short = name.removeprefix("base_model.model.")
+            if short in self.sites:
+                for a in mod.active_adapters:
+                    w = mod.lora_B[a].weight
+                    self._factors.setdefault(short, []).append((w, w.detach().clone()))
+        self._tuned_tokens: list | None = None
+        self._tuned_logp: list | None = None
+
+    # ---- parts --------------------------------------------------------------------------------------------
+    def parts(self, by: str) -> list[Part]:
+        out: dict[tuple, Part] = {}
+        for name, site in self.sites.items():
+            for b in (("layer", "module") if by == "both" else (by,)):
+                key = site[b]
+                if b == "layer":
+                    p = out.setdefault((b, key), Part(f"layer {key}", b, key, None))
+                else:
+                    p = out.setdefault((b, key), Part(key, b, None, key))
+                p.names.append(name)
+        order = {"layer": 0, "module": 1}
+        mods = {m: i for i, m in enumerate(dict.fromkeys(s["module"] for s in self.sites.values()))}
+        return sorted(out.values(), key=lambda p: (order[p.by], p.layer if p.by == "layer" else mods[p.module]))
+
+    def keep(self, names) -> None:
+        """Restore the factors of the modules in `names`, zero every other's."""
+        names = set(names)
+        with torch.no_grad():
+            for short, pairs in self._factors.items():
+                for w, saved in pairs:
+                    if short in names:
+                        w.copy_(saved)
+                    else:
+                        w.zero_()
+
+    # ---- measuring ----------------------------------------------------------------------------------------
+    def eval_model(self):
+        """The module the trainer evaluates: the merged sampler brought up to date with the adapter, or the model."""
+        if self._sampler is None:
+            return self.model
+        merge_into(self.model, self._sampler)
+        return self._sampler
+
+    def evaluate(self, kl: bool = True) -> dict:
+        """The trainer's held-out eval (train.trainer.heldout_eval) of the current adapter state, and its output KL
+        from the tuned model."""
+        model = self.eval_model()
+        metrics, scored = heldout_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg)
+        if self._tuned_tokens is None:  # the first evaluation is the tuned model's: its completions carry the KL
+            self._tuned_tokens = self._batches([smp for smp, _, _ in scored])
+            self._tuned_logp = [self._logp(model, t) for t in self._tuned_tokens]
+            metrics["output_kl"] = 0.0
+        elif kl:
+            metrics["output_kl"] = self._kl(model)
+        return metrics
+
+    def _batches(self, samples, batch_size: int = 256) -> list:
+        """(prompt_ids, prompt_mask, completion_ids, completion_mask) batches of the tuned greedy completions."""
+        pad = models.pad_id(self.tokenizer)
+        out = []
+        for s in range(0, len(self.prompts), batch_size):
+            ids, mask = models.encode_prompts(self.tokenizer, self.prompts[s:s + batch_size],
+                                              self.cfg.max_prompt_tokens)
+            chunk = samples[s:s + batch_size]
+            width = max(1, max(len(x.token_ids) for x in chunk))
+            comp = torch.tensor([x.token_ids + [pad] * (width - len(x.token_ids)) for x in chunk], dtype=torch.long)
+            cmask = torch.tensor([[1] * len(x.token_ids) + [0] * (width - len(x.token_ids)) for x in chunk],
+                                 dtype=torch.long)
+            out.append((ids, mask, comp, cmask))
+        return out
+
+    def _logp(self, model, batch):
+        device = next(model.parameters()).device
+        with torch.inference_mode():
+            logits = policy_logits(model, *(t.to(device) for t in batch))
+        return torch.log_softmax(logits.double(), dim=-1).cpu()
+
+    def _kl(self, model) -> float:
+        total, count = 0.0, 0
+        for batch, tuned in zip(self._tuned_tokens, self._tuned_logp, strict=True):
+            lp = self._logp(model, batch)
+            cmask = batch[3].to(lp.dtype)
+            per_tok = (tuned.exp() * (tuned - lp)).sum(-1)
+            total += float((per_tok * cmask).sum())
+            count += int(batch[3].sum())
+        return total / max(count, 1)
+
+    def disp_shares(self, by: str) -> dict:
+        """The displacement share (metrics.update_mass) of each layer or module type of the final adapter."""
+        self.keep(self.sites)
+        return {(int(k) if by == "layer" else str(k)): v for k, v in update_mass(lora_rows(self.model), by).items()}
+
+    def rows(self, by: str = "both", progress=None) -> list[dict]:
+        parts = self.parts(by)
+        shares = {b: self.disp_shares(b) for b in {p.by for p in parts}}
+        everything = list(self.sites)
+        advance = progress or (lambda: None)
+        self.keep(everything)
+        tuned = self.evaluate()
+        advance()
+        self.keep([])
+        base = self.evaluate()
+        advance()
+        rows = [_row(Part("none", ATTRIBUTION_REFERENCE, None, None), None, tuned, base),
+                _row(Part("all", ATTRIBUTION_REFERENCE, None, None), None, base, tuned)]
+        for p in parts:
+            self.keep([n for n in everything if n not in set(p.names)])
+            without = self.evaluate()
+            advance()
+            self.keep(p.names)
+            only = self.evaluate()
+            advance()
+            key = p.layer if p.by == "layer" else p.module
+            rows.append(_row(p, shares[p.by].get(key, 0.0), without, only))
+        self.keep(everything)
+        return rows
+
+    def n_evals(self, by: str) -> int:
+        return 2 + 2 * len(self.parts(by))
+
+
+def _row(p: Part, disp_share, without: dict, only: dict) -> dict:
+    return {"part": p.part, "by": p.by, "layer": p.layer, "module": p.module, "disp_share": disp_share,
+            "accuracy_without": without["accuracy"], "reward_without": without["eval_reward"],
+            "output_kl_without": without["output_kl"], "accuracy_only": only["accuracy"],
+            "output_kl_only": only["output_kl"]}

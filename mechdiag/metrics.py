@@ -1,0 +1,199 @@
+"""Metric definitions shared by the CLI, the report and recommend: which way is better, display order, mean and
+std over seeds, the pass@k / maj@k estimators, update mass, and the causal share of `mechdiag attribute`
+(docs/metrics.md has the formulas)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+from collections import Counter
+from collections.abc import Iterable
+
+# Which way is better: +1 higher, -1 lower, 0 neither (reported, never coloured, judged or counted). Keys ending in
+# "@" or "/" are families (pass@k, reward/<component>); the first matching key wins.
+# Entropy, length and KL move both ways in healthy runs, so they stay neutral.
+DIRECTION = {"accuracy": 1, "eval_reward": 1, "reward": 1, "reward/": 1, "pass@": 1, "maj@": 1, "format_rate": 1,
+             "score": 1, "exact_match": 1, "f1": 1,
+             "truncation_rate": -1, "completion_clipped_ratio": -1, "loss": -1, "error_rate": -1, "ppl": -1,
+             "entropy": 0, "completion_length": 0, "length": 0, "kl": 0}
+SCORES = ("accuracy", "pass@", "maj@")  # what `mechdiag eval`'s summary line counts (the study counts pass@k cells)
+ORDER = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
+
+# The study's eight signals (Figure 1): four from training, four from evaluation (report figures, mechdiag watch).
+TRAIN_SIGNALS = [("reward", "train reward"), ("reward_cv", "reward CV (within groups)"),
+                 ("kl", "KL to reference"), ("completion_clipped_ratio", "completion clipped ratio")]
+EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), ("entropy", "eval entropy"),
+                ("completion_length", "eval completion length")]
+
+# Where a training signal is bad: shared by recommend's rules and the live alerts (docs/recommendations.md).
+FRAC_ZERO_STD_HIGH = 0.50  # share of groups with identical rewards above this: no gradient signal
+CLIPPED_HIGH = 0.20  # share of completions cut at max_completion_tokens above this
+ENTROPY_COLLAPSE_RATIO = 0.3  # entropy below this share of the run's own start has collapsed (no absolute floor)
+
+
+def max_reward(weights: dict[str, float]) -> float:
+    """The best total reward: components are in [0, 1] before weighting (tasks/base.py), so the sum of the
+    positive weights."""
+    return sum(w for w in weights.values() if w > 0) or 1.0
+
+
+def _matches(metric: str, key: str) -> bool:
+    return metric == key or (key.endswith(("@", "/")) and metric.startswith(key))
+
+
+def direction(metric: str) -> int:
+    return next((d for key, d in DIRECTION.items() if _matches(metric, key)), 0)
+
+
+def is_score(metric: str) -> bool:
+    return any(_matches(metric, s) for s in SCORES)
+
+
+def metric_order(metric: str) -> tuple:
+    """accuracy, pass@k by k, maj@k by k, then the quality metrics in ORDER, then the rest by name."""
+    if metric.startswith(("pass@", "maj@")):
+        fam, _, k = metric.partition("@")
+        return (1 if fam == "pass" else 2, int(k) if k.isdigit() else 0, metric)
+    return (0 if metric == "accuracy" else 3, ORDER.index(metric) if metric in ORDER else 99, metric)
+
+
+# ---- numbers ----------------------------------------------------------------------------------------------------
+def is_number(v) -> bool:
+    """A finite int or float (not a bool): what may enter a mean."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def mean_std(values: Iterable) -> tuple[float | None, float | None]:
+    """Mean and sample std (Bessel) over the finite numbers given (seeds); std None for one value, both None
+    for none, 0 for seeds that agree to 1e-9."""
+    vals = [float(v) for v in values if is_number(v)]
+    if not vals:
+        return None, None
+    mean = math.fsum(vals) / len(vals)
+    if len(vals) < 2:
+        return mean, None
+    std = statistics.stdev(vals)
+    return mean, 0.0 if std <= 1e-9 * max(1.0, abs(mean)) else std  # equal seeds: no float noise
+
+
+# ---- estimators -------------------------------------------------------------------------------------------------
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n-c, k) / C(n, k) (Chen et al. 2021).
+
+    Computed as a product, which stays exact in floating point for any n (the binomials overflow first).
+    """
+    if not (0 <= c <= n and 1 <= k <= n):
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n} c={c} k={k}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+def maj_at_k(keys: list, correct: list[bool], k: int, max_subsets: int = 2000, seed: int = 0) -> float:
+    """Expected accuracy of a plurality vote over k of the n samples.
+
+    keys[i] is the answer sample i gave (None: no answer, no vote). The expectation is over all k-subsets of the n
+    samples (a seeded random 2000 of them when there are more), ties broken uniformly at random; the winning answer
+    scores the fraction of its samples that are correct (one answer, one verdict, whatever its spelling).
+    """
+    n = len(keys)
+    if len(correct) != n or not 1 <= k <= n:
+        raise ValueError(f"maj@k needs 1 <= k <= n = len(keys) = len(correct), got k={k}, {n}, {len(correct)}")
+    right: dict = {}
+    for key, ok in zip(keys, correct, strict=True):
+        if key is not None:
+            right.setdefault(key, []).append(bool(ok))
+    if not right:
+        return 0.0
+    score = {key: sum(v) / len(v) for key, v in right.items()}
+    if math.comb(n, k) <= max_subsets:
+        subsets: Iterable = itertools.combinations(range(n), k)
+        count = math.comb(n, k)
+    else:
+        rng = random.Random(seed)
+        subsets = (rng.sample(range(n), k) for _ in range(max_subsets))
+        count = max_subsets
+    total = 0.0
+    for sub in subsets:
+        votes = Counter(keys[i] for i in sub if keys[i] is not None)
+        if votes:
+            top = max(votes.values())
+            winners = [key for key, v in votes.items() if v == top]
+            total += sum(score[w] for w in winners) / len(winners)
+    return total / count
+
+
+# ---- update mass ------------------------------------------------------------------------------------------------
+def last_step(rows: list[dict]) -> list[dict]:
+    """The rows of the last recorded step (displacement.jsonl holds one block of rows per recorded step)."""
+    steps = [r["step"] for r in rows if is_number(r.get("step"))]
+    return [r for r in rows if r.get("step") == max(steps)] if steps else []
+
+
+def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False) -> dict:
+    """Each group's share of the squared displacement: ||dW_g||^2 / sum_h ||dW_h||^2, summed over the rows
+    (tensors) of a group keyed by row[by] as weights.py names it (GPT-2's attn.c_proj and mlp.c_proj stay apart).
+
+    size_normalised: each group's ||dW_g||^2 is first divided by its ||W_g||^2 (its WDisp^2), so a module does not
+    carry "the update" just for being a bigger matrix. Rows without finite norms are left out; {} when nothing
+    moved (or, size-normalised, when a group has no reference norm)."""
+    mass: dict = {}
+    ref: dict = {}
+    for r in rows:
+        if is_number(r.get("delta_fro")) and r.get(by) is not None and not r.get("nonfinite"):
+            key = r[by]
+            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
+            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0)
+    if size_normalised:
+        if any(ref[k] <= 0 for k in mass):
+            return {}
+        mass = {k: v / ref[k] for k, v in mass.items()}
+    total = math.fsum(mass.values())
+    return {k: v / total for k, v in mass.items()} if total > 0 else {}
+
+
+# ---- attribution (mechdiag attribute) -----------------------------------------------------------------------------
+ATTRIBUTION_REFERENCE = "reference"  # the `by` of the rows "none" (nothing removed) and "all" (everything removed)
+
+
+def attribution_reference(rows: list[dict], part: str) -> dict | None:
+    return next((r for r in rows if r.get("by") == ATTRIBUTION_REFERENCE and r.get("part") == part), None)
+
+
+def causal_shares(rows: list[dict], by: str) -> dict:
+    """Causal share per layer or module: its output_kl_without over the sum over the parts of that `by` (sums to 1;
+    {} when nothing was recorded)."""
+    parts = [r for r in rows if r.get("by") == by and is_number(r.get("output_kl_without"))]
+    total = math.fsum(float(r["output_kl_without"]) for r in parts)
+    if total <= 0:
+        return {}
+    return {(int(r["layer"]) if by == "layer" else r["module"]): float(r["output_kl_without"]) / total for r in parts}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):  # ties share their mean rank
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def rank_correlation(a: dict, b: dict) -> float | None:
+    """Spearman's rho between two shares over their common keys: Pearson's r of the (tie-averaged) ranks. None with
+    fewer than 3 common keys or a constant side."""
+    keys = sorted(set(a) & set(b), key=str)
+    if len(keys) < 3:
+        return None
+    x, y = _ranks([a[k] for k in keys]), _ranks([b[k] for k in keys])
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sxy = math.fsum((u - mx) * (v - my) for u, v in zip(x, y, strict=True))
+    sxx, syy = math.fsum((u - mx) ** 2 for u in x), math.fsum((v - my) ** 2 for v in y)
+    return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)

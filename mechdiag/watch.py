@@ -1,0 +1,129 @@
+"""`mechdiag watch RUN`: a live terminal view of a run while it is written (native, `--backend trl`, or a TRL
+output_dir holding MechdiagCallback's mechdiag/ folder): the eight signals' latest values with sparklines, the
+group outcomes and forget_kl where recorded, and the alerts of mechdiag.alerts."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from mechdiag import alerts as A
+from mechdiag import config as C
+from mechdiag.errors import UserError
+from mechdiag.integrations.readers import CALLBACK_DIR
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
+from mechdiag.run import RunDir
+from mechdiag.tasks import reward_weights
+
+SPARK = "▁▂▃▄▅▆▇█"
+SPARK_POINTS = 30
+FLAT = 1e-8
+EXTRA = [("metrics", "frac_zero_std", "groups with zero std"), ("metrics", "frac_groups_all_correct", "  all correct"),
+         ("metrics", "frac_groups_all_wrong", "  all wrong"),
+         ("metrics", "frac_groups_shaping_only", "groups shaping only"), ("eval", "forget_kl", "forget KL to base")]
+
+
+def resolve(path) -> RunDir:
+    """The run directory to watch: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"run directory not found: {p}")
+    if (p / "config.yaml").exists() or (p / "metrics.jsonl").exists():
+        return RunDir(p)
+    if (p / CALLBACK_DIR / "config.yaml").exists():
+        return RunDir(p / CALLBACK_DIR)
+    raise UserError(f"{p} is not a run directory (no config.yaml or metrics.jsonl; for a TRL output_dir, "
+                    f"its {CALLBACK_DIR}/ folder written by MechdiagCallback)")
+
+
+@dataclass
+class State:
+    metrics: list[dict]
+    evals: list[dict]
+    alerts: list[A.Alert]
+    finished: bool
+
+
+def read_state(run: RunDir) -> State:
+    ceiling = max_reward(reward_weights(C.load(run.config_path))) if run.config_path.exists() else 1.0
+    metrics, evals, disp = run.read("metrics"), run.read("eval"), run.read("displacement")
+    return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists())
+
+
+def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
+    vals = [v for v in values if math.isfinite(v)][-width:]
+    if not vals:
+        return ""
+    lo, hi = min(vals), max(vals)
+    if hi - lo <= FLAT * max(1.0, abs(hi)):  # float noise around a constant (a KL of +-1e-9) draws flat
+        return SPARK[0] * len(vals)
+    return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in vals)
+
+
+def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))
+            and not isinstance(r.get(key), bool) and isinstance(r.get("step"), int)]
+
+
+def rows(state: State) -> list[tuple[str, str, str, str]]:
+    """(signal, latest value, its step, sparkline) for the eight signals, then the extras that were recorded."""
+    panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
+    out = []
+    for i, (stream, key, title) in enumerate(panels + EXTRA):
+        pts = _points(state.metrics if stream == "metrics" else state.evals, key)
+        if i >= len(panels) and not pts:
+            continue
+        latest = f"{pts[-1][1]:.4g}" if pts else "-"
+        out.append((title, latest, str(pts[-1][0]) if pts else "-", sparkline([v for _, v in pts])))
+    return out
+
+
+def render(run: RunDir, state: State):
+    last = state.metrics[-1]["step"] if state.metrics else 0
+    sig = Table(title=f"{run.path}  step {last}{'  (finished)' if state.finished else ''}", title_justify="left")
+    for col in ("signal", "latest", "step", "trend"):
+        sig.add_column(col, justify="right" if col in ("latest", "step") else "left")
+    for r in rows(state):
+        sig.add_row(*r)
+    if not state.alerts:
+        return Group(sig, "alerts: none")
+    al = Table(title="alerts", title_justify="left")
+    for col in ("alert", "step", "evidence"):
+        al.add_column(col, overflow="fold")
+    for a in state.alerts:
+        al.add_row(f"[bold red]{a.alert}[/]", str(a.step), a.evidence)
+    return Group(sig, al)
+
+
+def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, echo=print) -> State:
+    """Show the run at `path` (once, or live until its summary.json appears); returns the last state."""
+    run = resolve(path)
+    state = read_state(run)
+    if fmt == "json":
+        shown: set[str] = set()
+        while True:
+            for a in state.alerts:
+                if a.alert not in shown:
+                    shown.add(a.alert)
+                    echo(json.dumps(a.to_dict()))
+            if once or state.finished:
+                return state
+            time.sleep(interval)
+            state = read_state(run)
+    console = Console()
+    if once:
+        console.print(render(run, state))
+        return state
+    with Live(render(run, state), console=console, refresh_per_second=4) as live:
+        while not state.finished:
+            time.sleep(interval)
+            state = read_state(run)
+            live.update(render(run, state))
+    return state

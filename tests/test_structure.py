@@ -1,0 +1,114 @@
+"""The layering of docs/architecture.md holds: import-linter's contract, no import cycle anywhere in mechdiag
+(function-local imports included), each core idea defined once, no ImportError fallback around own modules."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import grimp
+
+from mechdiag.paths import REPO_ROOT
+
+PKG = REPO_ROOT / "mechdiag"
+# Optional compiled kernel (setup.py): built where a C compiler exists, the torch path otherwise.
+OPTIONAL_OWN = {"mechdiag._diffkernel"}
+
+
+def _sources() -> dict[str, ast.Module]:
+    return {str(p.relative_to(REPO_ROOT)): ast.parse(p.read_text()) for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_import_linter_contract_is_kept():
+    proc = subprocess.run([sys.executable, "-c", "from importlinter.cli import lint_imports_command; "
+                           "lint_imports_command()"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+def test_no_import_cycle_between_any_two_modules():
+    graph = grimp.build_graph("mechdiag", include_external_packages=False)
+    edges = {m: graph.find_modules_directly_imported_by(m) for m in graph.modules}
+    index, low, stack, on, cycles, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                cycles.append(sorted(comp))
+
+    for m in sorted(graph.modules):
+        if m not in index:
+            visit(m)
+    # a package's __init__ importing its own submodules is not a cycle unless a submodule imports the package back
+    assert cycles == [], cycles
+    assert "mechdiag.train.trainer" in graph.modules and graph.find_modules_directly_imported_by("mechdiag.cli")
+
+
+def test_each_core_idea_is_defined_once():
+    names = ("Run", "load_run", "group_runs", "load_model", "load_tokenizer", "pass_at_k", "update_mass", "Group",
+             "final_eval", "base_eval", "mean_std", "direction", "resolve_device", "device", "pad_id",
+             "encode_prompts", "get_task", "maj_at_k", "answer_key")
+    where: dict[str, list[str]] = {n: [] for n in names}
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in where:
+                if isinstance(node, ast.FunctionDef) and any(isinstance(p, ast.ClassDef) and node in p.body
+                                                             for p in ast.walk(tree)):
+                    continue  # a method of that name (e.g. Probe.device) is not a second definition
+                where[node.name].append(path)
+    expected = {"Run": "run.py", "load_run": "run.py", "group_runs": "run.py", "Group": "run.py",
+                "final_eval": "run.py", "base_eval": "run.py", "load_model": "models.py",
+                "load_tokenizer": "models.py", "device": "models.py", "pass_at_k": "metrics.py",
+                "update_mass": "metrics.py", "mean_std": "metrics.py", "direction": "metrics.py",
+                "pad_id": "models.py", "encode_prompts": "models.py", "get_task": "tasks/__init__.py",
+                "maj_at_k": "metrics.py"}
+    for name, files in where.items():
+        want = [f"mechdiag/{expected[name]}"] if name in expected else []
+        assert files == want, (name, files)
+
+
+def test_no_import_error_fallback_around_own_modules():
+    bad = []
+    for path, tree in _sources().items():
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Try):
+                continue
+            catches = [h for h in node.handlers if isinstance(h.type, ast.Name) and h.type.id in
+                       ("ImportError", "ModuleNotFoundError")]
+            if not catches:
+                continue
+            for stmt in ast.walk(ast.Module(body=node.body, type_ignores=[])):
+                mods = ([stmt.module or ""] if isinstance(stmt, ast.ImportFrom) else
+                        [a.name for a in stmt.names] if isinstance(stmt, ast.Import) else [])
+                if isinstance(stmt, ast.ImportFrom) and stmt.module == "mechdiag":
+                    mods = [f"mechdiag.{a.name}" for a in stmt.names]
+                bad += [f"{path}:{stmt.lineno} {m}" for m in mods
+                        if m.startswith("mechdiag") and m not in OPTIONAL_OWN]
+    assert bad == []
+
+
+def test_imports_inside_functions_say_why():
+    """ruff's PLC0415 (configured in pyproject.toml) flags every import inside a function outside cli.py that has
+    no `# noqa: PLC0415 - why`; the ruff check of the package must pass with it selected."""
+    proc = subprocess.run([str(Path(sys.executable).with_name("ruff")), "check", "--select", "PLC0415", "mechdiag"],
+                          cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
