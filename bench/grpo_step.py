@@ -4,7 +4,11 @@ Same model, task (arith), group size, prompts per step, completion budget, LoRA 
 loss "grpo", temperature; TRL with bf16 off and no gradient checkpointing. The first `--warmup` steps of
 each are excluded. Also reports what the recording hooks cost: their own time per step over the step time.
 
-    python bench/grpo_step.py [--model bundled] [--steps 12] [--threads 2]
+Runs `--rounds` rounds, each a fresh TRL run and a fresh mechdiag run of the same steps, alternating which goes
+first, and reports the median of the per-round ratios with their spread (min-max), so that a shared, noisy
+machine moves both sides of a ratio alike. `--profile` prints where mechdiag's step time goes (cProfile).
+
+    python bench/grpo_step.py [--model bundled] [--steps 8] [--rounds 5] [--beta 0] [--threads 2] [--profile]
 
 With --skip (and --beta 0) it measures instead the trainer's beta = 0 shortcut, which leaves completions with
 A = 0 out of the update pass: the same trainer twice, alternating steps, once with exact-zero advantages for
@@ -48,7 +52,11 @@ def bench_mechdiag(args, out: Path) -> dict:
                                        "record.shift_at_eval=true"])
     tr = Trainer(cfg, out / "mechdiag")
     recorders = [h for h in tr.hooks if not isinstance(h, H.Checkpointer)]
-    step_times, hook_times, lengths = [], [], []
+    H.call(recorders, "on_train_start", tr)  # as fit() does: setup, not step time
+    step_times, hook_times, lengths, zero = [], [], [], []
+    prof = getattr(args, "profiler", None)
+    if prof is not None:
+        prof.enable()
     for step in range(1, args.steps + args.warmup + 1):
         t0 = time.perf_counter()
         metrics, roll = tr.train_step(step)
@@ -60,12 +68,16 @@ def bench_mechdiag(args, out: Path) -> dict:
             step_times.append(t1 - t0)
             hook_times.append(t2 - t1)
             lengths.append(metrics["completion_length"])
+            zero.append(metrics["frac_zero_std"])
+    if prof is not None:
+        prof.disable()
     # the eval-time recorders (metrics writer, shift) run once per eval; charge them per eval_every=100 steps
     t0 = time.perf_counter()
     H.call(recorders, "on_eval", tr, 1, {"accuracy": 0.0, "eval_reward": 0.0})
     eval_hook = time.perf_counter() - t0
     mean_step = statistics.mean(step_times)
     return {"s_per_step": mean_step, "completion_length": statistics.mean(lengths),
+            "frac_zero_std": statistics.mean(zero),
             "hook_s_per_step": statistics.mean(hook_times) + eval_hook / 100,
             "displacement": "on" if _has("mechdiag.displacement") else "absent (not merged)",
             "shift": "on" if _has("mechdiag.probes.shift") else "absent (not merged)"}
@@ -172,16 +184,29 @@ def bench_trl(args, out: Path) -> dict:
     return {"s_per_step": statistics.mean(times[args.warmup:]), "completion_length": statistics.mean(lengths)}
 
 
+def profile(args, out: Path) -> None:
+    """cProfile of mechdiag's steps and hooks (setup excluded): the functions that take the most time."""
+    import cProfile
+    import pstats
+
+    args.profiler = cProfile.Profile()
+    bench_mechdiag(args, out)
+    pstats.Stats(args.profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(args.profiler).sort_stats("cumtime").print_stats(30)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="bundled")
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--completion", type=int, default=48)
-    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--beta", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip", action="store_true", help="measure the beta = 0 zero-advantage skip (see above)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -197,19 +222,37 @@ def main():
                   f"{r['update_s']:9.3f}")
         print(f"update pass, float32 / exact: {res['float32']['update_s'] / res['exact']['update_s']:.2f}x")
         return
+    rounds = []
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d)
-        t = bench_trl(args, out)
-        m = bench_mechdiag(args, out)
+        if args.profile:
+            profile(args, Path(d) / "profile")
+            return
+        for r in range(args.rounds):
+            out = Path(d) / f"round{r}"
+            order = ("trl", "mechdiag") if r % 2 == 0 else ("mechdiag", "trl")
+            res = {name: (bench_trl if name == "trl" else bench_mechdiag)(args, out) for name in order}
+            rounds.append(res)
+            t, m = res["trl"], res["mechdiag"]
+            print(f"round {r + 1}: TRL {t['s_per_step']:.3f} s/step, mechdiag {m['s_per_step']:.3f} s/step, "
+                  f"ratio {t['s_per_step'] / m['s_per_step']:.2f}x, hooks "
+                  f"{100 * m['hook_s_per_step'] / m['s_per_step']:.2f}%", file=sys.stderr, flush=True)
+    ratios = [x["trl"]["s_per_step"] / x["mechdiag"]["s_per_step"] for x in rounds]
+    hooks = [x["mechdiag"]["hook_s_per_step"] / x["mechdiag"]["s_per_step"] for x in rounds]
+    med = lambda k, who: statistics.median(x[who][k] for x in rounds)  # noqa: E731
+    m0 = rounds[0]["mechdiag"]
+    zero = statistics.median(x["mechdiag"]["frac_zero_std"] for x in rounds)
     print(f"model {args.model}, G={args.group}, prompts/step={args.prompts}, max completion {args.completion}, "
-          f"beta {args.beta}, LoRA r16, threads {args.threads}, load avg at start {load:.1f}")
-    print(f"{'trainer':<10} {'s/step':>8} {'steps/s':>8} {'mean len':>9}")
-    for name, r in (("TRL", t), ("mechdiag", m)):
-        print(f"{name:<10} {r['s_per_step']:8.3f} {1 / r['s_per_step']:8.2f} {r['completion_length']:9.1f}")
-    print(f"speed-up mechdiag / TRL: {t['s_per_step'] / m['s_per_step']:.2f}x")
-    print(f"recording hooks: {m['hook_s_per_step'] * 1000:.1f} ms/step = "
-          f"{100 * m['hook_s_per_step'] / m['s_per_step']:.2f}% of step time "
-          f"(displacement {m['displacement']}, shift {m['shift']})")
+          f"beta {args.beta}, LoRA r16, threads {args.threads}, {args.rounds} alternating rounds of "
+          f"{args.steps} steps (+{args.warmup} warm-up), load avg at start {load:.1f}")
+    print(f"{'trainer':<10} {'s/step':>8} {'steps/s':>8} {'mean len':>9}   (medians over rounds)")
+    for name in ("trl", "mechdiag"):
+        s_step = med("s_per_step", name)
+        print(f"{name:<10} {s_step:8.3f} {1 / s_step:8.2f} {med('completion_length', name):9.1f}")
+    print(f"speed-up mechdiag / TRL: median {statistics.median(ratios):.2f}x, spread {min(ratios):.2f}-"
+          f"{max(ratios):.2f}x over {len(ratios)} rounds ({', '.join(f'{x:.2f}' for x in ratios)})")
+    print(f"recording hooks: median {100 * statistics.median(hooks):.2f}% of step time, max {100 * max(hooks):.2f}% "
+          f"(displacement {m0['displacement']}, shift {m0['shift']}); mechdiag groups with equal rewards "
+          f"(rows skipped when beta = 0): {100 * zero:.0f}%")
 
 
 if __name__ == "__main__":

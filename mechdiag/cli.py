@@ -137,12 +137,13 @@ def demo(out, report_path, max_steps, eval_n):
 @click.option("--resume", type=click.Path(file_okay=False), help="Continue the run in DIR from its last checkpoint.")
 @click.option("--seed", type=int, help="Shorthand for --set seed=N.")
 @click.option("--max-steps", type=int, help="Shorthand for --set max_steps=N.")
+@click.option("--device", help="Shorthand for --set device=D: auto (the GPU if any; default), cpu, cuda, cuda:N, mps.")
 @click.option("--dry-run", is_flag=True, help="Validate, print the resolved config and the modules LoRA will train.")
 @click.option("--backend", type=click.Choice(["native", "trl"]), default="native", show_default=True,
               help="trl: the same config through TRL's GRPOTrainer (multi-GPU with accelerate launch; docs/trl.md).")
 @click.option("--trl", "trl_args", multiple=True, metavar="KEY=VALUE",
               help="With --backend trl: set a GRPOConfig field directly (repeatable), e.g. use_vllm=true.")
-def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend, trl_args):
+def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, backend, trl_args):
     """GRPO fine-tuning with the recorder on (no arguments: the embedded arith default, about 5 minutes).
 
     \b
@@ -161,6 +162,8 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         overrides.append(f"seed={seed}")
     if max_steps is not None:
         overrides.append(f"max_steps={max_steps}")
+    if device is not None:
+        overrides.append(f"device={device}")
     if resume:
         if config or out:
             raise UserError("--resume DIR takes the config and output directory of that run; drop CONFIG/--out")
@@ -172,13 +175,19 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, dry_run, backend,
         cfg = C.load(config, overrides)
         check_output(out, "--out", "dir")
     tasks.resolve_rewards(cfg)
+    from mechdiag import models as M
+
+    device_ = M.device(cfg.device)  # a device that is not here: one line, exit 2, nothing loaded
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
-        from mechdiag.train.trainer import check_data, prepare_model
+        from mechdiag.train.trainer import check_data, param_bytes, prepare_model
 
         check_data(cfg)
         click.echo(C.to_yaml(cfg), nl=False)
-        model = prepare_model(cfg)[0]
+        model, _, _, sampler = prepare_model(cfg, device_)
+        if sampler is not None:
+            mb = param_bytes(sampler) / 2**20
+            click.echo(f"# sampler: merged copy of the weights ({mb:.1f} MiB more; sampler=adapter drops it)")
         if cfg.lora.enabled:
             rows = lora_modules(model)
             click.echo(f"# LoRA trains {len(rows)} modules, {trainable_parameters(model)} parameters:")
@@ -347,7 +356,7 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
 @click.option("--max-length", type=click.IntRange(min=1), help="truncate prompts to this many tokens "
               "(default: the model's context)")
 @click.option("--keep-bos", is_flag=True, help="count position 0 in the norms where it is BOS (default: left out)")
-@click.option("--device", default="cpu", show_default=True, help="auto, cpu, cuda, cuda:N or mps")
+@click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @_checkpoint_option
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",

@@ -135,7 +135,14 @@ class Config(_Strict):
     pass_k: list[int] = Field(default_factory=lambda: [1])
     save_every: int = Field(20, ge=0)
     max_bad_steps: int = Field(5, ge=1)  # non-finite updates in a row before the run stops
-    merged_sampler: bool = True  # LoRA: decode with a merged adapter-free copy (faster; one more copy of weights)
+    # LoRA decoding: "merged" = an adapter-free copy with the adapter merged in (faster on small models, one more
+    # copy of the weights), "adapter" = the LoRA model itself, "auto" = merged up to SAMPLER_AUTO_MAX_PARAMS
+    sampler: Literal["auto", "merged", "adapter"] = "auto"
+    # rows per forward/backward of the update (gradients accumulate, the loss is the same); None = as many as
+    # keep the saved activations under half the weights' bytes (at least 256 MiB), so small models never split
+    update_rows: int | None = Field(None, ge=1)
+    gradient_checkpointing: bool = False  # recompute activations in the backward: less memory, ~30% more time
+    device: str = "auto"  # auto (the GPU if any), cpu, cuda, cuda:N, mps; checked before the model loads
     threads: int | None = Field(None, ge=1)  # torch threads; None = the cores not already busy (2 when idle)
     hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
 

@@ -78,23 +78,28 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         logits = logits.repeat_interleave(repeat, 0)
     next_pos = pos[:, -1:] + 1
     done = torch.zeros(b, dtype=torch.bool, device=device)
+    rows = torch.arange(b, device=device)  # the rows still decoding: finished ones leave the batch and its cache
     tokens, alive = [], []
     ents, lps = [], []
     want = entropy is not None or logprobs is not None
     for step in range(max_new_tokens):
         if want:
             logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
-            ents.append(-(logp.exp() * logp).sum(-1))
+            ents.append(torch.zeros(b, device=device).index_copy(0, rows, -(logp.exp() * logp).sum(-1)))
         tok = _pick(logits, temperature, top_p, gen)
         if want:
-            lps.append(logp.gather(-1, tok[:, None]).squeeze(-1))
-        tok = torch.where(done, torch.full_like(tok, pad), tok)
-        tokens.append(tok)
+            lps.append(torch.zeros(b, device=device).index_copy(0, rows, logp.gather(-1, tok[:, None]).squeeze(-1)))
+        tokens.append(torch.full((b,), pad, dtype=tok.dtype, device=device).index_copy(0, rows, tok))
         alive.append(~done)
-        done = done | torch.isin(tok, eos_t)
+        finished = torch.isin(tok, eos_t)
+        done = done.index_fill(0, rows[finished], True)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
-        attn = torch.cat([attn, torch.ones((b, 1), dtype=attn.dtype, device=device)], dim=1)
+        if bool(finished.any()):  # a smaller batch for the rest: a row's outputs after its EOS are never used
+            keep = (~finished).nonzero().squeeze(1)
+            cache.batch_select_indices(keep)
+            rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
+        attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=1)
         out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True,
                     logits_to_keep=1, **kv)
         logits = out.logits[:, -1, :]

@@ -42,7 +42,7 @@ from mechdiag.integrations.readers import (
 )
 from mechdiag.integrations.trl_args import config_from_grpo
 from mechdiag.metrics import max_reward
-from mechdiag.models import load_model_and_tokenizer
+from mechdiag.models import device, load_model_and_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
@@ -196,7 +196,6 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
-    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
     from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
     n = n_processes or world_size()
@@ -204,7 +203,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     if micro % n:
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
                         f"{n} processes; pick sizes it divides")
-    cuda = torch.cuda.is_available()
+    cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
@@ -218,7 +217,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="no", report_to=[], bf16=cuda and cfg.model.dtype == "bfloat16",
-        fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=False, use_cpu=not cuda,
+        fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
+        use_cpu=not cuda,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
         dataloader_num_workers=0,
         use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
@@ -300,11 +300,11 @@ class MechdiagCallback(TrainerCallback):
     """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
 
     Every log: metrics.jsonl in canonical keys (reward_cv from a GroupCV wrapper's log, else from the completions
-    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps: displacement.jsonl
-    rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or every `eval_every`
-    steps of the callback's own schedule, and at the start and end when `evaluate` is given): eval.jsonl, with
-    `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on `forget_prompts` (LoRA
-    only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
+    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps and at the end:
+    displacement.jsonl rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or
+    every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
+    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on
+    `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
     """

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mechdiag import atomic
+from mechdiag import atomic, models
 from mechdiag.errors import UserError
 from mechdiag.models import pad_id
 from mechdiag.probes.capture import Captured, Probe, pad_batch
@@ -158,7 +158,7 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
 
 
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
-          max_length: int | None = None, dtype: str = "float32", device: str = "cpu", n_boot: int = N_BOOT,
+          max_length: int | None = None, dtype: str = "float32", device: str = "auto", n_boot: int = N_BOOT,
           seed: int = 0, progress=None):
     """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame.
 
@@ -174,7 +174,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
         prompts = read_prompts(prompts)
     elif isinstance(prompts, str):
         raise UserError("prompts must be a list of strings or a pathlib.Path to a probe file")
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    device = models.device(device)
     pair = load_pair(base, tuned, dtype=dtype, device=device)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
     sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,

@@ -47,18 +47,41 @@ def frozen_copy(model):
     return out
 
 
-def prepare_model(cfg: Config):
+# The merged sampler pays where peft's per-module overhead is a large share of a decode step: small models (the
+# bundled base: ~30% of decode time). At 0.5B it costs a full copy of the weights for a few percent
+# (docs/benchmarks.md, bench/scale.py), so "auto" keeps it up to this many parameters.
+SAMPLER_AUTO_MAX_PARAMS = 100_000_000
+
+
+def sampler_choice(cfg: Config, n_params: int) -> str:
+    """"merged" or "adapter" (the model decodes itself): cfg.sampler, with "auto" decided by the model size."""
+    if not cfg.lora.enabled:
+        return "adapter"
+    if cfg.sampler == "auto":
+        return "merged" if n_params <= SAMPLER_AUTO_MAX_PARAMS else "adapter"
+    return cfg.sampler
+
+
+def param_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def prepare_model(cfg: Config, device: torch.device | str | None = None):
     """(model, tokenizer, ref_model, sampler).
 
     LoRA wraps the model and the reference is the same model with the adapter disabled; full fine-tuning keeps a
-    frozen copy as the reference. `sampler` (LoRA with cfg.merged_sampler only) is an adapter-free copy of the
-    base into which the effective weights are written before each rollout and eval, because plain layers decode
-    faster; it is None otherwise and the model samples itself.
+    frozen copy as the reference. `sampler` (LoRA, when sampler_choice says "merged") is an adapter-free copy of
+    the base into which the effective weights are written before each rollout and eval, because plain layers
+    decode faster; it is None otherwise and the model samples itself.
     """
 
     model, tok = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
+    model.to(device or torch.device("cpu"))  # before LoRA: peft puts the factors beside the base weights
+    if cfg.gradient_checkpointing:  # only active in train mode: decoding (eval mode) keeps its KV cache
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     if cfg.lora.enabled:
-        sampler = frozen_copy(model) if cfg.merged_sampler else None
+        n_params = sum(p.numel() for p in model.parameters())
+        sampler = frozen_copy(model) if sampler_choice(cfg, n_params) == "merged" else None
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
@@ -128,8 +151,13 @@ class Trainer:
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
-        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg)
-        self.device = next(self.model.parameters()).device
+        self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
+        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
+        # what the copies cost: the reference (full fine-tuning) or the merged sampler (LoRA) is one more model
+        self.memory = {"weights_bytes": param_bytes(self.model),
+                       "sampler": "merged" if self._sampler is not None else "adapter",
+                       "sampler_bytes": param_bytes(self._sampler) if self._sampler is not None else 0,
+                       "reference_bytes": param_bytes(self.ref_model) if self.ref_model is not None else 0}
         self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
         self.sources = [(self.task, 1.0)] + [(tasks.get_task(s.name, s.path, **s.options), s.weight)
                                              for s in cfg.task.mixture]
@@ -204,7 +232,8 @@ class Trainer:
                        "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
                        "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
                        "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation}
+                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation,
+                       "memory": self.memory}
             self.run.write_summary(summary)
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
@@ -231,14 +260,19 @@ class Trainer:
         for _ in range(cfg.num_iterations):
             self.opt.zero_grad(set_to_none=True)
             finite = True
+            per_pass = self.rows_per_pass(roll)
             for s in range(0, n, micro):
                 rows = torch.arange(s, min(s + micro, n))
-                loss, st = self._micro_loss(roll, rows)
-                st["loss"] = loss.item()
-                finite = finite and math.isfinite(st["loss"])
-                if finite and loss.requires_grad:
-                    (loss / cfg.grad_accum).backward()
-                for k, v in st.items():
+                summed: dict[str, float] = {}
+                for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
+                    loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows)
+                    st["loss"] = loss.item()
+                    finite = finite and math.isfinite(st["loss"])
+                    if finite and loss.requires_grad:
+                        (loss / cfg.grad_accum).backward()
+                    for k, v in st.items():
+                        summed[k] = summed.get(k, 0.0) + v
+                for k, v in summed.items():
                     stats.setdefault(k, []).append(v)
             params = [p for p in model.parameters() if p.requires_grad]
             for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
@@ -275,14 +309,29 @@ class Trainer:
                    "skipped_updates": skipped}
         return metrics, roll
 
-    def _micro_loss(self, roll, rows: torch.Tensor) -> tuple[torch.Tensor, dict]:
-        """The loss of micro-batch `rows` (mechdiag.train.objective.grpo_loss weighs it).
+    def rows_per_pass(self, roll) -> int:
+        """cfg.update_rows, or the rows whose saved activations (~4 bytes x layers x (16 hidden + 6 MLP) per
+        token, measured on Qwen2 shapes) fit in half the weights' bytes, at least 256 MiB."""
+        if self.cfg.update_rows:
+            return self.cfg.update_rows
+        c = self.model.config
+        hidden, mlp = getattr(c, "hidden_size", 0), getattr(c, "intermediate_size", 0)
+        per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)
+        width = roll.prompt_ids.size(1) + roll.completion_ids.size(1)
+        budget = max(self.memory["weights_bytes"] // 2, 256 * 2**20)
+        return max(1, int(budget // max(per_token * width, 1)))
+
+    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
+        (mechdiag.train.objective.grpo_loss) weighs it by the micro-batch's counts, so the shares sum to its loss.
 
         With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
         the forward pass (often half the batch: groups with equal rewards); the objective is told the counts.
         """
         cfg = self.cfg
         keep = rows[roll.advantages[rows].cpu() != 0] if cfg.beta == 0 else rows
+        of = rows if of is None else of
+        n_tokens = int(roll.completion_mask[of].sum())
         if len(keep) == 0:
             return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
@@ -291,7 +340,9 @@ class Trainer:
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
-                                 n_rows=len(rows), n_tokens=int(roll.completion_mask[rows].sum()))
+                                 n_rows=len(of), n_tokens=n_tokens)
+        if "kl" in st:  # a token mean over these rows: weighted so the passes' values sum to the micro-batch's
+            st["kl"] *= int(mb.completion_mask.sum()) / max(n_tokens, 1)
         return loss, st
 
     # ---- data -----------------------------------------------------------------------------------------
