@@ -156,12 +156,13 @@ def reference_context(model, ref_model):
 
 
 def device(spec: str | None = "auto") -> str:
-    """auto (the GPU when there is one, else the CPU), cpu, cuda, cuda:N or mps, checked to exist here."""
+    """auto (a CUDA GPU when there is one, else Apple's mps, else the CPU), cpu, cuda, cuda:N or mps, checked to
+    exist here."""
     spec = spec or "auto"
     if not _DEVICE.fullmatch(spec):
         raise UserError(f"--device {spec}: use auto, cpu, cuda, cuda:N or mps")
     if spec == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
     try:
         torch.empty(0, device=spec)
     except (RuntimeError, AssertionError, ValueError) as e:
