@@ -6,7 +6,7 @@ Same model (the bundled base), same problems, greedy + S samples per problem, sc
 Prints seconds per problem and the ratio, then the Python heap peak (tracemalloc) of evaluate_model at two
 benchmark sizes: a flat peak means completions are not accumulated.
 
-    MECHDIAG_SHARED=/work/shared python bench/eval_bench.py --n 200 --samples 5
+    python bench/eval_bench.py --n 200 --samples 5
 """
 
 from __future__ import annotations

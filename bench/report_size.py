@@ -1,6 +1,6 @@
 """Report page size and build time on synthetic runs, against the floor: the inlined plotly.js bundle alone.
 
-    /work/main/.venv/bin/python bench/report_size.py
+    .venv/bin/python bench/report_size.py
 """
 
 from __future__ import annotations

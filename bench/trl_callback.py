@@ -2,7 +2,7 @@
 GroupCV reward wrapper) in one run, the recorder switched on for every other step so machine load hits both
 alike; prints the ratio.
 
-    /work/main/.venv/bin/python bench/trl_callback.py [--model DIR] [--steps 42] [--tokens 32] [--per-step 16]
+    .venv/bin/python bench/trl_callback.py [--model DIR] [--steps 42] [--tokens 32] [--per-step 16]
 
 Step time is measured by a timing callback from one on_step_begin to the next (generation, reward, backward,
 optimizer step, logging: all the recorder adds to), medians over the on and off steps. Target: ratio >= 0.95.
