@@ -16,9 +16,7 @@ counterpart of the displacement share disp_share).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from peft import set_peft_model_state_dict
@@ -46,21 +44,6 @@ class Part:
     layer: int | None
     module: str | None
     names: list[str] = field(default_factory=list)  # LoRA module paths in the part
-
-
-def check_out(out: str | None, fmt: str) -> None:
-    """A bad --out is found before any work: a folder, or a file whose folder does not exist or is not writable."""
-    if fmt == "parquet" and not out:
-        raise UserError("--format parquet needs --out PATH")
-    if not out:
-        return
-    p = Path(out)
-    if p.is_dir():
-        raise UserError(f"--out {out} is a directory; give a file path")
-    if not p.parent.is_dir():
-        raise UserError(f"--out {out}: folder {p.parent} does not exist")
-    if not os.access(p.parent, os.W_OK):
-        raise UserError(f"--out {out}: folder {p.parent} is not writable")
 
 
 def open_run(path):

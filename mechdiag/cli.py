@@ -242,7 +242,7 @@ def _records(df) -> list[dict]:
     return out
 
 
-def _rows_table(df, title: str) -> str:
+def _rows_table(df, title: str, keep: list[str] | None = None) -> str:
     from mechdiag.console import render_table
 
     rows = []
@@ -251,7 +251,8 @@ def _rows_table(df, title: str) -> str:
                      else math.nan if v is None and rec.get("nonfinite") and c.endswith("fro") else v
                      for c, v in rec.items()])  # inf: a zero reference that moved (docs/metrics.md); JSON says null
     return render_table(title, list(df.columns), rows,
-                        keep=["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer", "ref_fro"])
+                        keep=keep or ["name", "module", "rel_fro", "wdisp", "delta_fro", "update_mass", "layer",
+                                      "ref_fro"])
 
 
 _checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), default=None,
@@ -425,10 +426,10 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
 
 # ---- recommend ---------------------------------------------------------------------------------------------
-def _table(title: str, columns: list[str], rows: list[list]) -> None:
+def _table(title: str, columns: list[str], rows: list[list], keep: tuple[str, ...] = ()) -> None:
     from mechdiag.console import render_table
 
-    click.echo(render_table(title, columns, rows), nl=False)
+    click.echo(render_table(title, columns, rows, keep=keep), nl=False)
 
 
 def _cell(r: dict | None) -> str:
@@ -497,7 +498,7 @@ def recommend(runs, out, fmt):
         return
     _table("findings", ["rule", "symptom", "evidence", "change", "confidence"],
            [[f.rule, f.symptom, f.evidence, "; ".join(str(c) for c in f.changes) or f"none: {f.reason}",
-             round(f.confidence, 2)] for f in rec.findings])
+             round(f.confidence, 2)] for f in rec.findings], keep=("rule", "change", "evidence"))
     if not rec.changes:
         click.echo("no change to the config (advice only)")
     elif out:
@@ -644,7 +645,7 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
 
 
 # ---- attribute ---------------------------------------------------------------------------------------------
-@main.command()
+@main.command(short_help="Causal share of each LoRA layer and module of a run's gain.")
 @click.argument("run", type=click.Path(file_okay=False, path_type=str))
 @click.option("--by", type=click.Choice(["layer", "module", "both"]), default="both", show_default=True)
 @click.option("--n", "n", type=click.IntRange(min=1), help="Use the first N of the run's held-out problems "
@@ -656,23 +657,40 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
               "recommend.")
 def attribute(run, by, n, fmt, out, save):
     """Causal share of each LoRA layer and module of RUN's final adapter: held-out accuracy, reward and output KL
-    with the part removed (*_without) and with only the part kept (*_only)."""
-    import io
+    with the part removed (*_without) and with only the part kept (*_only).
 
+    \b
+    Example:
+      mechdiag attribute runs/default-s42 --by module --save
+    """
     import pandas as pd
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from mechdiag import atomic
     from mechdiag import attribute as A
+    from mechdiag.console import Progress
 
-    A.check_out(out, fmt)
+    if fmt == "parquet" and out is None:
+        raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
     A.open_run(run)  # bad run directories fail here, before any model is loaded
     att = A.Attribution(run, n=n)
-    with Progress(TextColumn("attribute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("evals", total=att.n_evals(by))
-        rows = att.rows(by, progress=lambda: bar.advance(task))
+    if sys.stderr.isatty():  # a bar on a terminal, a line every ~10 s in a log
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bar
+
+        with Bar(TextColumn("attribute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                 console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task("evals", total=att.n_evals(by))
+            rows = att.rows(by, progress=lambda: bar.advance(task))
+    else:
+        lines, done = Progress("attribute", total=att.n_evals(by)), [0]
+
+        def advance():
+            done[0] += 1
+            lines.update(done[0], "evaluations")
+
+        rows = att.rows(by, progress=advance)
     if save:
         atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
     df = pd.DataFrame(rows, columns=A.COLUMNS)
@@ -686,10 +704,8 @@ def attribute(run, by, n, fmt, out, save):
     elif fmt == "csv":
         text = df.to_csv(index=False)
     else:
-        buf = io.StringIO()
-        Console(file=buf, width=None if sys.stdout.isatty() and not out else 200, force_terminal=False).print(
-            _rows_table(df, f"attribution of {run} ({len(att.examples)} held-out problems)"))
-        text = buf.getvalue()
+        text = _rows_table(df, f"attribution of {run} ({len(att.examples)} held-out problems)",
+                           keep=["part", "accuracy_without", "disp_share", "output_kl_without", "accuracy_only"])
     if out:
         atomic.write_text(out, text)
     else:

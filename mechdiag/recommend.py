@@ -85,6 +85,7 @@ CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below
 
 NO_SIGNAL_EPS = 1e-9  # reward (or correctness) at most this on every record: nothing to learn from
 NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a closed answer block: format never made
+NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reasoning + answer block (arith needs ~22)
 
 SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
@@ -349,10 +350,13 @@ def no_signal(s: Signals):
         tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
-    if cut > CLIPPED_HIGH and not never_started:
+    too_small = s.cfg.max_completion_tokens < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
+    if cut > CLIPPED_HIGH and (too_small or not never_started):
         cause = "budget too short"
         ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
                f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
+        if too_small:
+            ev += f"; a budget under {NO_SIGNAL_MIN_BUDGET} tokens cannot hold the reasoning and answer blocks"
         change = _raise_budget(s.cfg)
         reason = ("budget too short: a longer completion budget lets the answer be written" if change else
                   "budget too short and at its cap: shorten the reasoning (prompt, format warm-up) or the task")

@@ -699,7 +699,10 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     if words[:1] == ["pass"] and judge_rc == 0 and not timed_out and not over:
         return SandboxResult(True, "passed", duration, detail, blocked, iso)
     cand_sig = _signal_of(cand_rc, iso == "bwrap")
-    if timed_out or signal.SIGXCPU in (cand_sig, _signal_of(judge_rc, False)):
+    # SIGKILL after timeout_s or more of life is RLIMIT_CPU's hard limit (CPU time never exceeds wall time): a
+    # timeout whether the machine was busy (the wall backstop came first) or quiet.
+    cpu_kill = cand_sig == signal.SIGKILL and duration >= timeout_s
+    if timed_out or cpu_kill or signal.SIGXCPU in (cand_sig, _signal_of(judge_rc, False)):
         status = "timeout"
     elif over:
         status = "output_limit"

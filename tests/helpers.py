@@ -10,9 +10,11 @@ from mechdiag.paths import REPO_ROOT
 
 
 def run_cli(*args: str, cwd: str | os.PathLike | None = None, timeout: float = 600,
-            input: str | None = None) -> subprocess.CompletedProcess:
-    """Run `python -m mechdiag ARGS` as a user would, returning the completed process."""
+            input: str | None = None, columns: int = 160) -> subprocess.CompletedProcess:
+    """Run `python -m mechdiag ARGS` as a user would, returning the completed process. Tables fit COLUMNS, so it
+    is pinned (not inherited from whoever runs the tests)."""
     env = dict(os.environ)
+    env["COLUMNS"] = str(columns)
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "mechdiag", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout, input=input)

@@ -182,7 +182,7 @@ def test_formats_and_out(lora_run, tmp_path):
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == ",".join(A.COLUMNS)
 
 
-@pytest.mark.parametrize("case", ["missing_final", "not_lora", "out_is_dir", "out_parent_missing", "parquet_stdout",
+@pytest.mark.parametrize("case", ["missing_final", "not_lora", "out_is_dir", "out_parent_is_file", "parquet_stdout",
                                   "no_run"])
 def test_bad_input_exits_2_with_one_line(lora_run, tmp_path, case):
     run = tmp_path / "run"
@@ -197,7 +197,8 @@ def test_bad_input_exits_2_with_one_line(lora_run, tmp_path, case):
         run = lora_run
     if case == "out_is_dir":
         args = ["--out", str(tmp_path)]
-    elif case == "out_parent_missing":
+    elif case == "out_parent_is_file":
+        (tmp_path / "nope").write_text("a file, not a folder")
         args = ["--out", str(tmp_path / "nope" / "a.json")]
     elif case == "parquet_stdout":
         args = ["--format", "parquet"]
@@ -205,4 +206,4 @@ def test_bad_input_exits_2_with_one_line(lora_run, tmp_path, case):
         run = tmp_path / "absent"
     proc = run_cli("attribute", str(run), *args)
     assert_bad_input(proc)
-    assert not (tmp_path / "nope").exists()
+    assert not (tmp_path / "nope").is_dir()

@@ -463,7 +463,7 @@ def test_cli_formats(pair, tmp_path, cli):
     assert len(pd.read_parquet(pq)) == len(recs)
     page = html.read_text()
     assert "heatmap" in page and len(page) > 1_000_000  # plotly.js inlined: works offline
-    table = cli("displacement", str(a), str(b), "--spectral")
+    table = cli("displacement", str(a), str(b), "--spectral", columns=400)
     assert table.returncode == 0 and "o_proj" in table.stdout and "sigma_1" in table.stdout
 
 

@@ -270,7 +270,7 @@ def test_api_probe_file(tmp_path, tiny):
 # ---- CLI -------------------------------------------------------------------------------------------------------
 def invoke(*args: str) -> subprocess.CompletedProcess:
     """Run the CLI in-process (torch is already imported) and shape the result like a subprocess."""
-    result = CliRunner().invoke(main, [str(a) for a in args])
+    result = CliRunner().invoke(main, [str(a) for a in args], env={"COLUMNS": "160"})  # tables fit COLUMNS
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 

@@ -20,7 +20,8 @@ from mechdiag.errors import UserError
 from mechdiag.integrations.trl_args import read_training_args
 
 torch.set_num_threads(1)
-STEPS, BUDGET = 4, 6  # 4 steps: the rules need 4 records; a budget of 6 tokens: every completion is cut
+# 8 steps: the rules judge from 8 train records (too_few_records); a budget of 6 tokens: every completion is cut
+STEPS, BUDGET = 8, 6
 
 
 def _length(prompts=None, completions=None, **_):
