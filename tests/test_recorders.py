@@ -117,8 +117,10 @@ def test_final_displacement_rows_carry_the_spectral_geometry_and_the_report_draw
 
 
 def test_a_run_stopped_early_at_a_recorded_step_gets_its_geometry_once(stories260k, tmp_path):
-    cfg = C.load(None, small(stories260k, "max_steps=3", "save_every=0", "eval_every=0", "max_time_s=1e-9", "warmup_ratio=0",
-                             "record.displacement_every=1"))
+    """max_time_s stops the run after step 1, which the recorder already wrote: its rows are replaced by rows
+    with the geometry, each tensor once."""
+    cfg = C.load(None, small(stories260k, "max_steps=3", "save_every=0", "eval_every=0", "max_time_s=1e-9",
+                             "warmup_ratio=0", "record.displacement_every=1"))
     with pytest.warns(UserWarning, match="max_time_s"):
         run = train(cfg, tmp_path / "run")
     rows = run.read("displacement")
