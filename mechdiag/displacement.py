@@ -257,16 +257,20 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         row["rel_fro"] = math.nan
     if spectral:
         row.update(_spectral(shape, same_dense, delta_lr, gram, dense_chunks, delta_sq, nonfinite))
-        row.update(_geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems))
+        read_tuned = None if same_dense else (lambda start, stop: files.read(eb.dense, start, stop))
+        row.update(_geometry(lambda start, stop: files.read(ea.dense, start, stop), read_tuned, shape, ref_lr,
+                             delta_lr, delta_sq, nonfinite, chunk_elems))
     return row
 
 
-def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonfinite, chunk_elems) -> dict:
+def _geometry(read_ref, read_tuned, shape, ref_lr, delta_lr, delta_sq, nonfinite, chunk_elems) -> dict:
     """subspace_overlap and intruders (see update_geometry) from three p x p matrices, p = min(m, n), with the
     weight oriented tall as X (big x p): G = X^T X (reference), C = X^T D, H = D^T D. LoRA terms stay factors:
     D = dense part + Bx Ax gives C = X^T d + (X^T Bx) Ax and H = d^T d + (d^T Bx) Ax + (..)^T + Ax^T (Bx^T Bx) Ax;
     a reference with its own LoRA, X = a + Bc Ac, expands the same way. Its own pass over the tensor (a wide one
-    is read whole, one tensor at a time)."""
+    is read whole, one tensor at a time): read_ref(start, stop) gives rows of the reference's dense part,
+    read_tuned likewise for the tuned side, None when both sides share it (factors on CPU)."""
+    same_dense = read_tuned is None
     if len(shape) != 2 or nonfinite or delta_sq == 0 or not math.isfinite(delta_sq):
         return dict.fromkeys(GEOMETRY_COLUMNS, None)
     m, n = shape
@@ -284,8 +288,8 @@ def _geometry(files, ea, eb, shape, ref_lr, delta_lr, same_dense, delta_sq, nonf
     step = max(1, (chunk_elems or CHUNK_ELEMS) // n) if tall else m
     for start in range(0, m, step):
         stop = min(start + step, m)
-        a32 = files.read(ea.dense, start, stop).to(torch.float32)
-        d = None if same_dense else (files.read(eb.dense, start, stop).to(torch.float32) - a32).to(_F64)  # as above
+        a32 = read_ref(start, stop).to(torch.float32)
+        d = None if same_dense else (read_tuned(start, stop).to(torch.float32) - a32).to(_F64)  # as above
         a = a32.to(_F64)
         if not tall:
             a, d = a.T, (None if d is None else d.T)
@@ -509,14 +513,16 @@ def _base_sumsq(w: torch.Tensor) -> float:
     return value
 
 
-def lora_rows(model) -> list[dict]:
+def lora_rows(model, geometry: bool = False) -> list[dict]:
     """One row per LoRA-wrapped weight of an in-memory PEFT model: reference = base weight, tuned = base + the
-    active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged."""
+    active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged.
+    geometry: also overlap_k, subspace_overlap and intruders, by the routine of `displacement --spectral` (one
+    pass over each base weight: the trainers ask for it at the final step only)."""
     with torch.no_grad(), single_thread():
-        return _lora_rows(model)
+        return _lora_rows(model, geometry)
 
 
-def _lora_rows(model) -> list[dict]:
+def _lora_rows(model, geometry: bool) -> list[dict]:
     rows = []
     for path, mod in model.named_modules():
         if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):
@@ -544,6 +550,11 @@ def _lora_rows(model) -> list[dict]:
         name = path.removeprefix("base_model.model.") + ".weight"
         layer, module = tensor_site(name)
         ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
-        rows.append({"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
-                     "rel_fro": rel_fro(delta_fro, ref_fro)})
+        row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
+               "rel_fro": rel_fro(delta_fro, ref_fro)}
+        if geometry:
+            nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
+            row.update(_geometry(lambda start, stop, w=base_w: w[start:stop].to("cpu"), None, tuple(base_w.shape),
+                                 None, (B.cpu(), A.cpu()), max(delta_sq, 0.0), nonfinite, None))
+        rows.append(row)
     return rows

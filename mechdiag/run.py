@@ -4,7 +4,8 @@
     RUN/metrics.jsonl      one record per train step   (canonical train keys, "step")
     RUN/eval.jsonl         one record per eval         (accuracy, eval_reward, entropy, completion_length, pass@k)
     RUN/samples.jsonl      rollouts and eval completions, with group ids
-    RUN/displacement.jsonl rows: step, name, layer, module, ref_fro, delta_fro, rel_fro
+    RUN/displacement.jsonl rows: step, name, layer, module, ref_fro, delta_fro, rel_fro (+ overlap_k,
+                           subspace_overlap, intruders at the final step)
     RUN/shift.jsonl        rows: step, layer, shift, ci_low, ci_high, cos_dist, increment, logit_kl
     RUN/eval_benchmarks.jsonl  rows of `mechdiag eval` (benchmark x metric x model group)
     RUN/eval_models.jsonl  the same per adapter, before grouping
@@ -74,6 +75,11 @@ class RunDir:
         import pandas as pd  # noqa: PLC0415 - pandas loads on first use (slow import)
 
         return pd.DataFrame(self.read(name))
+
+    def replace_step(self, name: str, step: int, records: list[dict]) -> None:
+        """Replace one step's records of a stream (atomically), keeping the others in order."""
+        kept = [r for r in self.read(name) if r.get("step") != step] if self.stream(name).exists() else []
+        atomic.write_text(self.stream(name), "".join(atomic.dumps(r) + "\n" for r in [*kept, *records]))
 
     def drop_after(self, step: int) -> None:
         """On resume: forget every record past the last checkpointed step, so each step appears once."""

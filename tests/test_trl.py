@@ -126,13 +126,15 @@ def test_displacement_rows_equal_checkpoint(trl_run, stories260k, cli, tmp_path)
     out, _ = trl_run
     rows = [r for r in RunDir(out / "mechdiag").read("displacement") if r["step"] == STEPS]
     assert len(rows) == 10 and {r["module"] for r in rows} == {"q_proj", "v_proj"}
-    proc = cli("displacement", str(stories260k), str(out / f"checkpoint-{STEPS}"), "--format", "json")
+    proc = cli("displacement", str(stories260k), str(out / f"checkpoint-{STEPS}"), "--format", "json", "--spectral")
     assert proc.returncode == 0, proc.stderr
     ck = {r["name"]: r for r in json.loads(proc.stdout)}
     for r in rows:
         assert r["delta_fro"] > 0
-        for col in ("ref_fro", "delta_fro", "rel_fro"):
+        for col in ("ref_fro", "delta_fro", "rel_fro", "subspace_overlap"):  # the final step carries the geometry
             assert abs(r[col] - ck[r["name"]][col]) <= 1e-5 * abs(ck[r["name"]][col]), (r["name"], col)
+        assert (r["overlap_k"], r["intruders"]) == (ck[r["name"]]["overlap_k"], ck[r["name"]]["intruders"]) \
+            and r["overlap_k"] == 4
 
 
 def test_read_trl_run_with_and_without_callback(trl_run, tmp_path):

@@ -301,7 +301,8 @@ class MechdiagCallback(TrainerCallback):
 
     Every log: metrics.jsonl in canonical keys (reward_cv from a GroupCV wrapper's log, else from the completions
     parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps and at the end:
-    displacement.jsonl rows of the LoRA-effective weights (factors only, exact). At each evaluation (TRL's, or
+    displacement.jsonl rows of the LoRA-effective weights (factors only, exact; the final step's with the update
+    geometry, subspace_overlap and intruders). At each evaluation (TRL's, or
     every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
     eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on
     `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
@@ -329,6 +330,7 @@ class MechdiagCallback(TrainerCallback):
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._last_shift_step = -1
+        self._disp_step = self._geometry_step = -1
         self._evals: list[dict] = []
         self._derived = False
 
@@ -384,12 +386,20 @@ class MechdiagCallback(TrainerCallback):
             self.run.append("shift", [{**r, "step": step} for r in rows])
             self._last_shift_step = step
 
-    def _record_displacement(self, step: int, model) -> None:
+    def _record_displacement(self, step: int, model, final: bool = False) -> None:
+        """final: the rows also carry the update geometry (one pass over each base weight); replaces that step's
+        rows when they were written without it (another callback stopped the run after ours had recorded)."""
         peft_model = _peft(model)
         if peft_model is not None:
-            rows = [{"step": step, **r} for r in lora_rows(peft_model)]
-            self.run.append("displacement", rows)
-            self._alerts.update(displacement=rows)
+            rows = [{"step": step, **r} for r in lora_rows(peft_model, geometry=final)]
+            if final and self._disp_step == step:
+                self.run.replace_step("displacement", step, rows)
+            else:
+                self.run.append("displacement", rows)
+                self._alerts.update(displacement=rows)
+            self._disp_step = step
+            if final:
+                self._geometry_step = step
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
@@ -425,8 +435,8 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         step = state.global_step
-        if self.displacement_every and step % self.displacement_every == 0:
-            self._record_displacement(step, model)
+        if self.displacement_every and step % self.displacement_every == 0:  # DefaultFlowCallback ran first
+            self._record_displacement(step, model, final=step >= state.max_steps or control.should_training_stop)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
@@ -451,8 +461,8 @@ class MechdiagCallback(TrainerCallback):
             return
         self._flush(args)
         step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
-        if self.displacement_every and step % self.displacement_every:
-            self._record_displacement(step, model)
+        if self.displacement_every and self._geometry_step != step:
+            self._record_displacement(step, model, final=True)
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
         elif self._last_shift_step != step:

@@ -259,6 +259,14 @@ def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
     return {s: {lay: sum(v) / len(v) for lay, v in d.items()} for s, d in acc.items()}
 
 
+def _cell_heatmap(z, modules, layers, name: str, fmt: str, zmax=None, x: float = 1.0) -> go.Heatmap:
+    """One layers x modules heatmap trace (the report's weight cells), colour bar at x."""
+    return go.Heatmap(z=z, x=modules, y=layers, colorscale="Viridis", zmin=0, zmax=zmax,
+                      colorbar=dict(title=dict(text=name, side="right"), thickness=10, x=x, len=0.9),
+                      hovertemplate=f"layer %{{y}} %{{x}}<br>{name} = %{{z:{fmt}}}<extra></extra>",
+                      xgap=1, ygap=1)
+
+
 def weight_heatmap(group: Group) -> go.Figure | None:
     """Left: ||dW||_F / ||W||_F, layers x modules, with a slider over the recorded steps.
     Right: each layer's pooled displacement over all recorded steps (how it grew)."""
@@ -279,11 +287,8 @@ def weight_heatmap(group: Group) -> go.Figure | None:
     fig = make_subplots(rows=1, cols=2 if two else 1, column_widths=[0.55, 0.45] if two else None,
                         horizontal_spacing=0.14, subplot_titles=None)
     last = steps[-1]
-    fig.add_trace(go.Heatmap(z=z(last), x=modules, y=layers, colorscale="Viridis", zmin=0, zmax=_r(zmax),
-                             colorbar=dict(title=dict(text="||dW||/||W||", side="right"), thickness=10,
-                                           x=0.5 if two else 1.0, len=0.9),
-                             hovertemplate="layer %{y} %{x}<br>||dW||/||W|| = %{z:.3g}<extra></extra>",
-                             xgap=1, ygap=1), row=1, col=1)
+    fig.add_trace(_cell_heatmap(z(last), modules, layers, "||dW||/||W||", ".3g", zmax=_r(zmax),
+                                x=0.5 if two else 1.0), row=1, col=1)
     if two:
         gz = [[_r(growth[s].get(lay)) for s in gsteps] for lay in layers]
         fig.add_trace(go.Heatmap(z=gz, x=[_r(s) for s in gsteps], y=layers, colorscale="Viridis", zmin=0,
@@ -303,6 +308,52 @@ def weight_heatmap(group: Group) -> go.Figure | None:
     fig.update_xaxes(title_text="module", showgrid=False, row=1, col=1)
     return _layout(fig, max(320, 60 + 18 * len(layers)) + (90 if len(steps) > 1 else 0),
                    title=dict(text=title.format(f"{last:g}"), x=0, font=dict(size=13)))
+
+
+GEOMETRY_KEYS = ("subspace_overlap", "intruders")
+
+
+def _geometry_cells(group: Group) -> tuple[dict[str, dict[tuple[int, str], float]], list[int], float | None]:
+    """key -> (layer, module) -> subspace_overlap / intruders at each run's last step whose rows carry them
+    (the trainers compute them at the final step), averaged over seeds; the overlap k values; that step."""
+    acc: dict[str, dict[tuple[int, str], list[float]]] = {k: defaultdict(list) for k in GEOMETRY_KEYS}
+    ks, steps = set(), []
+    for run in group.runs:
+        rows = [r for r in run.read("displacement") if _num(r.get("subspace_overlap")) is not None
+                and _num(r.get("step")) is not None and _num(r.get("layer")) is not None]
+        if not rows:
+            continue
+        step = max(_num(r["step"]) for r in rows)
+        steps.append(step)
+        for r in (r for r in rows if _num(r["step"]) == step):
+            for key in GEOMETRY_KEYS:
+                if _num(r.get(key)) is not None:
+                    acc[key][(int(_num(r["layer"])), str(r.get("module")))].append(_num(r[key]))
+            if _num(r.get("overlap_k")) is not None:
+                ks.add(int(_num(r["overlap_k"])))
+    cells = {k: {c: sum(v) / len(v) for c, v in d.items()} for k, d in acc.items()}
+    return cells, sorted(ks), (max(steps) if steps else None)
+
+
+def geometry_heatmap(group: Group) -> tuple[go.Figure, list[int]] | None:
+    """subspace_overlap (left) and intruders (right), layers x modules, from the rows that carry them; with the
+    overlap k values. None when no row does."""
+    cells, ks, step = _geometry_cells(group)
+    if not cells["subspace_overlap"]:
+        return None
+    keys = set(cells["subspace_overlap"]) | set(cells["intruders"])
+    layers = sorted({lay for lay, _ in keys})
+    modules = _module_order({m for _, m in keys})
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.16, subplot_titles=list(GEOMETRY_KEYS))
+    for col, (key, fmt, zmax, x) in enumerate((("subspace_overlap", ".3g", 1.0, 0.42),
+                                               ("intruders", ".2g", None, 1.0)), start=1):
+        z = [[_r(cells[key].get((lay, m))) for m in modules] for lay in layers]
+        fig.add_trace(_cell_heatmap(z, modules, layers, key, fmt, zmax=zmax, x=x), row=1, col=col)
+        fig.update_yaxes(title_text="layer" if col == 1 else None, autorange="reversed", row=1, col=col,
+                         **LAYER_TICKS)
+        fig.update_xaxes(title_text="module", showgrid=False, row=1, col=col)
+    title = f"{_safe(group.label)}: update geometry at step {step:g}"
+    return _layout(fig, max(320, 60 + 18 * len(layers)), title=dict(text=title, x=0, font=dict(size=13))), ks
 
 
 def _wdisp_by_step(run) -> dict[float, float]:

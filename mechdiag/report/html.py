@@ -266,6 +266,18 @@ def section_displacement(groups: list[Group], figs: _Figures) -> str:
                "layer and module (LoRA: the effective weight), mean over seeds; drag the slider to see it over "
                "steps. WDisp pools all recorded tensors; update mass is each module type's share of "
                "Σ ||ΔW||².</p>")
+    ks = set()
+    for g in groups:
+        geo = F.geometry_heatmap(g)
+        if geo is not None:
+            out.append(figs.embed(geo[0]))
+            ks.update(geo[1])
+    if ks:
+        k = ", ".join(str(k) for k in sorted(ks))
+        out.append("<p class=note>Update geometry at the final step (docs/metrics.md): subspace_overlap is the "
+                   f"share of ||ΔW||² inside the span of the base weight's top-k singular vectors (k = {k}, the "
+                   "LoRA rank; a random update gives about k²/(m n)); intruders counts the tuned weight's top-10 "
+                   "singular vectors with |cos| &lt; 0.5 to every base singular vector.</p>")
     return "".join(out)
 
 

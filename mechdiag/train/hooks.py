@@ -86,25 +86,29 @@ def sample_records(step: int, r) -> list[dict]:
 
 
 class DisplacementRecorder(Hook):
-    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base."""
+    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base; the final
+    step's rows also carry the update geometry (subspace_overlap, intruders: one pass over each base weight)."""
 
     def __init__(self, every: int):
         self.every = every
 
-    def _record(self, trainer, step):
+    def _record(self, trainer, step, geometry: bool = False):
         if not trainer.cfg.lora.enabled:
             return
-        rows = lora_rows(trainer.model)
-        trainer.run.append("displacement", [{"step": step, **r} for r in rows])
+        rows = [{"step": step, **r} for r in lora_rows(trainer.model, geometry=geometry)]
+        if geometry and step % self.every == 0 and step < trainer.total_steps:
+            trainer.run.replace_step("displacement", step, rows)  # stopped early (max_time_s) at a recorded step
+        else:
+            trainer.run.append("displacement", rows)
 
     def on_step_end(self, trainer, step, metrics, rollout):
         if self.every and step % self.every == 0:
-            self._record(trainer, step)
+            self._record(trainer, step, geometry=step == trainer.total_steps)
 
     def on_train_end(self, trainer, summary):
         # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
-        if self.every and trainer.step % self.every:
-            self._record(trainer, trainer.step)
+        if self.every and (trainer.step % self.every or trainer.step < trainer.total_steps):
+            self._record(trainer, trainer.step, geometry=True)
 
 
 class ShiftRecorder(Hook):
