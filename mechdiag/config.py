@@ -79,6 +79,9 @@ class RewardConfig(_Strict):
 
 class RecordConfig(_Strict):
     displacement_every: int = Field(10, ge=0)  # steps; 0 = off
+    # update geometry at the final step: one float64 pass over each adapted base weight (about 4-5 CPU minutes
+    # for every module of a 0.5B model); off keeps the final displacement rows plain
+    final_geometry: bool = True
     shift_at_eval: bool = True
     shift_n: int = Field(64, ge=1)
     samples_every: int = Field(10, ge=0)

@@ -391,6 +391,7 @@ class MechdiagCallback(TrainerCallback):
         rows when they were written without it (another callback stopped the run after ours had recorded)."""
         peft_model = _peft(model)
         if peft_model is not None:
+            final = final and (self.config is None or self.config.record.final_geometry)
             rows = [{"step": step, **r} for r in lora_rows(peft_model, geometry=final)]
             if final and self._disp_step == step:
                 self.run.replace_step("displacement", step, rows)

@@ -96,18 +96,23 @@ class DisplacementRecorder(Hook):
         if not trainer.cfg.lora.enabled:
             return
         rows = [{"step": step, **r} for r in lora_rows(trainer.model, geometry=geometry)]
-        if geometry and step % self.every == 0 and step < trainer.total_steps:
+        if step % self.every == 0 and step < trainer.total_steps and geometry:
             trainer.run.replace_step("displacement", step, rows)  # stopped early (max_time_s) at a recorded step
         else:
             trainer.run.append("displacement", rows)
 
     def on_step_end(self, trainer, step, metrics, rollout):
         if self.every and step % self.every == 0:
-            self._record(trainer, step, geometry=step == trainer.total_steps)
+            self._record(trainer, step, geometry=step == trainer.total_steps and trainer.cfg.record.final_geometry)
 
     def on_train_end(self, trainer, summary):
         # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
-        if self.every and (trainer.step % self.every or trainer.step < trainer.total_steps):
+        if not self.every:
+            return
+        geometry = trainer.cfg.record.final_geometry
+        if trainer.step % self.every:  # not recorded yet
+            self._record(trainer, trainer.step, geometry=geometry)
+        elif trainer.step < trainer.total_steps and geometry:  # stopped early at a recorded step: add the geometry
             self._record(trainer, trainer.step, geometry=True)
 
 
