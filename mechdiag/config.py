@@ -260,8 +260,15 @@ def _explain(err: ValidationError) -> str:
     return f"invalid config value for {where}: {msg} (got {e.get('input')!r})"
 
 
+# Keys of earlier versions, read from old run directories: name -> (today's name, value mapping).
+_RENAMED = {"merged_sampler": ("sampler", lambda v: "merged" if v else "adapter")}
+
+
 def from_dict(data: dict | None) -> Config:
     data = dict(data or {})
+    for old, (new, convert) in _RENAMED.items():
+        if old in data and new not in data:
+            data[new] = convert(data.pop(old))
     preset = data.get("preset")
     if preset is not None:
         if not isinstance(preset, str) or preset not in PRESETS:

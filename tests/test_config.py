@@ -120,3 +120,10 @@ def test_unknown_reward_component_is_bad_input(cli):
     proc = cli("train", "--dry-run", "--set", "task.name=mbpp")
     assert proc.returncode == 0, proc.stderr
     assert "complexity: 1.0" in proc.stdout and "syntax: 0.5" in proc.stdout and "numeric" not in proc.stdout
+
+
+def test_run_directories_of_earlier_versions_still_load():
+    """config.yaml of runs written before `sampler` replaced `merged_sampler` reads as the same choice."""
+    assert config.from_dict({"merged_sampler": True}).sampler == "merged"
+    assert config.from_dict({"merged_sampler": False}).sampler == "adapter"
+    assert config.from_dict({}).sampler == "auto"
