@@ -11,9 +11,9 @@ Each final model is scored greedily on the run's held-out problems (summary.json
 out-of-distribution splits (ood_steps, ood_numbers): accuracy and eval reward, mean ± std over seeds, and the
 number of benchmark-metric pairs on which a selection's mean beats uniform's.
 
-    python bench/selection.py --out /tmp/sel                    # bundled:deep, seeds 42 3407, default steps
+    python bench/selection.py --out bench/_work/sel                  # bundled:deep, seeds 42 3407, default steps
     python bench/selection.py --model bundled --steps 2 --n-random 1 --seeds 42 --ood-n 16 \\
-        --set eval_n=16 --set prompts_per_step=4 --out /tmp/sel-tiny   # the plumbing in a few minutes
+        --set eval_n=16 --set prompts_per_step=4 --out bench/_work/sel-tiny   # the plumbing in a few minutes
 """
 
 from __future__ import annotations
