@@ -1,12 +1,13 @@
 """`mechdiag attribute`: which layers and modules of a LoRA update caused its effect.
 
-The final adapter of a run is evaluated on the run's own held-out problems with one part's factors zeroed
-(`*_without`) and with every other part's zeroed (`*_only`). A part is one layer (all its adapted modules) or one
-module type across the layers. Zeroing B makes that part's s*B@A exactly zero, so "without" is exactly the tuned
-model without that part; the factors are zeroed and restored in place (no reloads). Evaluation is the trainer's
-own (train.trainer.heldout_eval over generate.greedy, through the merged sampler when the run used one), so the
-two reference rows are exact: part "none" (nothing removed) reproduces summary.json's final_accuracy and part
-"all" its base_accuracy.
+The final adapter of a LoRA run (mechdiag train, native or --backend trl, or a TRL script recorded by
+MechdiagCallback(config=CFG, evaluate="heldout")) is evaluated on the run's own held-out problems with one part's
+factors zeroed (`*_without`) and with every other part's zeroed (`*_only`). A part is one layer (all its adapted
+modules) or one module type across the layers. Zeroing B makes that part's s*B@A exactly zero, so "without" is
+exactly the tuned model without that part; the factors are zeroed and restored in place (no reloads). Evaluation is
+the trainer's own (train.trainer.heldout_eval over generate.greedy; through the merged sampler when a native run
+used one, through the adapter for TRL runs, as their evaluator did), so the two reference rows are exact: part
+"none" (nothing removed) reproduces summary.json's final_accuracy and part "all" its base_accuracy.
 
     output_kl = mean over the tuned model's greedy completion tokens of KL(tuned || variant)(next token)
 
@@ -17,6 +18,7 @@ counterpart of the displacement share disp_share).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from peft import set_peft_model_state_dict
@@ -25,9 +27,9 @@ from safetensors.torch import load_file
 from mechdiag import config as configlib
 from mechdiag import models, tasks
 from mechdiag.displacement import lora_rows
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
-from mechdiag.run import RunDir
+from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into
 from mechdiag.train.rollout import policy_logits
 from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
@@ -35,6 +37,7 @@ from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
 COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
            "accuracy_only", "output_kl_only"]
 STREAM = "attribution"
+ADAPTER = "adapter_model.safetensors"
 
 
 @dataclass
@@ -46,37 +49,73 @@ class Part:
     names: list[str] = field(default_factory=list)  # LoRA module paths in the part
 
 
-def open_run(path):
-    """(RunDir, Config) of a finished native LoRA run, checked before any model is loaded."""
-    run = RunDir(path)
+@dataclass
+class Source:
+    """A finished LoRA run to attribute: its run directory, config, the folder of its final adapter, and whether
+    TRL trained it (its evaluator ran the adapter itself, so attribute does too; the native trainer's ran the
+    merged sampler when it had one)."""
+
+    run: RunDir
+    cfg: configlib.Config
+    adapter: Path
+    trl: bool
+
+
+def open_run(path) -> Source:
+    """The run of `mechdiag train` (native or --backend trl), or the TRL output_dir of a script that recorded with
+    MechdiagCallback, checked before any model is loaded."""
+    run = resolve_run(path)
     if not run.config_path.is_file():
         raise UserError(f"{run.path} has no config.yaml: not a mechdiag run directory (attribute reads runs of "
-                        "mechdiag train)")
+                        "mechdiag train, and TRL output_dirs recorded by MechdiagCallback)")
     cfg = configlib.load(run.config_path)
     if not cfg.lora.enabled:
         raise UserError(f"{run.path} is not a LoRA run (lora.enabled is false): nothing to attribute")
-    if not (run.final / "adapter_model.safetensors").is_file():
-        raise UserError(f"{run.path} has no final/adapter_model.safetensors: the run did not finish "
-                        "(or is not a LoRA run)")
     summary = run.summary()
-    if "final_accuracy" not in summary:
-        raise UserError(f"{run.path} has no summary.json with final_accuracy: the run did not finish")
-    return run, cfg
+    trl = summary.get("source") == "trl"
+    if (run.final / ADAPTER).is_file():
+        if "final_accuracy" not in summary:
+            raise UserError(f"{run.path} has no summary.json with final_accuracy: the run did not finish")
+        return Source(run, cfg, run.final, trl)
+    if not trl or "steps" not in summary:
+        raise UserError(f"{run.path} has no final/{ADAPTER}: the run did not finish (or is not a LoRA run)")
+    if summary.get("config_derived") is not False:  # the callback's config came from the GRPOConfig: no task
+        raise UserError(f"{run.path}: MechdiagCallback was given no mechdiag config, so the run names no held-out "
+                        'problems; record with MechdiagCallback(config=CFG, evaluate="heldout") to attribute it')
+    return Source(run, cfg, callback_adapter(run, summary), True)
+
+
+def callback_adapter(run: RunDir, summary: dict) -> Path:
+    """The adapter a TRL script saved at the run's last step: OUT/checkpoint-STEP/, else OUT's own adapter when
+    it was written after the run ended (trainer.save_model(OUT) after train())."""
+    step = summary["steps"]
+    # OUT/mechdiag/ sits in its output_dir (wherever that was moved); a run_dir= elsewhere names it in the summary
+    out = run.path.parent if run.path.name == CALLBACK_DIR else Path(summary.get("trl_output_dir", run.path.parent))
+    if (out / f"checkpoint-{step}" / ADAPTER).is_file():
+        return out / f"checkpoint-{step}"
+    if (out / ADAPTER).is_file() and (out / ADAPTER).stat().st_mtime >= run.summary_path.stat().st_mtime:
+        return out
+    raise UserError(f"{out}: no adapter of the run's last step {step} (no checkpoint-{step}/, and no "
+                    f"{ADAPTER} saved after the run); call trainer.save_model() after trainer.train()")
 
 
 class Attribution:
     """The final model of a LoRA run, with parts of its adapter switched off and on in place."""
 
     def __init__(self, path, n: int | None = None):
-        self.run, self.cfg = open_run(path)
+        src = open_run(path)
+        self.run, self.cfg = src.run, src.cfg
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or auto_threads())  # the trainer's setting: same kernels, same numbers
-        self.model, self.tokenizer, _, self._sampler = prepare_model(cfg)
-        try:
-            set_peft_model_state_dict(self.model, load_file(self.run.final / "adapter_model.safetensors"))
-        except Exception as e:  # a damaged or mismatched adapter file
-            raise UserError(f"cannot load {self.run.final / 'adapter_model.safetensors'}: "
-                            f"{(str(e).strip().splitlines() or [type(e).__name__])[0][:200]}") from None
+        if src.trl:  # the adapter as TRL saved it, evaluated through itself like the run's evaluator
+            model, self.tokenizer = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
+            self.model, self._sampler = models.load_adapters(model, {"default": src.adapter}), None
+        else:
+            self.model, self.tokenizer, _, self._sampler = prepare_model(cfg)
+            try:
+                set_peft_model_state_dict(self.model, load_file(src.adapter / ADAPTER))
+            except Exception as e:  # a damaged or mismatched adapter file
+                raise UserError(f"cannot load {src.adapter / ADAPTER}: {first_line(e)}") from None
         self.model.eval()
         self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
         examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)  # the trainer's held-out set

@@ -283,9 +283,8 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
     Example:
       mechdiag displacement base_dir runs/a/final --by module --html heat.html
     """
-    from rich.console import Console
-
     from mechdiag import atomic
+    from mechdiag.console import progress
     from mechdiag.displacement import compare, group_wdisp, rows_frame
     from mechdiag.models import checkpoint_folder
 
@@ -295,32 +294,9 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
     check_output(html, "--html")
     a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
     base = None if base is None else checkpoint_folder(base)
-    err = Console(stderr=True)
-    progress_cb, bar = None, None
-    if err.is_terminal:
-        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-
-        bar = Progress(TextColumn("displacement"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
-                       TimeRemainingColumn(), console=err, transient=True)
-        task = bar.add_task("diff", total=1.0)
-
-        def progress_cb(done, total):
-            if total > 50_000_000:  # only large checkpoints: ~200 MB of float32
-                if not bar.live.is_started:
-                    bar.start()
-                bar.update(task, completed=done / total)
-    else:
-        from mechdiag.console import Progress
-
-        lines = Progress("displacement")
-
-        def progress_cb(done, total):
-            lines.update(round(100 * done / max(total, 1)), "% done")
-    try:
-        rows = compare(a, b, base=base, spectral=spectral, progress=progress_cb)
-    finally:
-        if bar is not None and bar.live.is_started:
-            bar.stop()
+    with progress("displacement (%)", 100) as update:
+        rows = compare(a, b, base=base, spectral=spectral,
+                       progress=lambda done, total: update(round(100 * done / max(total, 1))))
     df = rows_frame(rows, spectral)
     result = df if by == "tensor" else group_wdisp(df, by=by)
 
@@ -667,30 +643,16 @@ def attribute(run, by, n, fmt, out, save):
 
     from mechdiag import atomic
     from mechdiag import attribute as A
-    from mechdiag.console import Progress
+    from mechdiag.console import progress
 
     if fmt == "parquet" and out is None:
         raise UserError("--format parquet needs --out PATH")
     check_output(out, "--out")
     A.open_run(run)  # bad run directories fail here, before any model is loaded
     att = A.Attribution(run, n=n)
-    if sys.stderr.isatty():  # a bar on a terminal, a line every ~10 s in a log
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
-        from rich.progress import Progress as Bar
-
-        with Bar(TextColumn("attribute"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                 console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task("evals", total=att.n_evals(by))
-            rows = att.rows(by, progress=lambda: bar.advance(task))
-    else:
-        lines, done = Progress("attribute", total=att.n_evals(by)), [0]
-
-        def advance():
-            done[0] += 1
-            lines.update(done[0], "evaluations")
-
-        rows = att.rows(by, progress=advance)
+    with progress("attribute", att.n_evals(by)) as update:
+        done = iter(range(1, att.n_evals(by) + 1))
+        rows = att.rows(by, progress=lambda: update(next(done), "evaluations"))
     if save:
         atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
     df = pd.DataFrame(rows, columns=A.COLUMNS)

@@ -8,6 +8,7 @@ Progress: a terminal gets the commands' own bars; a log file or pipe gets one li
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
@@ -17,6 +18,8 @@ import time
 from collections.abc import Sequence
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as Bar
 from rich.table import Table
 from rich.text import Text
 
@@ -60,9 +63,9 @@ def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Seque
                  digits: int = 4, keep: Sequence[str] = (), styles: Sequence[Sequence[str | None]] | None = None,
                  color: bool = False) -> str:
     """A table as text no wider than `width` (default: the terminal). Cells are values: numbers are formatted
-    here, everything else is shown as str(value). When columns must go, those named in `keep` go last (in that
-    order of importance), the others from the right. styles[r][c] colours a cell (a rich colour name, applied
-    as a style, never parsed from the value) when `color` is set."""
+    here, a missing value (None) is "-", everything else is str(value). When columns must go, those named in
+    `keep` go last (in that order of importance), the others from the right. styles[r][c] colours a cell (a rich
+    colour name, applied as a style, never parsed from the value) when `color` is set."""
     width = width or terminal_width()
     columns = list(columns)
     importance = [columns.index(k) for k in keep if k in columns]
@@ -72,7 +75,7 @@ def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Seque
 
     def layout(n_cols: int, d: int) -> list[tuple[str, bool, list[str], int]]:
         """(header, fixed width, formatted cells, index) of the n_cols most important columns, in their order."""
-        return [(columns[i], fixed[i], [number(r[i], d) if numeric[i] else str(r[i]) for r in rows], i)
+        return [(columns[i], fixed[i], [number(r[i], d) if numeric[i] or r[i] is None else str(r[i]) for r in rows], i)
                 for i in sorted(importance[:n_cols])]
 
     def need(cols) -> int:
@@ -132,6 +135,21 @@ class Progress:
         parts.append(f"({now - self.t0:.0f}s)")
         print(" ".join(parts), file=self.stream, flush=True)
         return True
+
+
+@contextlib.contextmanager
+def progress(label: str, total: float, stream=None):
+    """update(done, note=""): a transient bar on a terminal, else a Progress line at most every EVERY_S seconds
+    (the one switch every long command uses)."""
+    stream = stream if stream is not None else sys.stderr
+    if not _is_terminal(stream):
+        lines = Progress(label, total=total, stream=stream)
+        yield lambda done, note="": lines.update(done, note)
+        return
+    with Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+             console=Console(file=stream), transient=True) as bar:
+        task = bar.add_task(label, total=total)
+        yield lambda done, note="": bar.update(task, completed=done)
 
 
 def _is_terminal(stream) -> bool:

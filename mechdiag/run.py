@@ -13,6 +13,8 @@
     RUN/attribution.jsonl  rows of `mechdiag attribute --save` (mechdiag.attribute.COLUMNS)
     RUN/checkpoints/step-N/ (complete when step-N/COMPLETE exists), RUN/final/, RUN/summary.json
 
+A TRL output_dir recorded by MechdiagCallback holds its run directory in OUT/mechdiag/ (`resolve_run`).
+
 `Run` is a run directory read into memory (`load_run`); `group_runs` pools seeds of one config; `base_eval` and
 `final_eval` are the untrained and the final held-out metrics. Runs of other trainers (TRL, verl) are converted
 into this shape once, at the edge (mechdiag.integrations.readers.load_runs).
@@ -34,13 +36,14 @@ from mechdiag import atomic
 from mechdiag import config as configlib
 from mechdiag.errors import UserError
 
+CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples",
            "attribution")
 # summary.json, whoever writes it (native trainer, TRL callback, TRL and verl readers): flat keys, metrics of the
 # untrained and the final model as base_<metric> / final_<metric>.
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
-                "sandbox", "memory", "base_accuracy", "final_accuracy", "accuracy_gain", "base_eval_reward",
-                "final_eval_reward")
+                "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
+                "base_eval_reward", "final_eval_reward")
 
 
 @dataclass
@@ -157,6 +160,19 @@ class RunDir:
             return json.loads(self.summary_path.read_text())
         except ValueError as e:
             raise UserError(f"corrupt {self.summary_path}: {e}") from None
+
+
+def resolve_run(path) -> RunDir:
+    """The run directory named by a user: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(f"run directory not found: {p}")
+    if (p / "config.yaml").exists() or (p / "metrics.jsonl").exists():
+        return RunDir(p)
+    if (p / CALLBACK_DIR / "config.yaml").exists():
+        return RunDir(p / CALLBACK_DIR)
+    raise UserError(f"{p} is not a run directory (no config.yaml or metrics.jsonl; for a TRL output_dir, "
+                    f"its {CALLBACK_DIR}/ folder written by MechdiagCallback)")
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> Path:

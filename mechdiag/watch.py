@@ -8,7 +8,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -16,10 +15,8 @@ from rich.table import Table
 
 from mechdiag import alerts as A
 from mechdiag import config as C
-from mechdiag.errors import UserError
-from mechdiag.integrations.readers import CALLBACK_DIR
 from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
-from mechdiag.run import RunDir
+from mechdiag.run import RunDir, resolve_run
 from mechdiag.tasks import reward_weights
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -28,19 +25,6 @@ FLAT = 1e-8
 EXTRA = [("metrics", "frac_zero_std", "groups with zero std"), ("metrics", "frac_groups_all_correct", "  all correct"),
          ("metrics", "frac_groups_all_wrong", "  all wrong"),
          ("metrics", "frac_groups_shaping_only", "groups shaping only"), ("eval", "forget_kl", "forget KL to base")]
-
-
-def resolve(path) -> RunDir:
-    """The run directory to watch: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
-    p = Path(path)
-    if not p.is_dir():
-        raise UserError(f"run directory not found: {p}")
-    if (p / "config.yaml").exists() or (p / "metrics.jsonl").exists():
-        return RunDir(p)
-    if (p / CALLBACK_DIR / "config.yaml").exists():
-        return RunDir(p / CALLBACK_DIR)
-    raise UserError(f"{p} is not a run directory (no config.yaml or metrics.jsonl; for a TRL output_dir, "
-                    f"its {CALLBACK_DIR}/ folder written by MechdiagCallback)")
 
 
 @dataclass
@@ -104,7 +88,7 @@ def render(run: RunDir, state: State):
 
 def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, echo=print) -> State:
     """Show the run at `path` (once, or live until its summary.json appears); returns the last state."""
-    run = resolve(path)
+    run = resolve_run(path)
     state = read_state(run)
     if fmt == "json":
         shown: set[str] = set()

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.text import Text
 
 from mechdiag.cli import main
-from mechdiag.console import Progress, number, render_table
+from mechdiag.console import Progress, number, progress, render_table
 from mechdiag.models import bundled_path
 from tests.conftest import tiny_train_flags
 from tests.helpers import run_cli
@@ -50,6 +50,11 @@ def test_rich_console_at_100_columns_and_markup_is_text():
     assert max(len(ln) for ln in _lines(narrow)) <= 40 and "more column(s)" in narrow  # dropped, not cut
 
 
+def test_missing_text_cell_is_a_dash():
+    text = render_table(None, ["part", "module"], [["layer 0", None], ["q_proj", "q_proj"]], width=100)
+    assert "None" not in text and "│ layer 0 │ -      │" in text
+
+
 def test_displacement_table_at_100_columns(tiny_run):
     result = CliRunner().invoke(main, ["displacement", str(bundled_path()), str(tiny_run / "final"), "--spectral"],
                                 env={"COLUMNS": "100"})
@@ -66,6 +71,21 @@ def test_progress_prints_at_most_every_interval_when_not_a_terminal():
     assert p.update(8, "done", final=True)
     lines = log.getvalue().splitlines()
     assert len(lines) == 2 and lines[0].startswith("shift: 1/8") and lines[1].startswith("shift: 8/8 done")
+
+
+class _Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log():
+    log, tty = io.StringIO(), _Tty()
+    for stream in (log, tty):
+        with progress("attribute", 4, stream=stream) as update:
+            for i in range(1, 5):
+                update(i, "evaluations")
+    assert log.getvalue().splitlines()[0].startswith("attribute: 1/4 evaluations")  # then nothing within 10 s
+    assert "attribute: 1/4" not in tty.getvalue() and "4/4" in tty.getvalue()  # rich's bar, drawn to the end
 
 
 def test_long_commands_print_progress_lines_into_a_log(tiny_run, tmp_path):

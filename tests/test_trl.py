@@ -176,6 +176,18 @@ def test_recommend_and_report_on_trl_output_dir(trl_run, cli, tmp_path):
     assert "<span class=tag>TRL</span>" in html
 
 
+def test_attribute_refuses_a_callback_run_without_a_task(trl_run, tmp_path):
+    """The callback derived its config from the GRPOConfig (no config=): there are no held-out problems of the run
+    to attribute on, so it says how to record one instead of evaluating some default task."""
+    from tests.helpers import run_cli
+
+    out, _ = trl_run
+    assert RunDir(out / "mechdiag").summary()["config_derived"] is True
+    proc = run_cli("attribute", str(out))
+    assert_bad_input(proc)
+    assert 'evaluate="heldout"' in proc.stderr
+
+
 # ---- the two backends ---------------------------------------------------------------------------------------
 def _small(model_dir, *extra) -> list[str]:
     return [f"model.name_or_path={model_dir}", "task.name=tests.toy:Toy", "group_size=4", "prompts_per_step=2",

@@ -33,10 +33,8 @@ from mechdiag.errors import UserError
 from mechdiag.integrations.trl_args import config_from_output_dir
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
-from mechdiag.run import STREAMS, Run, RunDir, load_run
+from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, load_run
 from mechdiag.weights import adapter_base, is_adapter
-
-CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 
 # ---- key maps -----------------------------------------------------------------------------------------------
 TRL_TRAIN_KEYS = {

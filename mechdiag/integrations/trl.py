@@ -29,7 +29,6 @@ from mechdiag.console import Progress
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import (
-    CALLBACK_DIR,
     _contiguous_keys,
     completion_files,
     completions_rows,
@@ -47,7 +46,7 @@ from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.probes.shift import shift_inmemory
-from mechdiag.run import RunDir
+from mechdiag.run import CALLBACK_DIR, RunDir
 from mechdiag.tasks import get_task, resolve_rewards, reward_weights
 from mechdiag.train.lora import resolve
 from mechdiag.train.trainer import Trainer
@@ -304,7 +303,8 @@ class MechdiagCallback(TrainerCallback):
     displacement.jsonl rows of the LoRA-effective weights (factors only, exact; the final step's with the update
     geometry, subspace_overlap and intruders). At each evaluation (TRL's, or
     every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
-    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in, forget_kl on
+    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in (evaluate="heldout":
+    the native trainer's eval on `config`'s held-out problems, which `mechdiag attribute` reproduces), forget_kl on
     `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
@@ -321,6 +321,8 @@ class MechdiagCallback(TrainerCallback):
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
         self.shift_batch_size = shift_batch_size
+        if evaluate == "heldout" and config is None:
+            raise ValueError('MechdiagCallback(evaluate="heldout") needs config=, the mechdiag Config naming the task')
         self.config = config
         self.evaluate = evaluate
         self.eval_every = eval_every
@@ -420,6 +422,8 @@ class MechdiagCallback(TrainerCallback):
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        if self.evaluate == "heldout":
+            self.evaluate = _evaluator(cfg, *heldout_set(cfg, processing_class), self.run)
         self._alerts = Watcher(max_reward(reward_weights(cfg)))  # prints each live alert once
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
@@ -470,7 +474,7 @@ class MechdiagCallback(TrainerCallback):
             self._record_shift(step, model, processing_class)
         evals = [e for e in self._evals if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
-                   "recorder_s": self.recorder_s}
+                   "recorder_s": self.recorder_s, "config_derived": self._derived}
         if len(evals) >= 1:
             base = next((e for e in evals if e["step"] == 0), None)
             summary.update({"final_accuracy": evals[-1]["accuracy"],
@@ -495,6 +499,13 @@ class ProgressLines(TrainerCallback):
             note = "  ".join(f"{name} {logs[k]:.4g}" for k, name in self.KEYS
                              if isinstance(logs.get(k), (int, float)))
             self.lines.update(state.global_step, note, final="train_runtime" in logs)
+
+
+def heldout_set(cfg, tokenizer) -> tuple:
+    """(task, examples, prompts): the config's fixed held-out problems, the native trainer's."""
+    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+    examples = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
+    return task, examples, [task.prompt(ex, tokenizer) for ex in examples]
 
 
 def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
@@ -527,15 +538,13 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     torch.manual_seed(cfg.seed)
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
-    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+    task, eval_ex, eval_prompts = heldout_set(cfg, tok)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
-    eval_ex = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
     if not train_ex:
         raise UserError(f"task {cfg.task.name} has no training examples")
     data = Dataset.from_list([{"prompt": task.prompt(ex, tok), "example_id": ex.id} for ex in train_ex])
     funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights)
     cv = GroupCV(funcs, weights, group_size=cfg.group_size)
-    eval_prompts = [task.prompt(ex, tok) for ex in eval_ex]
     args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
     run = RunDir(out_dir, create=True)
     rec = cfg.record
