@@ -77,6 +77,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         attn, pos = attn.repeat_interleave(repeat, 0), pos.repeat_interleave(repeat, 0)
         logits = logits.repeat_interleave(repeat, 0)
     next_pos = pos[:, -1:] + 1
+    width = attn.size(1)
+    attn = torch.cat([attn, attn.new_ones((b, max_new_tokens))], dim=1)  # a row's mask grows by one per token
     done = torch.zeros(b, dtype=torch.bool, device=device)
     rows = torch.arange(b, device=device)  # the rows still decoding: finished ones leave the batch and its cache
     tokens, alive = [], []
@@ -99,8 +101,8 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
             keep = (~finished).nonzero().squeeze(1)
             cache.batch_select_indices(keep)
             rows, tok, attn, next_pos = rows[keep], tok[keep], attn[keep], next_pos[keep]
-        attn = torch.cat([attn, torch.ones((attn.size(0), 1), dtype=attn.dtype, device=device)], dim=1)
-        out = model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos, use_cache=True,
+        width += 1
+        out = model(input_ids=tok[:, None], attention_mask=attn[:, :width], position_ids=next_pos, use_cache=True,
                     logits_to_keep=1, **kv)
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
@@ -138,15 +140,37 @@ def generate(model, tokenizer, prompts: list[str], n: int = 1, temperature: floa
     return [flat[i * n:(i + 1) * n] for i in range(len(prompts))]
 
 
-def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask) -> torch.Tensor:
-    """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion."""
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attn = torch.cat([prompt_mask, completion_mask], dim=1)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
+def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                  prompt_of: torch.Tensor | None = None) -> torch.Tensor:
+    """Logits (B, T, V) that predict each completion token, from one forward over prompt + completion.
+
+    prompt_of (B,): rows with the same value share one prompt (a GRPO group). Each distinct prompt is then run
+    once and its KV cache, indexed out to its rows, serves their completions: the same attention over the same
+    tokens with a G-th of the prompt's compute, differentiable like the plain forward.
+    """
     t = completion_ids.size(1)
-    logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                   logits_to_keep=t + 1).logits
-    return logits[:, :-1, :]
+    if prompt_of is None or t == 1:
+        ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attn = torch.cat([prompt_mask, completion_mask], dim=1)
+        pos = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
+                       logits_to_keep=t + 1).logits
+        return logits[:, :-1, :]
+    inverse = torch.unique(prompt_of, return_inverse=True)[1].to(prompt_ids.device)  # row -> distinct prompt
+    rows = torch.arange(len(inverse), device=inverse.device)
+    first = rows.new_full((int(inverse.max()) + 1,), len(inverse)).scatter_reduce(0, inverse, rows, reduce="amin")
+    u_mask = prompt_mask[first]
+    pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
+    cache = DynamicCache()
+    kv = {cache_kw(model): cache}
+    head = model(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=pos, use_cache=True,
+                 logits_to_keep=1, **kv).logits[:, -1:, :]
+    cache.batch_select_indices(inverse)
+    attn = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
+    c_pos = pos[inverse, -1:] + 1 + torch.arange(t - 1, device=pos.device)[None, :]
+    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
+                 **kv).logits
+    return torch.cat([head[inverse], rest], dim=1)
 
 
 def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torch.Tensor) -> list[Sample]:

@@ -199,7 +199,8 @@ def test_zero_advantage_rows_skipped_exactly_when_beta_is_zero(stories260k, tmp_
     params = [p for p in tr.model.parameters() if p.requires_grad]
     loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
     fast = torch.autograd.grad(loss, params)
-    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask,
+                           prompt_of=torch.tensor(roll.group_ids))  # the update pass's forward, on every row
     logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
     full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask, loss_type=loss_type)
     slow = torch.autograd.grad(full, params)
@@ -230,7 +231,7 @@ def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):
     cfg = C.load(None, small(stories260k, "max_steps=1", "group_size=3", "prompts_per_step=3"))
     tr = Trainer(cfg, tmp_path / "run")
     roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
-    shared = sequence_logprobs(tr.model, roll, cfg.temperature, group_size=3)
+    shared = sequence_logprobs(tr.model, roll, cfg.temperature)
     with torch.no_grad():
         logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
     full = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
@@ -238,6 +239,38 @@ def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):
     assert torch.allclose(shared[m], full[m], atol=1e-5)
     assert torch.allclose(roll.ref_logp[m], full[m], atol=1e-5)  # adapter still zero: reference = policy
     assert torch.allclose(roll.sample_logp[m], full[m], atol=1e-4)  # decode-time log-probs agree too
+
+
+def test_update_pass_runs_each_prompt_once_with_the_same_gradient(stories260k, tmp_path):
+    """policy_logits with prompt_of (the update pass) gives the full forward's logits and LoRA gradients, also for
+    a subset of rows cutting groups (what the zero-advantage skip keeps)."""
+    from mechdiag.train.rollout import collect, policy_logits
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "group_size=4", "prompts_per_step=3", "lora.r=4"))
+    tr = Trainer(cfg, tmp_path / "run")
+    with torch.no_grad():  # a non-zero adapter, so the gradient reaches A too
+        for n, p in tr.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    tr.model.train()
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    for rows in (torch.arange(len(roll)), torch.tensor([0, 2, 3, 5, 9, 10, 11])):
+        mb = roll.select(rows)
+        out = []
+        for prompt_of in (None, torch.tensor(mb.group_ids)):
+            tr.model.zero_grad(set_to_none=True)
+            logits = policy_logits(tr.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                   prompt_of=prompt_of)
+            logp = objective.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+            (logp * mb.completion_mask).sum().backward()
+            out.append((logp.detach(), [p.grad.clone() for p in params]))
+        (full, g_full), (shared, g_shared) = out
+        m = mb.completion_mask.bool()
+        assert torch.allclose(shared[m], full[m], atol=1e-5)
+        for a, b in zip(g_shared, g_full, strict=True):  # float32: ~1e-5 apart (the backward sums in another order)
+            assert float((a - b).norm()) <= 1e-4 * float(b.norm())
+        assert any(float(g.abs().sum()) > 0 for g in g_full)
 
 
 def test_time_budget_stops_early_and_evaluates_the_last_model(stories260k, tmp_path):

@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from mechdiag.generate import cache_kw, encode_prompts, eos_ids, pad_id, policy_logits, sample_tokens
+from mechdiag.generate import encode_prompts, eos_ids, pad_id, policy_logits, sample_tokens
 from mechdiag.models import reference_context
 from mechdiag.train import objective as obj
 
@@ -53,26 +52,11 @@ class Rollout:
 
 
 @torch.inference_mode()
-def sequence_logprobs(model, r: Rollout, temperature: float, group_size: int = 1) -> torch.Tensor:
-    """Token log-probs of the completions under `model` (no grad). Rows come in groups of `group_size` sharing
-    one prompt, so each prompt is run once and its KV cache serves the group's completions."""
-
-    g, t = group_size, r.completion_ids.size(1)
-    if g == 1 or t == 1:
-        logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
-        return obj.token_logprobs(logits, r.completion_ids, temperature)
-    u_ids, u_mask = r.prompt_ids[::g], r.prompt_mask[::g]
-    pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
-    kv = {cache_kw(model): cache}
-    first = model(input_ids=u_ids, attention_mask=u_mask, position_ids=pos, use_cache=True, logits_to_keep=1,
-                  **kv).logits[:, -1:, :].repeat_interleave(g, 0)
-    cache.batch_repeat_interleave(g)
-    attn = torch.cat([r.prompt_mask, r.completion_mask[:, :-1]], dim=1)
-    c_pos = pos[:, -1:].repeat_interleave(g, 0) + 1 + torch.arange(t - 1, device=pos.device)[None, :]
-    rest = model(input_ids=r.completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
-                 **kv).logits
-    return obj.token_logprobs(torch.cat([first, rest], dim=1), r.completion_ids, temperature)
+def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
+    """Token log-probs of the completions under `model` (no grad), each group's prompt run once."""
+    logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+                           prompt_of=torch.tensor(r.group_ids))
+    return obj.token_logprobs(logits, r.completion_ids, temperature)
 
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
@@ -113,10 +97,10 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
                     [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
                     sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
         if cfg.num_iterations > 1:
-            r.old_logp = sequence_logprobs(model, r, cfg.temperature, g).clone()
+            r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
         ref, ctx = reference_context(model, ref_model)
         with ctx:
-            r.ref_logp = sequence_logprobs(ref, r, cfg.temperature, g).clone()
+            r.ref_logp = sequence_logprobs(ref, r, cfg.temperature).clone()
     finally:
         model.train(was_training)
     return r

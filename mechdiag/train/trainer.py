@@ -12,6 +12,7 @@ run would have done.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
@@ -335,7 +336,11 @@ class Trainer:
         if len(keep) == 0:
             return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
-        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask)
+        # a group's prompt runs once; not under checkpointing (no KV cache in train mode) nor LoRA dropout (each
+        # row's prompt would no longer draw its own dropout mask)
+        shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
+        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                               prompt_of=torch.tensor(mb.group_ids) if shared else None)
         logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
@@ -355,14 +360,18 @@ class Trainer:
             out = []
             for j in range(start, start + k):
                 epoch, i = divmod(j, len(main))
-                perm = list(range(len(main)))
-                random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
-                out.append(main[perm[i]])
+                out.append(main[self._permutation(epoch)[i]])
             return out
         rng = random.Random(step_seed(self.cfg.seed, step, 2))
         weights = [w for _, w in self.sources]
         picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
         return [rng.choice(self.train_examples[s]) for s in picks]
+
+    @functools.lru_cache(maxsize=2)  # noqa: B019 - one trainer per run; a step reads one or two epochs
+    def _permutation(self, epoch: int) -> list[int]:
+        perm = list(range(len(self.train_examples[0])))
+        random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
+        return perm
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
