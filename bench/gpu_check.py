@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.scale import RESULT, build, child_result  # noqa: E402
+
 
 def trainer_case(name: str, backend: str, overrides: list[str], out: Path) -> dict:
     """Run in a child process: train, then report step time, tokens/s and peak memory of this process."""
@@ -76,7 +78,7 @@ def main():
         import warnings
 
         warnings.filterwarnings("ignore")
-        print("RESULT " + json.dumps(trainer_case(args.child, args.backend, args.set, args.run)), flush=True)
+        print(RESULT + json.dumps(trainer_case(args.child, args.backend, args.set, args.run)), flush=True)
         return
 
     import torch
@@ -90,8 +92,6 @@ def main():
     else:
         if not torch.cuda.is_available():
             raise SystemExit("gpu_check: torch sees no CUDA GPU here (use --dry-run for the CPU smoke run)")
-        from bench.scale import build
-
         model = str(build(work / "qwen05b-shape"))
         device, dtype, steps, gpu = "cuda", "bfloat16", args.steps, torch.cuda.get_device_name(0)
         sizes = ["group_size=8", "prompts_per_step=8", "max_completion_tokens=128", "eval_n=64",
@@ -105,11 +105,7 @@ def main():
     for name, backend, extra in cases:
         cmd = [sys.executable, __file__, "--child", name, "--backend", backend, "--run", str(work / name)]
         cmd += [a for o in common + extra for a in ("--set", o)]
-        p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-        if p.returncode or not line:
-            raise SystemExit(f"{name} failed ({p.returncode}): {p.stderr.strip()[-3000:]}")
-        rows.append(json.loads(line[0][7:]))
+        rows.append(child_result(cmd, env, name))
         print(f"{name}: {rows[-1]['s_per_step']:.2f} s/step", file=sys.stderr, flush=True)
     adapter = str(work / "native" / "final")
     shift_args = ["shift", model if model != "bundled" else str(ROOT / "mechdiag/assets/arith-base"), adapter,

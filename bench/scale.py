@@ -29,6 +29,18 @@ sys.path.insert(0, str(ROOT))
 
 SHAPE = dict(num_hidden_layers=24, hidden_size=896, intermediate_size=4864, num_attention_heads=14,
              num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True, rope_theta=1e6)
+RESULT = "RESULT "  # a child process's last word: this prefix, then its result as JSON
+
+
+def child_result(cmd: list[str], env: dict, name: str) -> dict:
+    """Run one benchmark case in its own process (its peak memory is its own) and return its RESULT line."""
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    line = [x for x in p.stdout.splitlines() if x.startswith(RESULT)]
+    if p.returncode or not line:
+        sys.exit(f"{name} failed ({p.returncode}):\n{p.stderr.strip()[-3000:]}")
+    return json.loads(line[-1][len(RESULT):])
+
+
 CASES = {  # name -> (backend, config overrides)
     "native": ("native", []),
     "native-adapter": ("native", ["sampler=adapter"]),
@@ -109,7 +121,7 @@ def main():
         import warnings
 
         warnings.filterwarnings("ignore")
-        print("RESULT " + json.dumps(child(args.child, args.set, args.out)), flush=True)
+        print(RESULT + json.dumps(child(args.child, args.set, args.out)), flush=True)
         return
     with tempfile.TemporaryDirectory() as d:
         model_dir = build(args.model_dir or Path(d) / "qwen05b-shape")
@@ -121,11 +133,7 @@ def main():
             cmd = [sys.executable, __file__, "--child", case, "--out", str(Path(d) / case)]
             cmd += [a for o in common(args, model_dir) for a in ("--set", o)]
             env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": str(args.threads)}
-            p = subprocess.run(cmd, capture_output=True, text=True, env=env)
-            line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
-            if p.returncode or not line:
-                sys.exit(f"case {case} failed:\n{p.stderr[-3000:]}")
-            r = json.loads(line[0][7:])
+            r = child_result(cmd, env, case)
             rows.append(r)
             print(f"{case}: {r['s_per_step']:.1f} s/step, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB = "
                   f"{r['peak_rss_bytes'] / weights:.2f}x weights", file=sys.stderr, flush=True)

@@ -57,18 +57,12 @@ def _windows(series: list[tuple[int, float]], n: int = WINDOW):
 def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
     """The adapter has not moved after NO_UPDATE_STEPS steps: its displacement is ~0 (exactly 0: LoRA B is still
     zero), or reward and loss have been exactly 0 for NO_UPDATE_STEPS steps in a row."""
-    by_step: dict[int, list[float]] = {}
-    for r in displacement:
-        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
-            d = by_step.setdefault(r["step"], [0.0, 0.0])
-            d[0] += float(r["delta_fro"]) ** 2
-            d[1] += float(r["ref_fro"]) ** 2
-    for step in sorted(by_step):
+    for row in sorted(_per_step(displacement), key=lambda r: r["step"]):
+        step = row["step"]
         if step < NO_UPDATE_STEPS:
             continue
-        delta2, ref2 = by_step[step]
-        wdisp = math.sqrt(delta2) / math.sqrt(ref2 + 1e-12)
-        if delta2 == 0.0:
+        wdisp = row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)
+        if row["delta_fro"] == 0.0:
             return Alert("no_update", step, f"every LoRA delta is exactly zero at step {step} (B still zero)")
         if wdisp <= NO_UPDATE_WDISP:
             return Alert("no_update", step, f"wdisp {wdisp:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")

@@ -33,11 +33,11 @@ from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into
 from mechdiag.train.rollout import policy_logits
 from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
+from mechdiag.weights import ADAPTER_WEIGHTS
 
 COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
            "accuracy_only", "output_kl_only"]
 STREAM = "attribution"
-ADAPTER = "adapter_model.safetensors"
 
 
 @dataclass
@@ -73,12 +73,12 @@ def open_run(path) -> Source:
         raise UserError(f"{run.path} is not a LoRA run (lora.enabled is false): nothing to attribute")
     summary = run.summary()
     trl = summary.get("source") == "trl"
-    if (run.final / ADAPTER).is_file():
+    if (run.final / ADAPTER_WEIGHTS).is_file():
         if "final_accuracy" not in summary:
             raise UserError(f"{run.path} has no summary.json with final_accuracy: the run did not finish")
         return Source(run, cfg, run.final, trl)
     if not trl or "steps" not in summary:
-        raise UserError(f"{run.path} has no final/{ADAPTER}: the run did not finish (or is not a LoRA run)")
+        raise UserError(f"{run.path} has no final/{ADAPTER_WEIGHTS}: the run did not finish (or is not a LoRA run)")
     if summary.get("config_derived") is not False:  # the callback's config came from the GRPOConfig: no task
         raise UserError(f"{run.path}: MechdiagCallback was given no mechdiag config, so the run names no held-out "
                         'problems; record with MechdiagCallback(config=CFG, evaluate="heldout") to attribute it')
@@ -91,12 +91,13 @@ def callback_adapter(run: RunDir, summary: dict) -> Path:
     step = summary["steps"]
     # OUT/mechdiag/ sits in its output_dir (wherever that was moved); a run_dir= elsewhere names it in the summary
     out = run.path.parent if run.path.name == CALLBACK_DIR else Path(summary.get("trl_output_dir", run.path.parent))
-    if (out / f"checkpoint-{step}" / ADAPTER).is_file():
+    if (out / f"checkpoint-{step}" / ADAPTER_WEIGHTS).is_file():
         return out / f"checkpoint-{step}"
-    if (out / ADAPTER).is_file() and (out / ADAPTER).stat().st_mtime >= run.summary_path.stat().st_mtime:
+    saved = out / ADAPTER_WEIGHTS
+    if saved.is_file() and saved.stat().st_mtime >= run.summary_path.stat().st_mtime:
         return out
     raise UserError(f"{out}: no adapter of the run's last step {step} (no checkpoint-{step}/, and no "
-                    f"{ADAPTER} saved after the run); call trainer.save_model() after trainer.train()")
+                    f"{ADAPTER_WEIGHTS} saved after the run); call trainer.save_model() after trainer.train()")
 
 
 class Attribution:
@@ -113,9 +114,9 @@ class Attribution:
         else:
             self.model, self.tokenizer, _, self._sampler = prepare_model(cfg)
             try:
-                set_peft_model_state_dict(self.model, load_file(src.adapter / ADAPTER))
+                set_peft_model_state_dict(self.model, load_file(src.adapter / ADAPTER_WEIGHTS))
             except Exception as e:  # a damaged or mismatched adapter file
-                raise UserError(f"cannot load {src.adapter / ADAPTER}: {first_line(e)}") from None
+                raise UserError(f"cannot load {src.adapter / ADAPTER_WEIGHTS}: {first_line(e)}") from None
         self.model.eval()
         self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
         examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)  # the trainer's held-out set

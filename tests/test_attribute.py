@@ -35,15 +35,21 @@ def saved(lora_run) -> tuple[Path, list[dict]]:
     return lora_run, json.loads(proc.stdout)
 
 
-def test_reference_rows_reproduce_the_summary_exactly(saved):
-    run, rows = saved
-    summary = json.loads((run / "summary.json").read_text())
+def assert_exact_ends(rows: list[dict], summary: dict) -> None:
+    """Part "none" is the run's final model and part "all" its base, to the last bit of summary.json."""
     assert summary["final_accuracy"] != summary["base_accuracy"]  # the two ends are distinguishable
     none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
     assert none["accuracy_without"] == summary["final_accuracy"]
     assert none["reward_without"] == summary["final_eval_reward"]
     assert allr["accuracy_without"] == summary["base_accuracy"]
     assert allr["reward_without"] == summary["base_eval_reward"]
+
+
+def test_reference_rows_reproduce_the_summary_exactly(saved):
+    run, rows = saved
+    summary = json.loads((run / "summary.json").read_text())
+    assert_exact_ends(rows, summary)
+    none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
     # keeping everything is the tuned model, keeping nothing the base
     assert allr["accuracy_only"] == summary["final_accuracy"] and none["accuracy_only"] == summary["base_accuracy"]
     assert none["output_kl_without"] == 0.0 and allr["output_kl_only"] == 0.0

@@ -12,19 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from mechdiag.metrics import attribution_reference, last_step, update_mass
+from mechdiag.metrics import last_step, update_mass
 from mechdiag.run import RunDir
 from tests.helpers import REPO_ROOT, assert_bad_input, run_cli
-from tests.test_attribute import TRAIN
-
-
-def _assert_exact_ends(rows: list[dict], summary: dict) -> None:
-    assert summary["final_accuracy"] != summary["base_accuracy"]  # the two ends are distinguishable
-    none, allr = attribution_reference(rows, "none"), attribution_reference(rows, "all")
-    assert none["accuracy_without"] == summary["final_accuracy"]
-    assert none["reward_without"] == summary["final_eval_reward"]
-    assert allr["accuracy_without"] == summary["base_accuracy"]
-    assert allr["reward_without"] == summary["base_eval_reward"]
+from tests.test_attribute import TRAIN, assert_exact_ends
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +40,7 @@ def test_backend_trl_run_reference_rows_are_exact(backend_run):
     proc = run_cli("attribute", str(backend_run), "--by", "module", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    _assert_exact_ends(rows, RunDir(backend_run).summary())
+    assert_exact_ends(rows, RunDir(backend_run).summary())
     assert [r["module"] for r in rows if r["by"] == "module"] == ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                    "gate_proj", "up_proj", "down_proj"]
 
@@ -60,7 +51,7 @@ def test_callback_output_dir_is_attributed_and_saved(callback_out, tmp_path):
     proc = run_cli("attribute", str(callback_out), "--by", "both", "--format", "json", "--save")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    _assert_exact_ends(rows, run.summary())
+    assert_exact_ends(rows, run.summary())
     # the parts are the script's LoRA layout (its adapter_config), not mechdiag's default
     assert [r["module"] for r in rows if r["by"] == "module"] == ["q_proj", "v_proj", "down_proj"]
     recorded = update_mass(last_step(run.read("displacement")), "layer")  # the callback's last-step rows
@@ -85,7 +76,7 @@ def test_callback_adapter_saved_after_the_run(callback_out, tmp_path):
     shutil.rmtree(ckpt)
     proc = run_cli("attribute", str(out), "--by", "layer", "--format", "json")
     assert proc.returncode == 0, proc.stderr
-    _assert_exact_ends(json.loads(proc.stdout), RunDir(out / "mechdiag").summary())
+    assert_exact_ends(json.loads(proc.stdout), RunDir(out / "mechdiag").summary())
     old = (out / "mechdiag" / "summary.json").stat().st_mtime - 60
     os.utime(out / "adapter_model.safetensors", (old, old))
     proc = run_cli("attribute", str(out))

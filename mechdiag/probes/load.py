@@ -22,8 +22,7 @@ from mechdiag.models import adapter_context as _adapter_ctx
 from mechdiag.models import is_adapter as _is_adapter
 from mechdiag.models import load_adapters as _with_adapters
 from mechdiag.probes.capture import Probe, n_layers_of
-
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+from mechdiag.weights import ADAPTER_WEIGHTS, PICKLE_SUFFIXES
 
 
 @dataclass
@@ -50,10 +49,10 @@ def _check_model_dir(path: Path) -> None:
 
 
 def _check_adapter_dir(path: Path) -> None:
-    if not (path / "adapter_model.safetensors").is_file():
+    if not (path / ADAPTER_WEIGHTS).is_file():
         if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
             raise UserError(f"{path} holds only a pickle adapter; refusing to unpickle (save with safetensors)")
-        raise UserError(f"no adapter_model.safetensors in {path}")
+        raise UserError(f"no {ADAPTER_WEIGHTS} in {path}")
 
 
 def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:

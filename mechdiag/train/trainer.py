@@ -12,7 +12,6 @@ run would have done.
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import math
 import os
@@ -38,6 +37,7 @@ from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
 from mechdiag.train.rollout import collect, policy_logits
+from mechdiag.weights import ADAPTER_WEIGHTS
 
 
 # ---- model ------------------------------------------------------------------------------------------------
@@ -171,6 +171,7 @@ class Trainer:
         self.eval_prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
+        self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
         else:
@@ -367,11 +368,13 @@ class Trainer:
         picks = rng.choices(range(len(self.sources)), weights=weights, k=k)
         return [rng.choice(self.train_examples[s]) for s in picks]
 
-    @functools.lru_cache(maxsize=2)  # noqa: B019 - one trainer per run; a step reads one or two epochs
     def _permutation(self, epoch: int) -> list[int]:
-        perm = list(range(len(self.train_examples[0])))
-        random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
-        return perm
+        """The order of the training examples in `epoch`, shuffled once per epoch, not once per prompt."""
+        if epoch not in self._perms:
+            perm = list(range(len(self.train_examples[0])))
+            random.Random(step_seed(self.cfg.seed, epoch, 1)).shuffle(perm)
+            self._perms[epoch] = perm
+        return self._perms[epoch]
 
     # ---- evaluation -----------------------------------------------------------------------------------
     def evaluate(self, step: int, batch_size: int = 256) -> dict:
@@ -433,7 +436,7 @@ class Trainer:
 
         if self.cfg.lora.enabled:
 
-            set_peft_model_state_dict(self.model, load_file(path / "adapter_model.safetensors"))
+            set_peft_model_state_dict(self.model, load_file(path / ADAPTER_WEIGHTS))
         else:
             files = sorted(path.glob("*.safetensors"))
             state = {}
