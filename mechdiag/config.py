@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from mechdiag import atomic
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 
 ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ATTN_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -314,8 +314,7 @@ def read_yaml(path: str | Path) -> dict:
     try:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"invalid YAML in {path}: {first}") from None
+        raise UserError(f"invalid YAML in {path}: {first_line(e)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

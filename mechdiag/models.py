@@ -166,7 +166,7 @@ def device(spec: str | None = "auto") -> str:
     try:
         torch.empty(0, device=spec)
     except (RuntimeError, AssertionError, ValueError) as e:
-        raise UserError(f"--device {spec}: not usable here ({str(e).splitlines()[0] if str(e) else 'unavailable'})"
+        raise UserError(f"--device {spec}: not usable here ({first_line(e)})"
                         ) from None
     return spec
 
@@ -230,7 +230,7 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
     except UserError:
         raise
     except Exception as e:  # corrupt json, missing files, unreachable hub
-        raise UserError(f"cannot load tokenizer from {src}: {str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        raise UserError(f"cannot load tokenizer from {src}: {first_line(e)}"
                         ) from e
     return ensure_pad(tok)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 
 INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -81,7 +81,7 @@ class _File:
         try:
             self.handle = safe_open(path, framework="pt")  # the reference parser agrees the file is well formed
         except SafetensorError as e:
-            raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
+            raise UserError(f"{path}: not a valid safetensors file ({first_line(e, 160)})") from None
         with open(path, "rb") as f:
             # ACCESS_COPY makes the buffer writable for torch.frombuffer; we never write, so pages stay the file's
             self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
@@ -143,10 +143,6 @@ class SafeFiles:
         return torch.frombuffer(buf, dtype=dtype, count=count, offset=offset).view(out_shape)
 
 
-def _short(e: Exception) -> str:
-    return str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-
-
 def _read_header(path: str) -> tuple[dict, int]:
     """The header and where the data starts, checked against the file size: safetensors trusts the offsets, so a
     truncated file is caught here, before any tensor is touched."""
@@ -173,7 +169,7 @@ def _read_header(path: str) -> tuple[dict, int]:
                 raise ValueError(f"tensor {k}: {e - b} bytes do not hold shape {v['shape']} {v['dtype']}")
         return header, 8 + n
     except (ValueError, KeyError, TypeError, OSError, AttributeError) as e:
-        raise UserError(f"{path}: not a valid safetensors file ({_short(e)})") from None
+        raise UserError(f"{path}: not a valid safetensors file ({first_line(e, 160)})") from None
 
 
 @dataclass(frozen=True)
@@ -216,7 +212,7 @@ def _safetensors_files(folder: Path, files: SafeFiles) -> dict[str, str]:
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (ValueError, KeyError, TypeError) as e:
-            raise UserError(f"{index}: not a valid shard index ({_short(e)})") from None
+            raise UserError(f"{index}: not a valid shard index ({first_line(e, 160)})") from None
         missing = sorted({f for f in weight_map.values() if not (folder / f).exists()})
         if missing:
             raise UserError(f"{folder}: shard {missing[0]} listed in {INDEX_NAME} is missing")

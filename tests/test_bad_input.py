@@ -17,6 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from mechdiag.cli import main
+from mechdiag.errors import first_line
 from mechdiag.models import bundled_path
 from mechdiag.paths import shared_path
 from tests.helpers import assert_bad_input, run_cli
@@ -303,3 +304,12 @@ def test_over_long_prompts_are_truncated_not_fatal(corpus, tiny_run, tmp_path):
                                        "--out", str(tmp_path / "run")])
     assert result.exit_code == 0 and result.exception is None, result.stderr
     assert "Traceback" not in result.stderr and (tmp_path / "run" / "summary.json").exists()
+
+
+def test_first_line_is_one_line_even_for_an_empty_message():
+    """Two inline copies used `str(e).splitlines()[0]`, an IndexError on an empty message: errors.first_line is
+    the one form, and it always returns a line."""
+    assert first_line(OSError()) == "OSError"
+    assert first_line(ValueError("  \n \n")) == "ValueError"
+    assert first_line(ValueError("\n  bad key\nmore detail")) == "bad key"
+    assert first_line(ValueError("x" * 500), 160) == "x" * 157 + "..."

@@ -29,7 +29,7 @@ from pathlib import Path
 from mechdiag import atomic, tasks
 from mechdiag import config as C
 from mechdiag.displacement import compare
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.trl_args import config_from_output_dir
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
@@ -174,7 +174,7 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     try:
         df = pd.read_parquet(path)
     except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a damaged file
-        raise UserError(f"cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        raise UserError(f"cannot read {path}: {first_line(e)}") from None
     names = [n for n in reward_names if n in df.columns]
     if not names or "prompt" not in df.columns:
         return {}, []

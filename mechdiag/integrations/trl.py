@@ -27,7 +27,7 @@ from mechdiag import config as C
 from mechdiag.alerts import Watcher
 from mechdiag.console import Progress
 from mechdiag.displacement import lora_rows
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
     _contiguous_keys,
     completion_files,
@@ -232,7 +232,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         try:
             return GRPOConfig(**kw)
         except (ValueError, TypeError, ImportError) as e:
-            raise UserError(f"GRPOConfig: {str(e).strip().splitlines()[0] if str(e).strip() else e!r}") from None
+            raise UserError(f"GRPOConfig: {first_line(e)}") from None
 
 
 def parse_trl_args(items) -> dict:

@@ -16,7 +16,7 @@ import torch
 from transformers import AutoConfig
 
 from mechdiag import models
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.models import adapter_base as _adapter_base
 from mechdiag.models import adapter_context as _adapter_ctx
 from mechdiag.models import is_adapter as _is_adapter
@@ -132,7 +132,7 @@ def load_pair(base: str | Path, tuned: str | Path, dtype: str = "float32",
     try:
         cfgs = [AutoConfig.from_pretrained(s.model_dir) for s in (ref_src, tun_src)]
     except (OSError, ValueError, KeyError) as e:
-        raise UserError(f"cannot read a model config: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot read a model config: {first_line(e)}") from None
     check_compatible(*cfgs, str(ref_src), str(tun_src))
     loaded = []
     for name, src in (("ref", ref_src), ("tuned", tun_src)):

@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.paths import shared_path
 from mechdiag.tasks.base import Example, Task
 
@@ -74,7 +74,7 @@ def load_hub(spec: str, split: str) -> list[dict]:
     try:
         ds = datasets.load_dataset(name, config or None, split=split)
     except Exception as e:  # network, unknown name or split: one line for the user
-        raise UserError(f"cannot load {spec} split {split!r}: {type(e).__name__}: {str(e).splitlines()[0]}") from None
+        raise UserError(f"cannot load {spec} split {split!r}: {type(e).__name__}: {first_line(e)}") from None
     return [dict(r) for r in ds]
 
 

@@ -27,7 +27,7 @@ from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
 from mechdiag.config import Config, save
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import pass_at_k
 from mechdiag.outcomes import outcomes_from
@@ -460,9 +460,8 @@ class Trainer:
             random.setstate(rng["python"])
             state = json.loads((ck / "trainer_state.json").read_text())
         except Exception as e:  # a checkpoint damaged after it was written (COMPLETE is set only when whole)
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
-            raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first}); delete it to resume "
-                            "from the one before") from None
+            raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first_line(e, 200)}); delete it to "
+                            "resume from the one before") from None
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
