@@ -41,6 +41,7 @@ from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import direction, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
+from mechdiag.weights import is_adapter
 from mechdiag.tasks.rewards import format_ok
 
 
@@ -193,7 +194,7 @@ def resolve_adapter(path: str) -> tuple[Path, str]:
     if not folder.is_dir():
         raise UserError(f"--adapter {path}: no such folder" if not folder.exists() else
                         f"--adapter {path}: is a file; give the folder holding adapter_config.json")
-    if models.is_adapter(folder):
+    if is_adapter(folder):
         return folder, "peft"
     if (folder / "config.json").is_file() and any(folder.glob("*.safetensors")):
         return folder, "full"

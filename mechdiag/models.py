@@ -30,10 +30,10 @@ from transformers.utils import logging as hf_logging
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint
+from mechdiag.weights import is_adapter, local_base, refuse_pickle
 
 BUNDLED = "bundled"
 BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
-PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.bin")
 
 
 def bundled_path(name: str = BUNDLED) -> Path:
@@ -63,16 +63,8 @@ def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
 def _check_weights(folder: Path) -> None:
     if any(folder.glob("*.safetensors")):
         return
-    pickled = [f for f in PICKLE_FILES if (folder / f).exists()]
-    if pickled:
-        raise UserError(f"{folder / pickled[0]} is a pickle checkpoint, which can run code when loaded; convert it "
-                        "with `AutoModelForCausalLM.from_pretrained(DIR).save_pretrained(DIR, "
-                        "safe_serialization=True)` in a trusted environment")
+    refuse_pickle(folder)
     raise UserError(f"model folder {folder} has no model.safetensors")
-
-
-def is_adapter(folder: Path) -> bool:
-    return (folder / "adapter_config.json").is_file()
 
 
 def is_run_dir(folder: Path) -> bool:
@@ -93,20 +85,6 @@ def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
             raise UserError(f"{arg}: --checkpoint needs a run directory")
         return path
     return find_checkpoint(path, checkpoint)
-
-
-def adapter_base(adapter: Path) -> Path | None:
-    """The local base folder named by an adapter's base_model_name_or_path (absolute or relative), else None."""
-    try:
-        cfg = json.loads((adapter / "adapter_config.json").read_text())
-    except (OSError, ValueError) as e:
-        raise UserError(f"unreadable {adapter / 'adapter_config.json'}: {e}") from None
-    name = cfg.get("base_model_name_or_path")
-    if name and Path(name).is_dir():
-        return Path(name)
-    if name and (adapter / name).is_dir():
-        return adapter / name
-    return None
 
 
 def load_adapters(model, adapters: dict[str, Path]):
@@ -219,7 +197,7 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
 
     folder = checkpoint_folder(name_or_path, checkpoint)
     if is_adapter(folder) and not (folder / "tokenizer_config.json").exists():
-        folder = _base_of(folder)
+        folder = local_base(folder)
     src = resolve(folder if folder.exists() else name_or_path, need="tokenizer_config.json")
     try:
         if Path(src).is_dir() and (Path(src) / "tokenizer.json").exists():
@@ -242,20 +220,13 @@ def _tokenizer_class(folder: Path) -> str | None:
         return None
 
 
-def _base_of(adapter: Path) -> Path:
-    base = adapter_base(adapter)
-    if base is None:
-        raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
-    return base
-
-
 def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):
     """Any model form in eval mode; a PEFT adapter (or a LoRA run's final/) comes merged into its base."""
 
     hf_logging.disable_progress_bar()
     folder = checkpoint_folder(name_or_path, checkpoint)
     if is_adapter(folder):
-        return load_adapters(load_model(_base_of(folder), dtype), {"default": folder}).merge_and_unload().eval()
+        return load_adapters(load_model(local_base(folder), dtype), {"default": folder}).merge_and_unload().eval()
     src = resolve(folder if folder.exists() else name_or_path)
     if Path(src).is_dir():
         _check_weights(Path(src))

@@ -219,10 +219,7 @@ def _safetensors_files(folder: Path, files: SafeFiles) -> dict[str, str]:
         return {k: str(folder / f) for k, f in weight_map.items()}
     found = sorted(folder.glob("*.safetensors"))
     if not found:
-        pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise UserError(f"{folder}: {pickles[0]} is a pickle checkpoint, refused (unpickling runs code); "
-                            + CONVERT_HINT)
+        refuse_pickle(folder)
         raise UserError(f"{folder}: not a checkpoint (no *.safetensors, no {INDEX_NAME}, no {ADAPTER_CONFIG})")
     out: dict[str, str] = {}
     for f in found:
@@ -265,20 +262,36 @@ def open_dense(path: str | os.PathLike, files: SafeFiles) -> Side:
     return Side(str(p), entries, config)
 
 
+def refuse_pickle(folder: str | os.PathLike) -> None:
+    """Refuse a folder whose weights are pickle files (.bin/.pt/.pkl...): loading one can run code. Callers call it
+    when they found no safetensors weights."""
+    folder = Path(folder)
+    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []
+    if pickles:
+        raise UserError(f"{folder}: {pickles[0]} is a pickle checkpoint, refused (unpickling runs code); "
+                        + CONVERT_HINT)
+
+
 def is_adapter(path: str | os.PathLike) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / ADAPTER_CONFIG).exists()
+    return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def adapter_base(path: str | os.PathLike) -> str | None:
-    """The adapter's base_model_name_or_path when it is a local folder, else None."""
-    cfg = _adapter_config(Path(path))
-    base = cfg.get("base_model_name_or_path")
+def adapter_base(path: str | os.PathLike) -> Path | None:
+    """The adapter's base_model_name_or_path when it is a local folder (absolute or relative to it), else None."""
+    base = _adapter_config(Path(path)).get("base_model_name_or_path")
     if base and Path(base).is_dir():
-        return base
+        return Path(base)
     if base and (Path(path) / base).is_dir():
-        return str(Path(path) / base)
+        return Path(path) / base
     return None
+
+
+def local_base(adapter: str | os.PathLike) -> Path:
+    """adapter_base, or one clear line when the adapter names no local base."""
+    base = adapter_base(adapter)
+    if base is None:
+        raise UserError(f"the base model of adapter {adapter} is not a local folder (base_model_name_or_path)")
+    return base
 
 
 def _adapter_config(folder: Path) -> dict:
@@ -286,6 +299,8 @@ def _adapter_config(folder: Path) -> dict:
         return json.loads((folder / ADAPTER_CONFIG).read_text())
     except ValueError:
         raise UserError(f"{folder / ADAPTER_CONFIG}: not valid JSON") from None
+    except OSError as e:
+        raise UserError(f"unreadable {folder / ADAPTER_CONFIG}: {first_line(e)}") from None
 
 
 def _pattern_value(patterns: dict, module_path: str, default):

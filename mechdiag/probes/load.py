@@ -17,12 +17,10 @@ from transformers import AutoConfig
 
 from mechdiag import models
 from mechdiag.errors import UserError, first_line
-from mechdiag.models import adapter_base as _adapter_base
 from mechdiag.models import adapter_context as _adapter_ctx
-from mechdiag.models import is_adapter as _is_adapter
 from mechdiag.models import load_adapters as _with_adapters
 from mechdiag.probes.capture import Probe, n_layers_of
-from mechdiag.weights import ADAPTER_WEIGHTS, PICKLE_SUFFIXES
+from mechdiag.weights import ADAPTER_WEIGHTS, adapter_base, is_adapter, local_base, refuse_pickle
 
 
 @dataclass
@@ -43,15 +41,13 @@ def _check_model_dir(path: Path) -> None:
         raise UserError(f"{path} is neither a transformers model folder (config.json) nor a PEFT adapter "
                         "(adapter_config.json)")
     if not any(path.glob("*.safetensors")):
-        if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
-            raise UserError(f"{path} holds only pickle weights; refusing to unpickle (convert to safetensors)")
+        refuse_pickle(path)
         raise UserError(f"no .safetensors weights in {path}")
 
 
 def _check_adapter_dir(path: Path) -> None:
     if not (path / ADAPTER_WEIGHTS).is_file():
-        if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
-            raise UserError(f"{path} holds only a pickle adapter; refusing to unpickle (save with safetensors)")
+        refuse_pickle(path)
         raise UserError(f"no {ADAPTER_WEIGHTS} in {path}")
 
 
@@ -64,18 +60,15 @@ def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
     for p in (base, tuned):
         if not p.exists():
             raise UserError(f"not found: {p}")
-    if _is_adapter(base):
+    if is_adapter(base):
         _check_adapter_dir(base)
-        root = _adapter_base(base)
-        if root is None:
-            raise UserError(f"the base model of adapter {base} is not a local folder (base_model_name_or_path)")
-        ref = Source(root, base)
+        ref = Source(local_base(base), base)
     else:
         ref = Source(base)
     _check_model_dir(ref.model_dir)
-    if _is_adapter(tuned):
+    if is_adapter(tuned):
         _check_adapter_dir(tuned)
-        root = ref.model_dir if ref.adapter_dir is None else (_adapter_base(tuned) or ref.model_dir)
+        root = ref.model_dir if ref.adapter_dir is None else (adapter_base(tuned) or ref.model_dir)
         out = Source(root, tuned)
     else:
         out = Source(tuned)
