@@ -41,8 +41,8 @@ from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import direction, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
-from mechdiag.weights import is_adapter
 from mechdiag.tasks.rewards import format_ok
+from mechdiag.weights import is_adapter
 
 
 # ---- per-benchmark tallies ---------------------------------------------------------------------------------
