@@ -242,6 +242,33 @@ def _records(df) -> list[dict]:
     return out
 
 
+def _rows_output(fmt: str, out: str | None) -> None:
+    """Checked before any work: parquet is binary and needs --out; --out must be writable."""
+    if fmt == "parquet" and not out:
+        raise UserError("--format parquet needs --out PATH")
+    check_output(out, "--out")
+
+
+def _emit_rows(df, fmt: str, out: str | None, table, records: list[dict] | None = None) -> None:
+    """The rows as table (table() gives the text), json, csv or parquet, to --out (atomically) or stdout."""
+    from mechdiag import atomic
+
+    if fmt == "parquet":
+        with atomic.atomic_path(out) as tmp:
+            df.to_parquet(tmp, index=False)
+        return
+    if fmt == "json":
+        text = atomic.dumps(_records(df) if records is None else records) + "\n"
+    elif fmt == "csv":
+        text = df.to_csv(index=False)
+    else:
+        text = table()
+    if out:
+        atomic.write_text(out, text)
+    else:
+        click.echo(text, nl=False)
+
+
 def _rows_table(df, title: str, keep: list[str] | None = None) -> str:
     from mechdiag.console import render_table
 
@@ -283,14 +310,11 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
     Example:
       mechdiag displacement base_dir runs/a/final --by module --html heat.html
     """
-    from mechdiag import atomic
     from mechdiag.console import progress
     from mechdiag.displacement import compare, group_wdisp, rows_frame
     from mechdiag.models import checkpoint_folder
 
-    if fmt == "parquet" and out is None:
-        raise UserError("--format parquet needs --out PATH")
-    check_output(out, "--out")
+    _rows_output(fmt, out)
     check_output(html, "--html")
     a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
     base = None if base is None else checkpoint_folder(base)
@@ -304,20 +328,8 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
         from mechdiag.report.heatmap import displacement_heatmap, write_html
 
         write_html(displacement_heatmap(df), html)
-    if fmt == "parquet":
-        with atomic.atomic_path(out) as tmp:
-            result.to_parquet(tmp, index=False)
-        return
-    if fmt == "json":
-        text = atomic.dumps(_records(result)) + "\n"
-    elif fmt == "csv":
-        text = result.to_csv(index=False)
-    else:
-        text = _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}"))
-    if out:
-        atomic.write_text(out, text)
-    else:
-        click.echo(text, nl=False)
+    _emit_rows(result, fmt, out,
+               lambda: _rows_table(result, f"displacement of {b} vs {a}" + ("" if by == "tensor" else f" by {by}")))
 
 
 # ---- shift -------------------------------------------------------------------------------------------------
@@ -354,7 +366,6 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import transformers
 
-    from mechdiag import atomic
     from mechdiag import models as M
     from mechdiag.probes import prompts as probe_prompts
     from mechdiag.probes.load import resolve
@@ -364,9 +375,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
     transformers.logging.disable_progress_bar()
     if bool(prompts_file) == bool(task):
         raise UserError("give exactly one of --prompts FILE or --task NAME")
-    if fmt == "parquet" and not out:
-        raise UserError("--format parquet needs --out PATH")
-    check_output(out, "--out")
+    _rows_output(fmt, out)
     check_output(html, "--html")
     device = M.device(device)
     base, tuned = M.checkpoint_folder(base), M.checkpoint_folder(tuned, checkpoint)
@@ -385,20 +394,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
         note(bos_note(df))
     if html:
         write_html(df, html, title=f"Activation shift: {tuned} vs {base}")
-    if fmt == "parquet":
-        with atomic.atomic_path(out) as tmp:
-            df.to_parquet(tmp, index=False)
-        return
-    if fmt == "json":
-        text = atomic.dumps(df.to_dict(orient="records")) + "\n"
-    elif fmt == "csv":
-        text = df.to_csv(index=False)
-    else:
-        text = _shift_table(df)
-    if out:
-        atomic.write_text(out, text)
-    else:
-        click.echo(text, nl=False)
+    _emit_rows(df, fmt, out, lambda: _shift_table(df), records=df.to_dict(orient="records"))
 
 
 # ---- recommend ---------------------------------------------------------------------------------------------
@@ -645,9 +641,7 @@ def attribute(run, by, n, fmt, out, save):
     from mechdiag import attribute as A
     from mechdiag.console import progress
 
-    if fmt == "parquet" and out is None:
-        raise UserError("--format parquet needs --out PATH")
-    check_output(out, "--out")
+    _rows_output(fmt, out)
     A.open_run(run)  # bad run directories fail here, before any model is loaded
     att = A.Attribution(run, n=n)
     with progress("attribute", att.n_evals(by)) as update:
@@ -657,18 +651,6 @@ def attribute(run, by, n, fmt, out, save):
         atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
     df = pd.DataFrame(rows, columns=A.COLUMNS)
     df["layer"] = df["layer"].astype("Int64")
-    if fmt == "parquet":
-        with atomic.atomic_path(out) as tmp:
-            df.to_parquet(tmp, index=False)
-        return
-    if fmt == "json":
-        text = atomic.dumps(rows) + "\n"
-    elif fmt == "csv":
-        text = df.to_csv(index=False)
-    else:
-        text = _rows_table(df, f"attribution of {run} ({len(att.examples)} held-out problems)",
-                           keep=["part", "accuracy_without", "disp_share", "output_kl_without", "accuracy_only"])
-    if out:
-        atomic.write_text(out, text)
-    else:
-        click.echo(text, nl=False)
+    _emit_rows(df, fmt, out, lambda: _rows_table(
+        df, f"attribution of {run} ({len(att.examples)} held-out problems)",
+        keep=["part", "accuracy_without", "disp_share", "output_kl_without", "accuracy_only"]), records=rows)
