@@ -90,6 +90,11 @@ class RecordConfig(_Strict):
     forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
 
 
+# lr_schedule -> transformers' scheduler name (native trainer's get_scheduler, TRL's lr_scheduler_type); warmup
+# is warmup_ratio in every one
+LR_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
+
+
 class Config(_Strict):
     preset: Literal["math", "code", "mcq"] | None = None
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -111,7 +116,7 @@ class Config(_Strict):
 
     # optimisation
     learning_rate: float = Field(1e-3, gt=0, le=1)
-    lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"
+    lr_schedule: Literal["cosine", "constant", "linear"] = "cosine"  # transformers' name: LR_SCHEDULERS
     warmup_ratio: float = Field(0.1, ge=0, lt=1)
     adam_beta1: float = Field(0.9, ge=0, lt=1)
     adam_beta2: float = Field(0.99, ge=0, lt=1)

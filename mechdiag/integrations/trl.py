@@ -184,7 +184,6 @@ def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, 
 
 
 # ---- design lambda <-> GRPOConfig / LoraConfig --------------------------------------------------------------
-_SCHED = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
 
 
 def world_size() -> int:
@@ -209,7 +208,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
         num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
-        lr_scheduler_type=_SCHED[cfg.lr_schedule],
+        lr_scheduler_type=C.LR_SCHEDULERS[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
         max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,

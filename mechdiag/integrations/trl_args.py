@@ -107,7 +107,7 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     (a value outside its ranges, a loss_type it does not know) stay at mechdiag's defaults."""
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     g = int(args.num_generations or 8)
-    sched = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
+    sched = {v: k for k, v in C.LR_SCHEDULERS.items()} | {"constant": "constant"}
     warm = args.warmup_steps
     data = {
         "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),

@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
-from mechdiag.config import Config, save
+from mechdiag.config import LR_SCHEDULERS, Config, save
 from mechdiag.errors import UserError, first_line
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import pass_at_k
@@ -88,10 +88,8 @@ def prepare_model(cfg: Config, device: torch.device | str | None = None):
 
 
 def make_scheduler(opt, cfg: Config, total_updates: int):
-
-    name = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}[cfg.lr_schedule]
-    return get_scheduler(name, opt, num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates),
-                         num_training_steps=total_updates)
+    return get_scheduler(LR_SCHEDULERS[cfg.lr_schedule], opt,
+                         num_warmup_steps=math.ceil(cfg.warmup_ratio * total_updates), num_training_steps=total_updates)
 
 
 def auto_threads() -> int:
