@@ -27,7 +27,8 @@ VERL_FIELDS = {"learning_rate": "actor_rollout_ref.actor.optim.lr", "beta": "act
                "task.options": "data.train_files"}
 OPENRLHF_FIELDS = {"learning_rate": "--actor_learning_rate", "beta": "--init_kl_coef",
                    "group_size": "--n_samples_per_prompt", "max_completion_tokens": "--generate_max_len",
-                   "temperature": "--temperature", "top_p": "--top_p", "epsilon": "--eps_clip", "max_grad_norm": "--max_norm", "lora.r": "--lora_rank",
+                   "temperature": "--temperature", "top_p": "--top_p", "epsilon": "--eps_clip",
+                   "max_grad_norm": "--max_norm", "lora.r": "--lora_rank",
                    "lora.alpha": "--lora_alpha", "prompts_per_step": "--rollout_batch_size",
                    "task.options": "--prompt_data"}
 
