@@ -184,6 +184,7 @@ class Signals:
     samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
     # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
     causal: dict[str, dict] = field(default_factory=dict)
+    provenance: dict | None = None  # a foreign run's account of its config (run.Run.provenance); None: all read
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -206,7 +207,8 @@ class Signals:
             samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
                            key=lambda x: x.get("split") != "train"),
             causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
-                    for by in ("layer", "module")})
+                    for by in ("layer", "module")},
+            provenance=runs[0].provenance)
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -230,7 +232,19 @@ class Signals:
 
     @property
     def max_reward(self) -> float:
-        return max_reward(reward_weights(self.cfg))
+        """The run's own best total reward: a foreign run's from its reward functions as logged (provenance),
+        a mechdiag run's from its reward weights."""
+        own = (self.provenance or {}).get("max_reward") or {}
+        return float(own["value"]) if _num(own.get("value")) and own["value"] > 0 else \
+            max_reward(reward_weights(self.cfg))
+
+    def known(self, key: str) -> dict | None:
+        """How the run holds config key `key`: {"how": "read"} for a mechdiag run, its provenance entry for a
+        foreign run, None when the run does not show it."""
+        if self.provenance is None:
+            return {"how": "read"}
+        keys = self.provenance.get("keys") or {}
+        return keys.get(key) or keys.get(key.split(".", 1)[0])
 
     def sampled_pass_k(self) -> tuple[str, list[int], list[float]] | None:
         """(key, steps, values) of the largest recorded pass@k with k > 1: only sampled completions give it."""
@@ -692,6 +706,35 @@ def diagnose(signals: Signals) -> list[Finding]:
     return findings
 
 
+def _field(s: Signals, key: str) -> str:
+    return ((s.provenance or {}).get("fields") or {}).get(key, key)
+
+
+def own_terms(s: Signals, findings: list[Finding]) -> None:
+    """No change starts from a value the run did not have: a change to a key the run only shows in its logs, or
+    not at all, becomes advice phrased from what the logs show, in the trainer's own field names."""
+    for f in findings:
+        kept = []
+        for c in f.changes:
+            held = s.known(c.key)
+            if held is not None and held.get("how") == "read":
+                kept.append(c)
+                continue
+            name = _field(s, c.key)
+            up = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new > c.old
+            down = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new < c.old
+            verb = "raise" if up else "lower" if down else "change"
+            if held is not None:  # inferred from the logs
+                value = held.get("value")
+                where = "above" if up else "below" if down else "from"
+                f.reason += (f"; advice: {verb} {name} {where} the observed {_show(value)} ({held.get('evidence')})"
+                             "; the run does not hold its configured value, so no value is changed")
+            else:
+                f.reason += (f"; advice: {verb} {name} (the run does not show its value, so mechdiag does not "
+                             "start from one)")
+        f.changes = kept
+
+
 def apply(cfg: Config, findings: list[Finding]) -> Config:
     data = cfg.model_dump(mode="json")
     for f in findings:
@@ -746,4 +789,5 @@ def recommend(runs: list[Run]) -> Recommendation:
     best = max(groups, key=lambda g: sum(final_eval(r).get("accuracy", -1.0) for r in g.runs) / len(g.runs))
     signals = Signals.from_runs(best.runs)
     findings = diagnose(signals)
+    own_terms(signals, findings)
     return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison)

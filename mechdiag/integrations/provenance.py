@@ -118,3 +118,12 @@ def observed_max_reward(metrics: list[dict], weights: dict[str, float] | None, b
     if vals and max(vals) > 0:
         return max(vals), "highest logged mean reward"
     return 1.0, "no positive reward logged: 1.0"
+
+
+def verl_overrides(changes) -> str:
+    """The refined settings as verl command-line overrides (key=value), for the changes verl has a key for."""
+    lines = ["# mechdiag recommend: the refined settings as verl overrides (only what changes)"]
+    for c in changes:
+        name = VERL_FIELDS.get(c.key)
+        lines.append(f"{name}={c.new}" if name else f"# {c.key}: {c.old!r} -> {c.new!r} has no verl key")
+    return "\n".join(lines) + "\n"
