@@ -66,6 +66,13 @@ def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
             return Alert("no_update", step, f"every LoRA delta is exactly zero at step {step} (B still zero)")
         if wdisp <= NO_UPDATE_WDISP:
             return Alert("no_update", step, f"wdisp {wdisp:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")
+    zero_grad = 0  # a logged grad_norm of exactly 0: that optimizer step changed nothing
+    for r in metrics:
+        g = r.get("grad_norm")
+        zero_grad = zero_grad + 1 if isinstance(g, (int, float)) and g == 0 else 0
+        if zero_grad >= NO_UPDATE_STEPS:
+            return Alert("no_update", r["step"], f"grad_norm exactly 0 on {zero_grad} logged steps in a row (to step "
+                                                 f"{r['step']}): no update")
     run = 0
     for r in metrics:
         reward, loss = r.get("reward"), r.get("loss")
@@ -92,11 +99,21 @@ def kl_spike(metrics: list[dict]) -> Alert | None:
 
 
 def truncation(metrics: list[dict]) -> Alert | None:
-    for step, m in _windows(_series(metrics, "completion_clipped_ratio")):
+    """Mean clipped share over WINDOW steps above CLIPPED_HIGH; where a trainer logs no clipped share but the
+    mean length of completions that ended (TRL's mean_terminated_length), a step with none ended counts as all cut."""
+    clipped = _series(metrics, "completion_clipped_ratio")
+    if not clipped:
+        clipped = [(s, 1.0 if v == 0 else 0.0) for s, v in _series(metrics, "terminated_length")]
+    by_step = {r["step"]: r for r in metrics if isinstance(r.get("step"), int)}
+    for step, m in _windows(clipped):
         if m > CLIPPED_HIGH:
+            r = by_step.get(step, {})
+            lengths = (f"; at step {step} the longest completion is {r['completion_length_max']:g} tokens, those that "
+                       f"ended average {r['terminated_length']:.3g}" if "completion_length_max" in r and
+                       "terminated_length" in r else "")
             return Alert("truncation", step, f"{m:.0%} of completions cut at max_completion_tokens (mean of "
                                              f"{WINDOW} steps to {step}; > {CLIPPED_HIGH:.0%}): their rewards are "
-                                             "often zero")
+                                             f"often zero{lengths}")
     return None
 
 

@@ -59,7 +59,7 @@ def main():
 
 # ---- report ------------------------------------------------------------------------------------------------
 @main.command(short_help="Write one offline HTML report for one or more runs.")
-@click.argument("runs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.argument("runs", nargs=-1, required=True, type=click.Path(path_type=str))
 @click.option("--out", "out", type=click.Path(dir_okay=True, path_type=str), default=None,
               help="HTML file to write (default: reports/NAME.html; a folder puts NAME.html in it).")
 def report(runs, out):
@@ -477,6 +477,10 @@ def recommend(runs, out, fmt):
         click.echo(f"refined config with {len(rec.changes)} change(s) written to {out}")
     if snippet is not None and rec.changes:
         click.echo("as TRL settings" + (f" (also in {trl_out})" if trl_out else "") + ":\n" + snippet, nl=False)
+    if rec.changes and any(foreign_kind(r) == "verl" for r in runs):
+        from mechdiag.integrations.provenance import verl_overrides
+
+        click.echo("as verl settings:\n" + verl_overrides(rec.changes), nl=False)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------
@@ -618,7 +622,7 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
 
 # ---- attribute ---------------------------------------------------------------------------------------------
 @main.command(short_help="Causal share of each LoRA layer and module of a run's gain.")
-@click.argument("run", type=click.Path(file_okay=False, path_type=str))
+@click.argument("run", type=click.Path(path_type=str))
 @click.option("--by", type=click.Choice(["layer", "module", "both"]), default="both", show_default=True)
 @click.option("--n", "n", type=click.IntRange(min=1), help="Use the first N of the run's held-out problems "
               "(default: all of them; the reference rows match summary.json only then).")
@@ -642,6 +646,15 @@ def attribute(run, by, n, fmt, out, save):
     from mechdiag.console import progress
 
     _rows_output(fmt, out)
+    from pathlib import Path
+
+    from mechdiag.integrations.readers import locate
+    from mechdiag.run import CALLBACK_DIR
+
+    got = locate(run)
+    if got is not None and not (Path(run) / CALLBACK_DIR / "config.yaml").exists():
+        raise UserError(f"{run}: a {got[0]} run without mechdiag's adapter and held-out problems; attribute reads "
+                        "runs of mechdiag train and TRL output_dirs recorded by MechdiagCallback")
     A.open_run(run)  # bad run directories fail here, before any model is loaded
     att = A.Attribution(run, n=n)
     with progress("attribute", att.n_evals(by)) as update:

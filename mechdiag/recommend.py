@@ -87,6 +87,13 @@ NO_SIGNAL_EPS = 1e-9  # reward (or correctness) at most this on every record: no
 NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a closed answer block: format never made
 NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reasoning + answer block (arith needs ~22)
 
+KL_STILL = 0.01  # held_still: tail mean KL to the reference below this (nats/token)...
+EVAL_REWARD_FLAT = 0.02  # ...eval reward gain at most this share of the maximum, accuracy gain <= ACC_FLAT...
+BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: learning rate x LR_FREE
+BETA_FREE_MAX = 0.01
+LR_FREE = 10.0
+HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score all alike (the groups still differ)
+
 SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
 DIFFICULTY_MAX = 4  # arith's hardest level
@@ -184,6 +191,7 @@ class Signals:
     samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
     # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
     causal: dict[str, dict] = field(default_factory=dict)
+    provenance: dict | None = None  # a foreign run's account of its config (run.Run.provenance); None: all read
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -206,7 +214,8 @@ class Signals:
             samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
                            key=lambda x: x.get("split") != "train"),
             causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
-                    for by in ("layer", "module")})
+                    for by in ("layer", "module")},
+            provenance=runs[0].provenance)
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -230,7 +239,19 @@ class Signals:
 
     @property
     def max_reward(self) -> float:
-        return max_reward(reward_weights(self.cfg))
+        """The run's own best total reward: a foreign run's from its reward functions as logged (provenance),
+        a mechdiag run's from its reward weights."""
+        own = (self.provenance or {}).get("max_reward") or {}
+        return float(own["value"]) if _num(own.get("value")) and own["value"] > 0 else \
+            max_reward(reward_weights(self.cfg))
+
+    def known(self, key: str) -> dict | None:
+        """How the run holds config key `key`: {"how": "read"} for a mechdiag run, its provenance entry for a
+        foreign run, None when the run does not show it."""
+        if self.provenance is None:
+            return {"how": "read"}
+        keys = self.provenance.get("keys") or {}
+        return keys.get(key) or keys.get(key.split(".", 1)[0])
 
     def sampled_pass_k(self) -> tuple[str, list[int], list[float]] | None:
         """(key, steps, values) of the largest recorded pass@k with k > 1: only sampled completions give it."""
@@ -427,6 +448,11 @@ def low_diversity(s: Signals):
         order = [_raise_temperature, _raise_epsilon_high]
     change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
     ev = "; ".join(h[0] for h in hits) + f"; reward {frac:.0%} of max"
+    stds = {k: w[0] for k in {k for d in s.train.values() for k in d if k.startswith("reward_std/")}
+            if (w := s.window(k, "tail"))}
+    if stds:  # which reward function still spreads the group's rewards
+        top = max(stds, key=stds.get)
+        ev += f"; the signal left is in {top.split('/', 1)[1]} (std {stds[top]:.3g}, tail)"
     reason = {"epsilon_high": "more sample diversity: a higher upper clip lets rare good completions gain "
                               "probability (study: 7B on MCQ, eps_high 0.2 -> 0.3)",
               "task.options": "easier data: almost every completion fails, so groups score the same",
@@ -614,6 +640,32 @@ def reduced_modules(s: Signals):
                     modules=",".join(new), source="causal share" if causal else "displacement")
 
 
+@rule("held_still", "KL near zero and eval flat while the groups still differ: the KL penalty or a tiny step "
+                    "size holds the policy where it began")
+def held_still(s: Signals):
+    kl, zero = s.window("kl", "tail"), s.window("frac_zero_std", "tail")
+    trend = s.accuracy_trend()
+    if kl is None or trend is None or kl[0] >= KL_STILL:
+        return None
+    _, final, base = trend
+    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
+    if final - base > ACC_FLAT or (None not in ev_reward and ev_reward[0] - ev_reward[1] >
+                                   EVAL_REWARD_FLAT * s.max_reward):
+        return None
+    if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
+        return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
+    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g} (gain <= {ACC_FLAT})"
+          + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
+    if s.cfg.beta > 0:
+        change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
+        reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
+    else:
+        change = Change("learning_rate", s.cfg.learning_rate, min(1.0, s.cfg.learning_rate * LR_FREE))
+        reason = "a larger step: the update is too small to change any completion"
+    return _finding(held_still, ev, [change], reason, confidence(1 - kl[0] / KL_STILL, s.n_train), kl_tail=kl[0],
+                    accuracy_base=base, accuracy_final=final)
+
+
 @rule("entropy_collapse", "policy entropy collapses and it costs something: diversity, pass@k or accuracy")
 def entropy_collapse(s: Signals):
     head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
@@ -692,6 +744,35 @@ def diagnose(signals: Signals) -> list[Finding]:
     return findings
 
 
+def _field(s: Signals, key: str) -> str:
+    return ((s.provenance or {}).get("fields") or {}).get(key, key)
+
+
+def own_terms(s: Signals, findings: list[Finding]) -> None:
+    """No change starts from a value the run did not have: a change to a key the run only shows in its logs, or
+    not at all, becomes advice phrased from what the logs show, in the trainer's own field names."""
+    for f in findings:
+        kept = []
+        for c in f.changes:
+            held = s.known(c.key)
+            if held is not None and held.get("how") == "read":
+                kept.append(c)
+                continue
+            name = _field(s, c.key)
+            up = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new > c.old
+            down = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new < c.old
+            verb = "raise" if up else "lower" if down else "change"
+            if held is not None:  # inferred from the logs
+                value = held.get("value")
+                where = "above" if up else "below" if down else "from"
+                f.reason += (f"; advice: {verb} {name} {where} the observed {_show(value)} ({held.get('evidence')})"
+                             "; the run does not hold its configured value, so no value is changed")
+            else:
+                f.reason += (f"; advice: {verb} {name} (the run does not show its value, so mechdiag does not "
+                             "start from one)")
+        f.changes = kept
+
+
 def apply(cfg: Config, findings: list[Finding]) -> Config:
     data = cfg.model_dump(mode="json")
     for f in findings:
@@ -746,4 +827,5 @@ def recommend(runs: list[Run]) -> Recommendation:
     best = max(groups, key=lambda g: sum(final_eval(r).get("accuracy", -1.0) for r in g.runs) / len(g.runs))
     signals = Signals.from_runs(best.runs)
     findings = diagnose(signals)
+    own_terms(signals, findings)
     return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison)

@@ -43,7 +43,7 @@ STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmar
 # untrained and the final model as base_<metric> / final_<metric>.
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
                 "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
-                "base_eval_reward", "final_eval_reward")
+                "base_eval_reward", "final_eval_reward", "provenance")
 
 
 @dataclass
@@ -210,6 +210,14 @@ class Run:
     @property
     def seed(self):
         return self.config.get("seed")
+
+    @property
+    def provenance(self) -> dict | None:
+        """A foreign run's account of its config (integrations.provenance): {"keys": {key: {"how": "read" or
+        "inferred", "value", "evidence"}}, "fields", "trainer", "max_reward"}; None for a run mechdiag wrote,
+        whose config.yaml is what ran."""
+        p = self.summary.get("provenance")
+        return p if isinstance(p, dict) else None
 
     @functools.cached_property
     def cfg(self) -> configlib.Config:

@@ -1,6 +1,7 @@
-"""`mechdiag watch RUN`: a live terminal view of a run while it is written (native, `--backend trl`, or a TRL
-output_dir holding MechdiagCallback's mechdiag/ folder): the eight signals' latest values with sparklines, the
-group outcomes and forget_kl where recorded, and the alerts of mechdiag.alerts."""
+"""`mechdiag watch RUN`: a live terminal view of a run while it is written (native, `--backend trl`, a TRL
+output_dir holding MechdiagCallback's mechdiag/ folder, or any run the readers take: a TRL/Unsloth output_dir,
+a verl log, an OpenRLHF/custom metrics log, re-read at each refresh): the eight signals' latest values with
+sparklines, the group outcomes and forget_kl where recorded, and the alerts of mechdiag.alerts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -15,8 +18,9 @@ from rich.table import Table
 
 from mechdiag import alerts as A
 from mechdiag import config as C
+from mechdiag.integrations.readers import locate, read_any_run
 from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
-from mechdiag.run import RunDir, resolve_run
+from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.tasks import reward_weights
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -39,6 +43,17 @@ def read_state(run: RunDir) -> State:
     ceiling = max_reward(reward_weights(C.load(run.config_path))) if run.config_path.exists() else 1.0
     metrics, evals, disp = run.read("metrics"), run.read("eval"), run.read("displacement")
     return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists())
+
+
+def read_foreign_state(path) -> State:
+    """Another trainer's run, read anew: its own maximum reward; finished when its log holds its last step."""
+    run = read_any_run(path)
+    own = (run.provenance or {}).get("max_reward") or {}
+    ceiling = own.get("value") or 1.0
+    steps = [m["step"] for m in run.metrics if isinstance(m.get("step"), int)]
+    planned = (run.provenance or {}).get("keys", {}).get("max_steps", {}).get("value")
+    finished = bool(planned and steps and max(steps) >= planned)
+    return State(run.metrics, run.eval, A.check(run.metrics, run.eval, run.displacement, ceiling), finished)
 
 
 def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
@@ -88,8 +103,18 @@ def render(run: RunDir, state: State):
 
 def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, echo=print) -> State:
     """Show the run at `path` (once, or live until its summary.json appears); returns the last state."""
-    run = resolve_run(path)
-    state = read_state(run)
+    if locate(path) is not None and not (Path(path) / CALLBACK_DIR / "config.yaml").exists():
+        label = SimpleNamespace(path=path)
+
+        def reread() -> State:
+            return read_foreign_state(path)
+    else:
+        label = resolve_run(path)
+
+        def reread() -> State:
+            return read_state(label)
+    run = label
+    state = reread()
     if fmt == "json":
         shown: set[str] = set()
         while True:
@@ -100,7 +125,7 @@ def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, e
             if once or state.finished:
                 return state
             time.sleep(interval)
-            state = read_state(run)
+            state = reread()
     console = Console()
     if once:
         console.print(render(run, state))
@@ -108,6 +133,6 @@ def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, e
     with Live(render(run, state), console=console, refresh_per_second=4) as live:
         while not state.finished:
             time.sleep(interval)
-            state = read_state(run)
+            state = reread()
             live.update(render(run, state))
     return state

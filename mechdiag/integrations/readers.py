@@ -30,7 +30,17 @@ from mechdiag import atomic, tasks
 from mechdiag import config as C
 from mechdiag.displacement import compare
 from mechdiag.errors import UserError, first_line
-from mechdiag.integrations.trl_args import config_from_output_dir
+from mechdiag.integrations import logs
+from mechdiag.integrations.provenance import (
+    INFERRED,
+    OPENRLHF_FIELDS,
+    VERL_FIELDS,
+    Provenance,
+    infer_from_logs,
+    infer_reward_weights,
+    observed_max_reward,
+)
+from mechdiag.integrations.trl_args import GRPO_FIELDS, LORA_FIELDS, config_and_fields, find_training_args
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, load_run
@@ -40,7 +50,13 @@ from mechdiag.weights import adapter_base, is_adapter
 TRL_TRAIN_KEYS = {
     "reward": "reward", "reward_std": "reward_std", "reward_cv": "reward_cv", "frac_reward_zero_std": "frac_zero_std",
     "kl": "kl", "entropy": "entropy", "completions/clipped_ratio": "completion_clipped_ratio",
-    "completions/mean_length": "completion_length", "clip_ratio/region_mean": "policy_clip_fraction",
+    "completions/mean_length": "completion_length", "completion_length": "completion_length",  # < 0.16 spelling
+    "completions/max_length": "completion_length_max", "completions/min_length": "completion_length_min",
+    "completions/mean_terminated_length": "terminated_length",
+    "completions/max_terminated_length": "terminated_length_max",
+    "completions/min_terminated_length": "terminated_length_min",
+    "clip_ratio": "policy_clip_fraction",  # 0.15-0.17 spelling
+    "clip_ratio/region_mean": "policy_clip_fraction",
     "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
     "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
@@ -51,26 +67,35 @@ TRL_EVAL_KEYS = {
     "completion_length", "kl": "kl", "reward_std": "reward_std", "reward_cv": "reward_cv",
     "completions/clipped_ratio": "completion_clipped_ratio", "loss": "eval_loss",
 }
-_TRL_REWARD = re.compile(r"^rewards/(?P<name>.+)/(?P<stat>mean|std)$")
+_TRL_REWARD = re.compile(r"^rewards/(?P<name>.+?)(?:/(?P<stat>mean|std))?$")  # no /mean: TRL < 0.16
 _TRL_SKIP = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
              "step", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
 
 # verl: canonical key <- first key present (older verl names after newer ones)
 VERL_TRAIN_KEYS = {
     "reward": ("critic/score/mean",),
+    "reward_max_batch": ("critic/score/max",),
     "reward_with_kl": ("critic/rewards/mean",),
     "entropy": ("actor/entropy", "actor/entropy_loss"),
-    "kl": ("actor/kl_loss", "actor/reward_kl_penalty"),
+    "kl": ("actor/kl_loss", "actor/reward_kl_penalty", "critic/kl"),  # critic/kl: Dec-2024 PPO logs
+    "kl_coef": ("critic/kl_coeff", "actor/reward_kl_penalty_coeff"),
     "policy_clip_fraction": ("actor/pg_clipfrac",),
     "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
     "grad_norm": ("actor/grad_norm",),
     "lr": ("actor/lr",),
     "completion_length": ("response_length/mean",),
+    "completion_length_max": ("response_length/max",),
+    "completion_length_min": ("response_length/min",),
     "completion_clipped_ratio": ("response_length/clip_ratio",),
-    "step_time": ("timing_s/step",),
+    "filter_too_bad_ratio": ("rollout/too_bad_sample_ratio",),  # dynamic sampling: groups all wrong, dropped
+    "filter_too_good_ratio": ("rollout/too_good_sample_ratio",),  # ...all correct, dropped
+    "step_time": ("timing_s/step", "timing/step"),
     "tokens_per_s": ("perf/throughput",),
+    "value_loss": ("critic/vf_loss",),
 }
+_VERL_SCALED = re.compile(r"^(?P<key>.+)\((?P<scale>[0-9.eE+-]+)\)$")  # "actor/lr(1e-4)": value in units of 1e-4
+_VERL_REWARD_FN = "reward_extra_info/"  # verl's per-function reward means
 _VERL_VAL = re.compile(r"^val-(?:core|aux)/(?P<ds>[^/]+)/(?P<var>[^/]+)/(?P<stat>.+)$")
 _VERL_OLD_VAL = re.compile(r"^val/test_score/(?P<ds>.+)$")
 _MEAN_AT = re.compile(r"^mean@(\d+)$")
@@ -99,11 +124,12 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
             continue
         m = _TRL_REWARD.match(key)
         if key in table:
-            out[table[key]] = float(v)
+            if table[key] not in out or key != "completion_length":  # the newer spelling wins when both
+                out[table[key]] = float(v)
         elif key.startswith("pass@"):
             out[key] = float(v)
         elif m:
-            out[("reward/" if m["stat"] == "mean" else "reward_std/") + m["name"]] = float(v)
+            out[("reward_std/" if m["stat"] == "std" else "reward/") + m["name"]] = float(v)
         else:
             out[f"trl/{key}"] = float(v)
     # GroupCV's share of all-equal groups is right for every scale_rewards; TRL's frac_reward_zero_std is a
@@ -258,11 +284,11 @@ def _fresh(into) -> RunDir:
     return rd
 
 
-def _config_from_output_dir(output_dir: Path):
-    """(Config, real) for what a TRL output_dir says about itself: its GRPOConfig from training_args.bin (read by
-    a restricted unpickler, mechdiag.integrations.trl_args) and the LoRA layout and base model of its latest
-    adapter (adapter_config.json). real is False when there is no training_args.bin: the TRL keys then stay at
-    mechdiag's defaults."""
+def _config_from_output_dir(output_dir: Path, prov: Provenance):
+    """Config for what a TRL output_dir says about itself: its GRPOConfig from training_args.bin (read by a
+    restricted unpickler, mechdiag.integrations.trl_args) and the LoRA layout and base model of its latest adapter
+    (adapter_config.json); `prov` records which keys each file gave. Keys neither gives stay unknown (their
+    config.yaml value is a placeholder the report and recommend never present as the run's)."""
 
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
@@ -283,11 +309,25 @@ def _config_from_output_dir(output_dir: Path):
             if isinstance(layers, list) and layers:
                 lora["layers"] = layers
             data["lora"] = lora
+            for k, v in lora.items():
+                prov.read(f"lora.{k}", v, str(path.relative_to(output_dir)))
             if a.get("base_model_name_or_path"):
                 data["model"] = {"name_or_path": str(a["base_model_name_or_path"])}
+                prov.read("model.name_or_path", data["model"]["name_or_path"], str(path.relative_to(output_dir)))
             break
-    real = config_from_output_dir(output_dir, data.get("lora"), data.get("model", {}).get("name_or_path"))
-    return (real, True) if real is not None else (C.from_dict(data), False)
+    got = config_and_fields(output_dir, data.get("lora"), data.get("model", {}).get("name_or_path"))
+    if got is None:
+        return C.from_dict(data)
+    cfg, fields, held = got
+    if fields.get("_unsloth"):
+        prov.trainer = "unsloth"
+    where = str(find_training_args(output_dir).relative_to(output_dir))
+    flat = cfg.model_dump(mode="json")
+    for k in sorted(held):
+        prov.read(k, flat.get(k), where)
+    if fields.get("reward_weights"):
+        prov.read("rewards.weights", fields["reward_weights"], where)
+    return cfg
 
 
 def _checkpoint_displacement(output_dir: Path) -> list[dict]:
@@ -308,6 +348,37 @@ def _checkpoint_displacement(output_dir: Path) -> list[dict]:
     return rows
 
 
+def _with_logged(cfg, prov: Provenance, metrics: list[dict], length_name: str, lr_name: str):
+    """cfg with the values the logs show (prov's inferences) put in, so rules reason from them."""
+    infer_from_logs(prov, metrics, length_name, lr_name)
+    if "rewards.weights" not in prov.keys:
+        got = infer_reward_weights(metrics)
+        if got:
+            prov.infer("rewards.weights", got[0], got[1])
+    data = cfg.model_dump(mode="json")
+    for key in ("max_completion_tokens", "learning_rate"):
+        e = prov.keys.get(key)
+        if e and e["how"] == INFERRED:
+            data[key] = e["value"]
+    w = prov.keys.get("rewards.weights")
+    if w and isinstance(w["value"], dict):
+        data.setdefault("rewards", {})["weights"] = w["value"]
+    try:
+        return C.from_dict(data)
+    except UserError:
+        return cfg
+
+
+def _finish(prov: Provenance, metrics: list[dict], batch_max_key: str | None) -> dict:
+    w = prov.keys.get("rewards.weights", {}).get("value")
+    names = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("reward/")})
+    if isinstance(w, list):  # GRPOConfig.reward_weights: in the order of the reward functions (log order unknown)
+        w = dict(zip(names, w, strict=False)) if len(w) == len(names) else None
+    value, evidence = observed_max_reward(metrics, w if isinstance(w, dict) else None, batch_max_key)
+    prov.max_reward = {"value": value, "evidence": evidence}
+    return prov.to_dict()
+
+
 def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = None,
                  group_size: int | None = None) -> RunDir:
     """Read a TRL GRPOTrainer output_dir into the empty run directory `into` (a RunDir or a path) and return it.
@@ -325,19 +396,25 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
         raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
                         "not a TRL output directory")
     rd = _fresh(into)
-    cfg, real = (C.load(cb.config_path), True) if cb is not None else _config_from_output_dir(output_dir)
-    header = "read from TRL output_dir " + str(output_dir) + (
-        "" if cb is not None else "; its GRPOConfig (training_args.bin) and adapter_config.json" if real
-        else "; keys other than lora/model are mechdiag defaults (no training_args.bin)")
-    C.save(cfg, rd.config_path, header=header)
-    weights = reward_weights if reward_weights is not None else tasks.reward_weights(cfg) if cb is not None else None
-    group_size = group_size or (cfg.group_size if cb is not None else None)
-
+    prov = Provenance("trl", {**GRPO_FIELDS, **LORA_FIELDS, "prompts_per_step": "per_device_train_batch_size",
+                              "rewards.weights": "reward_weights", "warmup_ratio": "warmup_ratio"})
+    cfg = C.load(cb.config_path) if cb is not None else _config_from_output_dir(output_dir, prov)
     history = state.get("log_history", [])
     # metrics: the callback's records, else log_history; reward_cv from the wrapper's log or the parquet
     metrics = cb.read("metrics") if cb is not None else []
     if not metrics:
         metrics = [{"step": int(h["step"]), **map_trl_log(h)} for h in history if is_train_log(h) and "step" in h]
+    if cb is None:
+        cfg = _with_logged(cfg, prov, metrics, "completions/max_length", "learning_rate")
+        read = sorted({e["evidence"] for e in prov.keys.values() if e["how"] == "read"})
+        header = ("read from TRL output_dir " + str(output_dir) + "; values read from " +
+                  (", ".join(read) if read else "no config file") + "; inferred and unknown values: summary.json "
+                  "provenance (unknown ones are placeholders, never the run's)")
+    else:
+        header = "read from TRL output_dir " + str(output_dir)
+    C.save(cfg, rd.config_path, header=header)
+    weights = reward_weights if reward_weights is not None else tasks.reward_weights(cfg) if cb is not None else None
+    group_size = group_size or (cfg.group_size if cb is not None else None)
     names = sorted({k.split("/", 1)[1] for m in metrics for k in m if k.startswith("reward/")})
     files = completion_files(output_dir)
     samples = cb.read("samples") if cb is not None else []
@@ -366,7 +443,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
         rd.append("shift", cb.read("shift"))
         if cb.stream("eval_benchmarks").exists():
             shutil.copyfile(cb.stream("eval_benchmarks"), rd.stream("eval_benchmarks"))
-    summary = cb.summary() if cb is not None else {}
+    summary = cb.summary() if cb is not None else {"provenance": _finish(prov, metrics, None)}
     summary = {**summary, "source": "trl", "trl_output_dir": str(output_dir),
                "steps": summary.get("steps", state.get("global_step", metrics[-1]["step"] if metrics else 0))}
     if evals and "final_accuracy" not in summary and "accuracy" in evals[-1]:
@@ -412,7 +489,13 @@ def is_verl_file(path: str | Path) -> bool:
 
 def map_verl(data: dict) -> tuple[dict, dict]:
     """One verl data dict -> (train record, eval record) in canonical keys; datasets averaged, kept per dataset."""
-    train = {}
+    data = dict(data)
+    for key in [k for k in data if _VERL_SCALED.match(k)]:
+        m = _VERL_SCALED.match(key)
+        if _num(data[key]) and m["key"] not in data:
+            data[m["key"]] = float(data[key]) * float(m["scale"])
+    train = {f"reward/{k[len(_VERL_REWARD_FN):]}": float(v) for k, v in data.items()
+             if k.startswith(_VERL_REWARD_FN) and _num(v)}
     for key, sources in VERL_TRAIN_KEYS.items():
         for s in sources:
             if _num(data.get(s)):
@@ -479,30 +562,85 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
 
 
 def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
-    """Read verl's file-logger JSONL (and, if given, its rollout dump folder for reward_cv) into the empty run
-    directory `into`. Lines with train keys become metrics, validation keys eval records (a step-0 line with only
-    validation keys is the base model); `config` (a Config or YAML path) stands for the design when given."""
+    """Read verl's file-logger JSONL or its console log (plain or gzipped; and, if given, its rollout dump folder
+    for reward_cv) into the empty run directory `into`. Lines with train keys become metrics, validation keys
+    eval records (a step-0 line with only validation keys is the base model); `config` (a Config or YAML path)
+    stands for the design when given, else the values the log shows are inferred and the rest stay unknown."""
 
     path = Path(jsonl_path)
     if path.is_dir():
-        found = sorted(p for p in path.glob("*.jsonl") if is_verl_file(p))
+        found = sorted(p for p in path.iterdir() if is_verl_file(p) or logs.is_console_log(p))
         if len(found) != 1:
-            raise UserError(f"{path}: expected one verl metrics .jsonl file in it, found {len(found)}")
+            raise UserError(f"{path}: expected one verl metrics file in it, found {len(found)}")
         path = found[0]
     if not path.is_file():
         raise UserError(f"verl metrics file not found: {path}")
-    lines = _verl_lines(path)
-    if not lines:
+    if is_verl_file(path):
+        records = [(int(rec["step"]), rec["data"]) for rec in _verl_lines(path)]
+    else:
+        records = logs.console_records(path)
+    if not records:
         raise UserError(f"{path} holds no verl metrics lines")
-    rd = _fresh(into)
-    cfg = config if isinstance(config, C.Config) else C.load(config) if config else C.from_dict({})
-    C.save(cfg, rd.config_path, header=f"read from verl metrics {path}" +
-           ("" if config else "; the design keys are mechdiag defaults (verl's config is not in this file)"))
-    rolls = _verl_rollouts(Path(rollout_dir)) if rollout_dir else {}
     by_step: dict[int, tuple[dict, dict]] = {}
-    for rec in lines:  # a step logged twice (a resumed job) keeps its last line
-        tr, ev = map_verl(rec["data"])
-        by_step[int(rec["step"])] = (tr, ev)
+    for step, data in records:  # a step logged twice (a resumed job) keeps its last line
+        by_step[step] = map_verl(data)
+    return _write_foreign(into, by_step, "verl", VERL_FIELDS, path, config,
+                          _verl_rollouts(Path(rollout_dir)) if rollout_dir else {},
+                          "response_length/max", "actor/lr", "reward_max_batch")
+
+
+# OpenRLHF (its W&B/TensorBoard train/* keys, openrlhf/trainer/ppo_utils) and custom loops: one alias table
+TABLE_TRAIN_KEYS = {
+    "reward": ("train/reward", "reward", "train_reward", "train/reward_mean", "rewards/mean"),
+    "reward_std": ("train/reward_std", "reward_std", "train_reward_std"),
+    "kl": ("train/kl", "kl", "train_kl"),
+    "entropy": ("train/policy_entropy", "train/entropy_loss", "entropy", "train_entropy"),
+    "loss": ("train/policy_loss", "pg_loss", "loss", "train_loss", "policy_loss"),
+    "grad_norm": ("train/actor_grad_norm", "train/raw_grad_norm", "grad_norm"),
+    "lr": ("train/actor_lr", "train/policy_lr", "lr", "learning_rate"),
+    "completion_length": ("train/response_length", "completion_tokens", "completion_length", "response_length"),
+    "policy_clip_fraction": ("train/ppo_clip_ratio", "clip_fraction"),
+    "value_loss": ("train/critic_loss",),
+    "kl_coef": ("train/kl_coef", "kl_coef"),
+}
+TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward"), "accuracy": ("eval_accuracy", "eval/accuracy"),
+                   "completion_length": ("eval_completion_tokens", "eval/response_length")}
+
+
+def _pick(data: dict, table: dict) -> dict:
+    out = {}
+    for key, sources in table.items():
+        for src in sources:
+            if _num(data.get(src)):
+                out[key] = float(data[src])
+                break
+    return out
+
+
+def read_table_run(path, into, config=None) -> RunDir:
+    """An OpenRLHF or custom-loop log (JSON lines, a JSON list or a W&B CSV export; logs.table_records)."""
+    path = Path(path)
+    records = logs.table_records(path)
+    trainer = "openrlhf" if any(k.startswith("train/") for _, d in records for k in d) else "custom"
+    by_step: dict[int, tuple[dict, dict]] = {}
+    for step, data in records:
+        tr, ev = by_step.get(step, ({}, {}))
+        ev = {**ev, **_pick(data, TABLE_EVAL_KEYS)}
+        ev.update({f"accuracy/{k[5:].removesuffix('_pass1')}": v for k, v in data.items()
+                   if k.startswith("eval/") and k.endswith("_pass1")})
+        tr = {**tr, **_pick(data, TABLE_TRAIN_KEYS)}
+        if any(k.startswith("accuracy/") for k in ev) and "accuracy" not in ev:
+            accs = [v for k, v in ev.items() if k.startswith("accuracy/")]
+            ev["accuracy"] = math.fsum(accs) / len(accs)
+        by_step[step] = (tr, ev)
+    return _write_foreign(into, by_step, trainer, OPENRLHF_FIELDS if trainer == "openrlhf" else {}, path, config,
+                          {}, "the longest response", "lr", None)
+
+
+def _write_foreign(into, by_step: dict, trainer: str, fields: dict, path: Path, config, rolls: dict,
+                   length_name: str, lr_name: str, batch_max_key: str | None) -> RunDir:
+    rd = _fresh(into)
+    prov = Provenance(trainer, fields)
     metrics, evals, samples = [], [], []
     for step, (tr, ev) in sorted(by_step.items()):
         if tr:
@@ -514,46 +652,130 @@ def read_verl_run(jsonl_path, into, rollout_dir=None, config=None) -> RunDir:
             evals.append({"step": step, **ev})
     for step in sorted(rolls):
         samples += rolls[step][1]
+    if config:
+        cfg = config if isinstance(config, C.Config) else C.load(config)
+        for k, v in _flat_cfg(cfg.model_dump(mode="json")).items():
+            prov.read(k, v, "the config given")
+        header = f"read from {trainer} log {path}; the design is the config given"
+    else:
+        coefs = [m["kl_coef"] for m in metrics if "kl_coef" in m]
+        if coefs:
+            prov.read("beta", coefs[-1], "the logged kl coefficient (last step)")
+        cfg = _with_logged(C.from_dict({"beta": coefs[-1]} if coefs and 0 <= coefs[-1] else {}), prov, metrics,
+                           length_name, lr_name)
+        header = (f"read from {trainer} log {path}; the log holds no config: inferred and unknown values in "
+                  "summary.json provenance (unknown ones are placeholders, never the run's)")
+    C.save(cfg, rd.config_path, header=header)
     rd.append("metrics", metrics)
     rd.append("eval", evals)
     rd.append("samples", samples)
-    summary = {"source": "verl", "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0}
+    summary = {"source": trainer, "verl_metrics": str(path), "steps": metrics[-1]["step"] if metrics else 0,
+               "provenance": _finish(prov, metrics, batch_max_key)}
     if evals and "accuracy" in evals[-1]:
         summary["final_accuracy"] = evals[-1]["accuracy"]
     rd.write_summary(summary)
     return rd
 
 
+def _flat_cfg(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k not in ("weights", "options"):
+            out.update(_flat_cfg(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 # ---- any foreign run ----------------------------------------------------------------------------------------
-def foreign_kind(path) -> str | None:
-    """"trl" for a TRL output_dir, "verl" for a verl metrics .jsonl (or a folder holding exactly one), else None."""
-    path = Path(path)
+SEARCH_DEPTH = 3  # a folder the user names may hold the run this many levels down (repo/outputs/checkpoint-N)
+
+
+def _own_kind(path: Path) -> str | None:
+    if path.is_file():
+        if path.name == "trainer_state.json":
+            return "trl"
+        if is_verl_file(path) or logs.is_console_log(path):
+            return "verl"
+        return "table" if logs.is_table_log(path) else None
     if is_trl_dir(path):
         return "trl"
-    if is_verl_file(path):
-        return "verl"
-    if path.is_dir() and not (path / "config.yaml").exists() and not any(
-            (path / f"{s}.jsonl").exists() for s in STREAMS):
-        if len([p for p in path.glob("*.jsonl") if is_verl_file(p)]) == 1:
-            return "verl"
+    if (path / "metrics.jsonl").is_file() and not (path / "config.yaml").exists() and \
+            logs.is_table_log(path / "metrics.jsonl"):  # metrics.jsonl without config.yaml: another loop's log
+        return "table"
+    if (path / "config.yaml").exists() or (path / CALLBACK_DIR / "config.yaml").exists():
+        return None  # a mechdiag run directory
     return None
 
 
+def _target(kind: str, path: Path) -> Path:
+    if kind == "trl" and path.is_file():
+        return path.parent
+    return path / "metrics.jsonl" if kind == "table" and path.is_dir() else path
+
+
+def locate(path) -> tuple[str, Path] | None:
+    """(kind, the file or folder to read) for a foreign run at `path` or in one folder a few levels under it; None
+    for a mechdiag run directory (or nothing recognised). Several runs under one folder: a UserError naming them."""
+    path = Path(path)
+    kind = _own_kind(path)
+    if kind is not None:
+        return kind, _target(kind, path)
+    if not path.is_dir() or (path / "config.yaml").exists() or any((path / f"{s}.jsonl").exists() for s in STREAMS) \
+            or (path / CALLBACK_DIR / "config.yaml").exists():
+        return None
+    level, found = [path], []
+    for _ in range(SEARCH_DEPTH):
+        nxt = []
+        for folder in level:
+            for child in sorted(folder.iterdir()):
+                if child.name.startswith(".") or child.name in ("SOURCE.md", "README.md"):
+                    continue
+                k = _own_kind(child)
+                if k is not None and not (k == "trl" and child.name.startswith("checkpoint-")):
+                    found.append((k, _target(k, child)))
+                elif child.is_dir():
+                    nxt.append(child)
+        if found:
+            break
+        level = nxt
+    found = list(dict.fromkeys(found))
+    if len(found) > 1:
+        raise UserError(f"{path} holds {len(found)} runs ({', '.join(str(p) for _, p in found[:4])}); name one")
+    if not found and any(path.glob("checkpoint-*/trainer_state.json")):
+        return "trl", path
+    return found[0] if found else None
+
+
+def foreign_kind(path) -> str | None:
+    """"trl", "verl" or "table" (OpenRLHF, a custom loop) for a foreign run at or under `path`, else None."""
+    got = locate(path)
+    return got[0] if got else None
+
+
 def read_foreign(path, into) -> RunDir:
-    kind = foreign_kind(path)
+    got = locate(path)
+    if got is None:
+        raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir, a verl log nor an "
+                        "OpenRLHF/custom metrics log")
+    kind, where = got
     if kind == "trl":
-        return read_trl_run(path, into=into)
+        return read_trl_run(where, into=into)
     if kind == "verl":
-        return read_verl_run(path, into=into)
-    raise UserError(f"{path} is neither a mechdiag run directory, a TRL output_dir nor a verl metrics file")
+        return read_verl_run(where, into=into)
+    return read_table_run(where, into=into)
 
 
 def read_any_run(path) -> Run:
     """A mechdiag run directory, or another trainer's run converted into that shape once, here at the edge."""
-    kind = foreign_kind(path)
-    if kind is None:
+    got = locate(path)
+    if got is None:
+        if Path(path).is_file():
+            raise UserError(f"{path}: not a log mechdiag reads (TRL trainer_state.json, a verl JSONL or console "
+                            "log, an OpenRLHF/custom metrics JSONL/CSV)")
         return load_run(path)
     with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
-        run = load_run(read_foreign(path, Path(tmp) / Path(path).name).path, source=kind)
+        rd = read_foreign(path, Path(tmp) / "run")
+        run = load_run(rd.path, source=rd.summary().get("source", got[0]))
     run.path = Path(path)
     return run

@@ -3,14 +3,16 @@
 transformers saves TrainingArguments with torch.save (a zip holding one pickle). We unpickle data.pkl with an
 Unpickler that admits only the classes such a file holds - TrainingArguments/GRPOConfig and the config objects
 and enums inside it - each rebuilt as an inert record (a dict of fields, enums as their values), plus plain
-Python types. Anything else (a function, an os call, an unknown class) stops the read with a UserError, so a
-hostile file cannot run code here.
+Python types. Unsloth pickles its own subclasses (module UnslothGRPOTrainer or unsloth_compiled_cache.*, class
+Unsloth<Name>Config): admitted the same way, as inert records, by name. Anything else (a function, an os call, an
+unknown class) stops the read with a UserError, so a hostile file cannot run code here.
 """
 
 from __future__ import annotations
 
 import io
 import pickle
+import re
 import types
 import zipfile
 from pathlib import Path
@@ -28,6 +30,10 @@ VALUES = {("transformers.", n) for n in ("IntervalStrategy", "SaveStrategy", "Hu
                                          "OptimizerNames", "FSDPOption", "DebugOption")} | \
     {("accelerate.", "DistributedType"), ("torch", "device")}
 PLAIN = {("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict")}
+# Unsloth's compiled trainer modules and their config subclasses (UnslothGRPOConfig, UnslothPPOConfig, ...)
+UNSLOTH_MODULE = re.compile(r"^(unsloth_compiled_cache\.)?Unsloth\w*Trainer$")
+UNSLOTH_CONFIG = re.compile(r"^Unsloth\w*Config$")
+ARGS_KINDS = ("GRPOConfig", "TrainingArguments")  # what a training_args.bin must hold (an Unsloth subclass counts)
 
 
 class Record:
@@ -49,6 +55,8 @@ class _Restricted(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if any(module.startswith(p) and name == n for p, n in RECORDS):
             return type(name, (Record,), {"kind": name})
+        if UNSLOTH_MODULE.match(module) and UNSLOTH_CONFIG.match(name):
+            return type(name, (Record,), {"kind": name.removeprefix("Unsloth"), "unsloth": True})
         if any(module.startswith(p) and name == n for p, n in VALUES):
             return _value
         if (module, name) in PLAIN:
@@ -84,9 +92,12 @@ def read_training_args(path: str | Path) -> dict:
         obj = _Restricted(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError, IndexError) as e:
         raise UserError(f"{path}: refused to load it ({e})") from None
-    if not isinstance(obj, Record) or obj.kind not in ("GRPOConfig", "TrainingArguments"):
+    if not isinstance(obj, Record) or obj.kind not in ARGS_KINDS:
         raise UserError(f"{path}: holds no GRPOConfig/TrainingArguments")
-    return _plain(obj)
+    out = _plain(obj)
+    if getattr(obj, "unsloth", False):
+        out["_unsloth"] = True  # the trainer that pickled it (provenance: source "unsloth")
+    return out
 
 
 def find_training_args(output_dir: Path) -> Path | None:
@@ -108,16 +119,24 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     n = max(1, int(getattr(args, "world_size", 1) or 1))
     g = int(args.num_generations or 8)
     sched = {v: k for k, v in C.LR_SCHEDULERS.items()} | {"constant": "constant"}
-    warm = args.warmup_steps
+    # TRL 0.2x (transformers < 5) has warmup_ratio; later ones take a float warmup_steps < 1 as the ratio
+    ratio, warm = getattr(args, "warmup_ratio", None), args.warmup_steps
+    warm = ratio if isinstance(ratio, float) and ratio > 0 else warm
+    # one optimizer step sees per_device x processes x accumulation completions, G per prompt; ours is
+    # prompts_per_step x grad_accum prompts
+    accum = int(args.gradient_accumulation_steps or 1)
+    prompts = max(1, int(args.per_device_train_batch_size or g) * n * accum // g)
+    if prompts % accum:
+        accum = 1
     data = {
-        "group_size": g, "prompts_per_step": max(1, args.per_device_train_batch_size * n // g),
-        "grad_accum": args.gradient_accumulation_steps, "epsilon": args.epsilon,
+        "group_size": g, "prompts_per_step": max(1, prompts // accum),
+        "grad_accum": accum, "epsilon": args.epsilon,
         "epsilon_high": None if args.epsilon_high in (None, args.epsilon) else args.epsilon_high,
         "beta": args.beta, "num_iterations": args.num_iterations, "loss_type": args.loss_type,
         "scale_rewards": {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards),
         "learning_rate": args.learning_rate, "lr_schedule": sched.get(str(getattr(args.lr_scheduler_type, "value",
                                                                                   args.lr_scheduler_type))),
-        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else None,
+        "warmup_ratio": warm if isinstance(warm, float) and 0 <= warm < 1 else 0.0 if warm == 0 else None,
         "adam_beta1": args.adam_beta1, "adam_beta2": args.adam_beta2, "weight_decay": args.weight_decay,
         "max_grad_norm": args.max_grad_norm, "temperature": args.temperature, "top_p": args.top_p,
         "max_completion_tokens": args.max_completion_length, "seed": args.seed,
@@ -158,18 +177,31 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
 def config_from_output_dir(output_dir: Path, lora: dict | None, model: str | None):
     """The run's real GRPOConfig (training_args.bin, read safely) with the adapter's LoRA layout and base model;
     None when the output_dir holds no training_args.bin."""
+    got = config_and_fields(output_dir, lora, model)
+    return None if got is None else got[0]
+
+
+def config_and_fields(output_dir: Path, lora: dict | None, model: str | None):
+    """(Config, the training_args.bin fields, the mechdiag keys they set) or None without a training_args.bin."""
     path = find_training_args(output_dir)
     if path is None:
         return None
     fields = read_training_args(path)
-    fields.setdefault("world_size", 1)  # a property of TrainingArguments, not a field: the reader's one process
+    # world_size is a property of TrainingArguments, not a field: the pickled PartialState knows the processes
+    state = fields.get("distributed_state") if isinstance(fields.get("distributed_state"), dict) else {}
+    fields.setdefault("world_size", state.get("num_processes") or 1)
     cfg = config_from_grpo(types.SimpleNamespace(**{k: fields.get(k) for k in GRPO_FIELDS_READ} | fields))
     data = cfg.model_dump(mode="json")
+    held = {k for k, f in GRPO_FIELDS.items() if fields.get(f) is not None and k in data}
+    if fields.get("per_device_train_batch_size") is not None:
+        held |= {"prompts_per_step", "grad_accum"}
+    if fields.get("warmup_ratio") is not None:
+        held.add("warmup_ratio")
     if lora:
         data["lora"] = {**data["lora"], **lora}
     if model:
         data["model"] = {**data["model"], "name_or_path": model}
-    return C.from_dict(data)
+    return C.from_dict(data), fields, held
 
 
 # mechdiag key -> GRPOConfig field (the inverse of config_from_grpo), and lora.* -> peft LoraConfig field
@@ -180,7 +212,8 @@ GRPO_FIELDS = {"group_size": "num_generations", "grad_accum": "gradient_accumula
                "adam_beta2": "adam_beta2", "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
                "temperature": "temperature", "top_p": "top_p", "max_completion_tokens": "max_completion_length",
                "seed": "seed", "max_steps": "max_steps", "save_every": "save_steps"}
-GRPO_FIELDS_READ = (*GRPO_FIELDS.values(), "per_device_train_batch_size", "save_strategy", "reward_weights")
+GRPO_FIELDS_READ = (*GRPO_FIELDS.values(), "per_device_train_batch_size", "save_strategy", "reward_weights",
+                    "warmup_ratio")
 LORA_FIELDS = {"lora.r": "r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",
                "lora.target_modules": "target_modules", "lora.layers": "layers_to_transform",
                "lora.use_rslora": "use_rslora"}

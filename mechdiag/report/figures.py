@@ -162,7 +162,11 @@ OTHER_TRAIN = [("frac_zero_std", "groups with zero reward std"), ("entropy", "tr
                ("policy_clip_fraction", "policy clip fraction"), ("grad_norm", "grad norm"), ("loss", "loss"),
                ("lr", "learning rate"), ("tokens_per_s", "tokens / s"),
                ("frac_groups_all_correct", "groups all correct"), ("frac_groups_all_wrong", "groups all wrong"),
-               ("frac_groups_shaping_only", "groups shaping only")]
+               ("frac_groups_shaping_only", "groups shaping only"),
+               ("completion_length_max", "longest completion"), ("completion_length_min", "shortest completion"),
+               ("terminated_length", "length of completions that ended"),
+               ("filter_too_bad_ratio", "filtered: groups all wrong"),
+               ("filter_too_good_ratio", "filtered: groups all correct"), ("kl_coef", "KL coefficient")]
 OTHER_EVAL = [("forget_kl", "forget KL to base (off-task)")]
 
 
@@ -175,10 +179,11 @@ def other_signals(groups: list[Group]) -> go.Figure | None:
             for rec in r.read("metrics")[:50]:
                 keys.update((k, None) for k in rec)
     comps = [(k, f"reward: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward/")][:8]
+    comps += [(k, f"reward std: {_safe(k.split('/', 1)[1])}") for k in keys if k.startswith("reward_std/")][:4]
     panels = [("metrics", k, t) for k, t in comps + [kt for kt in OTHER_TRAIN if kt[0] in keys]]
     evals = [("eval", k, t) for k, t in OTHER_EVAL if any(_series(r.read("eval"), k) for g in groups for r in g.runs)]
     panels = [p for p in panels if any(_series(r.read("metrics"), p[1]) for g in groups for r in g.runs)]
-    panels = panels[:16 - len(evals)] + evals
+    panels = panels[:24 - len(evals)] + evals
     if not panels:
         return None
     fig = _small_multiples(groups, panels, cols=4, height_per_row=190)

@@ -170,6 +170,23 @@ def differing_keys(runs: list[Run]) -> list[str]:
             and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
 
 
+def _held_cell(run: Run, key: str) -> str:
+    """A config value as the run holds it: a foreign run's value only when read from it or inferred from its
+    logs (marked, with the evidence on hover), else unknown; never mechdiag's placeholder."""
+    prov = run.provenance
+    if prov is None:
+        return f"<td>{_fmt(_config_cell(run.config, key))}</td>"
+    e = (prov.get("keys") or {}).get(key)
+    if e is None:
+        return "<td class=note title='not in the run'>?</td>"
+    v = e.get("value")
+    v = ",".join(map(str, v)) if isinstance(v, list) else v
+    if e.get("how") == "inferred":
+        mark = "≥" if e.get("bound") == ">=" else "≈"
+        return f"<td title='{esc(e.get('evidence'))}'>{mark}{_fmt(v)}</td>"
+    return f"<td title='read from {esc(e.get('evidence'))}'>{_fmt(v)}</td>"
+
+
 def section_runs(groups: list[Group]) -> str:
     runs = [r for g in groups for r in g.runs]
     differ = differing_keys(runs) if len(runs) > 1 else []
@@ -179,8 +196,8 @@ def section_runs(groups: list[Group]) -> str:
     for g in groups:
         for r in g.runs:
             steps = [x.get("step") for x in r.read("metrics") if isinstance(x.get("step"), (int, float))]
-            cells = "".join(f"<td>{_fmt(_config_cell(r.config, k))}</td>" for k, _ in columns)
-            src = " <span class=tag>TRL</span>" if r.source == "trl" else ""
+            cells = "".join(_held_cell(r, k) for k, _ in columns)
+            src = f" <span class=tag>{esc(r.source)}</span>" if r.source != "mechdiag" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
                         f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
