@@ -104,7 +104,7 @@ def random_selections(n_layers: int, per: dict[str, int], target: int, exclude: 
 def score(run: Path, ood_n: int) -> dict:
     """Held-out (the run's own final eval) and OOD greedy accuracy and reward of the run's final model."""
     from mechdiag.attribute import Attribution
-    from mechdiag.train.trainer import heldout_eval
+    from mechdiag.recorder import heldout_eval
 
     summary = json.loads((run / "summary.json").read_text())
     out = {("heldout", "accuracy"): summary["final_accuracy"], ("heldout", "eval_reward"): summary["final_eval_reward"]}

@@ -5,7 +5,7 @@ MechdiagCallback(config=CFG, evaluate="heldout")) is evaluated on the run's own 
 factors zeroed (`*_without`) and with every other part's zeroed (`*_only`). A part is one layer (all its adapted
 modules) or one module type across the layers. Zeroing B makes that part's s*B@A exactly zero, so "without" is
 exactly the tuned model without that part; the factors are zeroed and restored in place (no reloads). Evaluation is
-the trainer's own (train.trainer.heldout_eval over generate.greedy; through the merged sampler when a native run
+the trainer's own (recorder.heldout_eval over generate.greedy; through the merged sampler when a native run
 used one, through the adapter for TRL runs, as their evaluator did), so the two reference rows are exact: part
 "none" (nothing removed) reproduces summary.json's final_accuracy and part "all" its base_accuracy.
 
@@ -29,10 +29,11 @@ from mechdiag import models, tasks
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError, first_line
 from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
+from mechdiag.recorder import heldout_eval
 from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into
 from mechdiag.train.rollout import policy_logits
-from mechdiag.train.trainer import auto_threads, heldout_eval, prepare_model
+from mechdiag.train.trainer import auto_threads, prepare_model
 from mechdiag.weights import ADAPTER_WEIGHTS
 
 COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
@@ -168,7 +169,7 @@ class Attribution:
         return self._sampler
 
     def evaluate(self, kl: bool = True) -> dict:
-        """The trainer's held-out eval (train.trainer.heldout_eval) of the current adapter state, and its output KL
+        """The trainer's held-out eval (recorder.heldout_eval) of the current adapter state, and its output KL
         from the tuned model."""
         model = self.eval_model()
         metrics, scored = heldout_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg)

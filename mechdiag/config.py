@@ -88,6 +88,7 @@ class RecordConfig(_Strict):
     forget_prompts: str | None = None  # a prompts file or a task name: forget_kl at each eval (docs/metrics.md)
     forget_n: int = Field(64, ge=1)  # probe prompts kept
     forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
+    signals: list[str] = Field(default_factory=list)  # user signals, "package.module:Class" (mechdiag.recorder)
 
 
 # lr_schedule -> transformers' scheduler name (native trainer's get_scheduler, TRL's lr_scheduler_type); warmup

@@ -201,3 +201,8 @@ def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, max_prompt
         ent_n += int(cmask.sum())
         out += samples_from(tokenizer, comp, cmask, trunc)
     return out, ent_sum, ent_n
+
+
+def step_seed(seed: int, step: int, salt: int = 0) -> int:
+    """The seed of step `step`'s sampling (salt: which draw), so that a resumed run replays the same draws."""
+    return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)

@@ -11,6 +11,7 @@
     RUN/eval_models.jsonl  the same per adapter, before grouping
     RUN/eval_samples.jsonl every completion `mechdiag eval` scored
     RUN/attribution.jsonl  rows of `mechdiag attribute --save` (mechdiag.attribute.COLUMNS)
+    RUN/signals/NAME.jsonl user signals' streams (mechdiag.recorder.Signal, registered by name)
     RUN/checkpoints/step-N/ (complete when step-N/COMPLETE exists), RUN/final/, RUN/summary.json
 
 A TRL output_dir recorded by MechdiagCallback holds its run directory in OUT/mechdiag/ (`resolve_run`).
@@ -36,6 +37,7 @@ from mechdiag import atomic
 from mechdiag import config as configlib
 from mechdiag.errors import UserError
 
+SIGNALS_DIR = "signals"  # user signals' streams
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
 STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmarks", "eval_models", "eval_samples",
            "attribution")
@@ -58,10 +60,21 @@ class RunDir:
             raise UserError(f"run directory not found: {self.path}")
 
     # ---- streams -------------------------------------------------------------------------------------
+    def register(self, name: str) -> None:
+        """Give a user signal its stream, signals/NAME.jsonl."""
+        if name in STREAMS or not name.isidentifier():
+            raise ValueError(f"signal stream {name!r}: an identifier that is not a built-in stream")
+        (self.path / SIGNALS_DIR).mkdir(exist_ok=True)
+
+    def user_streams(self) -> list[str]:
+        return sorted(p.stem for p in (self.path / SIGNALS_DIR).glob("*.jsonl"))
+
     def stream(self, name: str) -> Path:
-        if name not in STREAMS:
-            raise ValueError(f"unknown stream {name!r}")
-        return self.path / f"{name}.jsonl"
+        if name in STREAMS:
+            return self.path / f"{name}.jsonl"
+        if (self.path / SIGNALS_DIR).is_dir() and name.isidentifier():
+            return self.path / SIGNALS_DIR / f"{name}.jsonl"
+        raise ValueError(f"unknown stream {name!r}")
 
     def append(self, name: str, records: list[dict] | dict, fsync: bool = False) -> None:
         if isinstance(records, dict):
@@ -87,7 +100,7 @@ class RunDir:
     def drop_after(self, step: int) -> None:
         """On resume: forget every record past the last checkpointed step, so each step appears once."""
         kept = {}
-        for name in STREAMS:  # read (and check) every stream before rewriting any: a corrupt one changes nothing
+        for name in (*STREAMS, *self.user_streams()):  # read (check) every stream before rewriting any
             if self.stream(name).exists():
                 kept[name] = [r for r in self.read(name) if r.get("step", -1) <= step]
         for name, records in kept.items():
@@ -128,7 +141,7 @@ class RunDir:
         shutil.rmtree(final, ignore_errors=True)
         tmp.mkdir(parents=True)
         save(tmp)
-        for p in [self.stream(s) for s in STREAMS] + sorted(tmp.iterdir()) + [tmp]:
+        for p in [self.stream(s) for s in (*STREAMS, *self.user_streams())] + sorted(tmp.iterdir()) + [tmp]:
             atomic.fsync_file(p)
         os.replace(tmp, final)
         atomic.write_text(final / "COMPLETE", "")
@@ -255,7 +268,7 @@ class Run:
 def load_run(path: str | os.PathLike, source: str = "mechdiag") -> Run:
     """Read a mechdiag run directory (UserError when it is missing, corrupt, or holds no run data)."""
     rd = RunDir(path)
-    streams = {name: rd.read(name) for name in STREAMS if rd.stream(name).exists()}
+    streams = {name: rd.read(name) for name in (*STREAMS, *rd.user_streams()) if rd.stream(name).exists()}
     for name, rows in streams.items():
         if any(not isinstance(r, dict) for r in rows):
             raise UserError(f"corrupt {rd.stream(name)}: a line is not a JSON object")

@@ -63,8 +63,8 @@ def test_trainer_places_model_on_the_resolved_device(stories260k, tmp_path):
 
 
 def test_bfloat16_end_to_end_keeps_float32_where_it_matters(stories260k, tmp_path):
+    from mechdiag.generate import step_seed
     from mechdiag.train.rollout import collect, policy_logits
-    from mechdiag.train.trainer import step_seed
 
     args = ("max_steps=2", "beta=0.04", "record.displacement_every=1")
     tr = Trainer(C.load(None, small(stories260k, *args, "model.dtype=bfloat16")), tmp_path / "bf16")

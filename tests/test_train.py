@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
+from mechdiag.metrics import pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.train import objective
-from mechdiag.train.trainer import Trainer, pass_at_k, train
+from mechdiag.train.trainer import Trainer, train
 from tests.helpers import assert_bad_input
 
 TRAIN_KEYS = ["reward", "reward_cv", "kl", "completion_clipped_ratio", "entropy", "completion_length", "reward_std",

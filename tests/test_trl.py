@@ -18,6 +18,7 @@ from mechdiag.integrations.trl import GroupCV, MechdiagCallback, config_from_grp
 from mechdiag.run import RunDir
 from mechdiag.train import objective
 from tests.helpers import assert_bad_input
+from tests.test_user_signals import RewardGap
 
 torch.set_num_threads(1)
 STEPS = 5
@@ -73,7 +74,8 @@ def trl_run(stories260k, tmp_path_factory):
                       log_completions=True, num_completions_to_print=1, report_to=[], seed=3, eval_strategy="steps",
                       eval_steps=STEPS, per_device_eval_batch_size=8, reward_weights=[1.0, 0.5])
     # an interval the run never reaches: the last step is recorded anyway (final diagnostics)
-    cb = MechdiagCallback(displacement_every=STEPS + 1, shift_prompts=["Once upon a time", "The cat sat on"])
+    cb = MechdiagCallback(displacement_every=STEPS + 1, shift_prompts=["Once upon a time", "The cat sat on"],
+                          signals=[RewardGap()])
     trainer = GRPOTrainer(model=model, reward_funcs=[_letter_a, _length], args=args, train_dataset=data,
                           eval_dataset=data.select(range(2)), processing_class=tok,
                           peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
@@ -120,6 +122,10 @@ def test_callback_records_run(trl_run):
     assert any(r["shift"] > 0 for r in shift)
     s = run.summary()
     assert s["steps"] == STEPS and 0 < s["recorder_s"] <= cb.recorder_s  # the time spent in the callback
+    gaps = [r for r in run.read("reward_gap") if "gap" in r]  # a user signal through signals=, as natively
+    assert [r["step"] for r in gaps] == [m["step"] for m in metrics]
+    assert [r["gap"] for r in gaps] == [max(v for k, v in m.items() if k.startswith("reward/")) - m["reward"]
+                                        for m in metrics]
 
 
 def test_displacement_rows_equal_checkpoint(trl_run, stories260k, cli, tmp_path):

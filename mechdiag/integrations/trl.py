@@ -19,14 +19,12 @@ import functools
 import math
 import os
 import time
-import types
 import warnings
 from pathlib import Path
 
 from mechdiag import config as C
-from mechdiag.alerts import Watcher
+from mechdiag import recorder as R
 from mechdiag.console import Progress
-from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
     _contiguous_keys,
@@ -40,16 +38,13 @@ from mechdiag.integrations.readers import (
     read_verl_run,
 )
 from mechdiag.integrations.trl_args import config_from_grpo
-from mechdiag.metrics import max_reward
 from mechdiag.models import device, load_model_and_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
-from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import CALLBACK_DIR, RunDir
-from mechdiag.tasks import get_task, resolve_rewards, reward_weights
+from mechdiag.tasks import resolve_rewards
 from mechdiag.train.lora import resolve
-from mechdiag.train.trainer import Trainer
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -312,10 +307,9 @@ class MechdiagCallback(TrainerCallback):
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
                  reward_weights: dict[str, float] | None = None, max_time_s: float | None = None,
-                 forget_prompts: list[str] | None = None, forget_tokens: int = 32):
+                 forget_prompts: list[str] | None = None, forget_tokens: int = 32, signals: list | None = None):
         self.run_dir = run_dir
-        self.forget_prompts, self.forget_tokens, self._forget = list(forget_prompts or []), forget_tokens, None
-        self._alerts = Watcher()
+        self.forget_prompts, self.forget_tokens = list(forget_prompts or []), forget_tokens
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
@@ -326,22 +320,36 @@ class MechdiagCallback(TrainerCallback):
         self.evaluate = evaluate
         self.eval_every = eval_every
         self.reward_weights = reward_weights
+        self.user_signals = list(signals or [])
         self.run: RunDir | None = None
+        self.recorder: R.Recorder | None = None
         self.recorder_s = 0.0
         self._pending: dict | None = None
         self._last_eval_step = -1
-        self._last_shift_step = -1
-        self._disp_step = self._geometry_step = -1
-        self._evals: list[dict] = []
         self._derived = False
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _on(self, state) -> bool:
         return self.run is not None and state.is_world_process_zero
 
+    def _signals(self, cfg, tokenizer) -> list:
+        """The recorder's signals for this run: the native trainer's set, with the callback's own arguments."""
+        out = [R.TrainMetrics(), R.Samples(0), R.Displacement(self.displacement_every, cfg.record.final_geometry)]
+        if self.evaluate == "heldout":
+            self.evaluate = R.HeldOut.from_config(cfg, tokenizer)
+        if isinstance(self.evaluate, R.Signal):
+            out.append(self.evaluate)
+        elif self.evaluate is not None:
+            out.append(Evaluate(self.evaluate))
+        if self.forget_prompts:
+            out.append(R.Forget(ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)))
+        out += [R.EvalRecords(), R.Shift(self.shift_prompts, self.shift_batch_size),
+                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals, R.Alerts(cfg)]
+        return out
+
     def _flush(self, args) -> None:
-        """Write the pending train record; its step's completions parquet exists by now (TRL writes it after
-        on_log), so reward_cv and samples come from there when the wrapper did not log them."""
+        """Record the pending train step; its completions parquet exists by now (TRL writes it after on_log), so
+        reward_cv and samples come from there when the wrapper did not log them."""
         rec, self._pending = self._pending, None
         if rec is None:
             return
@@ -350,58 +358,22 @@ class MechdiagCallback(TrainerCallback):
             w = args.reward_weights or [1.0] * len(names)
             self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
             if self._derived:  # now the reward function names are known: config.yaml gets them
-
                 self.config = C.from_dict({**self.config.model_dump(mode="json"),
                                            "rewards": {"weights": self.reward_weights}})
                 C.save(self.config, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
         path = completion_files(Path(args.output_dir)).get(rec["step"])
+        samples = None
         if path is not None:
-            weights = self.reward_weights
-            stats, samples = completions_rows(path, names, weights, args.num_generations)
+            stats, samples = completions_rows(path, names, self.reward_weights, args.num_generations)
             for k, v in stats.items():
                 rec.setdefault(k, v)
-            self.run.append("samples", samples)
-        self.run.append("metrics", rec)
-        self._alerts.update(metrics=[rec])
+        step = rec.pop("step")
+        self.recorder.train(step, rec, samples)
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
-        rec = {"step": step, **map_trl_log(metrics or {}, eval_=True)}
-        if self.evaluate is not None:
-            rec.update(self.evaluate(model, tokenizer, step))
-        peft_model = _peft(model)
-        if self.forget_prompts and peft_model is not None:  # the base is the model with its adapter disabled
-            if self._forget is None:
-                self._forget = ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)
-            rec["forget_kl"] = self._forget.kl(peft_model)
-        self.run.append("eval", rec)
-        self._alerts.update(evals=[rec])
-        self._evals.append(rec)
+        self.recorder.eval(step, _peft(model), tokenizer, map_trl_log(metrics or {}, eval_=True),
+                           sampler=_peft(model) or model)
         self._last_eval_step = step
-        self._record_shift(step, model, tokenizer)
-
-    def _record_shift(self, step: int, model, tokenizer) -> None:
-        peft_model = _peft(model)
-        if self.shift_prompts and step > 0 and peft_model is not None:
-            rows = shift_inmemory(peft_model, tokenizer, self.shift_prompts, batch_size=self.shift_batch_size,
-                                  step=step)
-            self.run.append("shift", [{**r, "step": step} for r in rows])
-            self._last_shift_step = step
-
-    def _record_displacement(self, step: int, model, final: bool = False) -> None:
-        """final: the rows also carry the update geometry (one pass over each base weight); replaces that step's
-        rows when they were written without it (another callback stopped the run after ours had recorded)."""
-        peft_model = _peft(model)
-        if peft_model is not None:
-            final = final and (self.config is None or self.config.record.final_geometry)
-            rows = [{"step": step, **r} for r in lora_rows(peft_model, geometry=final)]
-            if final and self._disp_step == step:
-                self.run.replace_step("displacement", step, rows)
-            else:
-                self.run.append("displacement", rows)
-                self._alerts.update(displacement=rows)
-            self._disp_step = step
-            if final:
-                self._geometry_step = step
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
@@ -413,17 +385,16 @@ class MechdiagCallback(TrainerCallback):
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
         if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
             warnings.warn(f"{self.run.path} held an earlier run; its records are replaced", stacklevel=2)
-        self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         cfg = self.config
         self._derived = cfg is None
         if cfg is None:
             names = [k for k in (self.reward_weights or {})] or None
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
+        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class))
+        self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
-        if self.evaluate == "heldout":
-            self.evaluate = _evaluator(cfg, *heldout_set(cfg, processing_class), self.run)
-        self._alerts = Watcher(max_reward(reward_weights(cfg)))  # prints each live alert once
+        self.recorder.start()
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
 
@@ -438,9 +409,8 @@ class MechdiagCallback(TrainerCallback):
             control.should_training_stop = control.should_training_stop or stop
         if not self._on(state):
             return
-        step = state.global_step
-        if self.displacement_every and step % self.displacement_every == 0:  # DefaultFlowCallback ran first
-            self._record_displacement(step, model, final=step >= state.max_steps or control.should_training_stop)
+        step = state.global_step  # DefaultFlowCallback ran first
+        self.recorder.weights(step, _peft(model), last=step >= state.max_steps or control.should_training_stop)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
 
@@ -465,13 +435,10 @@ class MechdiagCallback(TrainerCallback):
             return
         self._flush(args)
         step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
-        if self.displacement_every and self._geometry_step != step:
-            self._record_displacement(step, model, final=True)
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
-        elif self._last_shift_step != step:
-            self._record_shift(step, model, processing_class)
-        evals = [e for e in self._evals if "accuracy" in e]
+        self.recorder.end(step, _peft(model), processing_class)
+        evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
                    "recorder_s": self.recorder_s, "config_derived": self._derived}
         if len(evals) >= 1:
@@ -482,6 +449,16 @@ class MechdiagCallback(TrainerCallback):
                 summary.update({"base_accuracy": base["accuracy"], "base_eval_reward": base.get("eval_reward"),
                                 "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
         self.run.write_summary(summary)
+
+
+class Evaluate(R.Signal):
+    """A user's evaluate(model, tokenizer, step) -> dict, merged into the eval record."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def on_eval(self, rec, step, record, ctx):
+        record.update(self.fn(ctx["sampler"], ctx["tokenizer"], step))
 
 
 # ---- the backend: our config through GRPOTrainer ------------------------------------------------------------
@@ -500,28 +477,6 @@ class ProgressLines(TrainerCallback):
             self.lines.update(state.global_step, note, final="train_runtime" in logs)
 
 
-def heldout_set(cfg, tokenizer) -> tuple:
-    """(task, examples, prompts): the config's fixed held-out problems, the native trainer's."""
-    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
-    examples = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
-    return task, examples, [task.prompt(ex, tokenizer) for ex in examples]
-
-
-def _evaluator(cfg, task, eval_examples, eval_prompts, run: RunDir):
-    """evaluate(model, tokenizer, step) with the native trainer's eval (greedy accuracy, eval reward, entropy,
-    length, pass@k), so both backends report the same held-out numbers."""
-
-    def evaluate(model, tokenizer, step):
-        m = _peft(model) or model
-        ev = types.SimpleNamespace(cfg=cfg, tokenizer=tokenizer, model=m, task=task, eval_examples=eval_examples,
-                                   eval_prompts=eval_prompts, run=run, device=next(m.parameters()).device,
-                                   sampler=lambda: m)
-        ev._pass_at_k = lambda s: Trainer._pass_at_k(ev, s)
-        return Trainer.evaluate(ev, step)
-
-    return evaluate
-
-
 def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     """(GRPOTrainer, RunDir, tokenizer): our config mapped onto TRL. TRL's files go to out_dir/trl/; the run
     directory is out_dir itself, so `mechdiag recommend/report out_dir` read it like a native run."""
@@ -537,7 +492,8 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     torch.manual_seed(cfg.seed)
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
-    task, eval_ex, eval_prompts = heldout_set(cfg, tok)
+    heldout = R.HeldOut.from_config(cfg, tok)
+    task, eval_prompts = heldout.task, heldout.prompts
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     if not train_ex:
         raise UserError(f"task {cfg.task.name} has no training examples")
@@ -549,7 +505,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     rec = cfg.record
     cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every if cfg.lora.enabled else 0,
                           shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
-                          shift_n=rec.shift_n, config=cfg, evaluate=_evaluator(cfg, task, eval_ex, eval_prompts, run),
+                          shift_n=rec.shift_n, config=cfg, evaluate=heldout,
                           eval_every=cfg.eval_every * cfg.num_iterations,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
                           max_time_s=getattr(cfg, "max_time_s", None),

@@ -16,13 +16,8 @@ import importlib
 import sys
 import time
 
-from mechdiag.alerts import Watcher
 from mechdiag.console import Progress as Lines
-from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
-from mechdiag.metrics import max_reward
-from mechdiag.probes.shift import shift_inmemory
-from mechdiag.tasks import reward_weights
 
 
 class Hook:
@@ -60,92 +55,22 @@ def hook_factory(spec: str):
 
 
 # ---- built-in hooks -------------------------------------------------------------------------------------
-class MetricsWriter(Hook):
-    """metrics.jsonl every step, eval.jsonl every eval, samples.jsonl every `samples_every` steps (group ids)."""
+class Recording(Hook):
+    """The native trainer's side of the one recorder (mechdiag.recorder): its events become the recorder's."""
 
-    def __init__(self, samples_every: int):
-        self.samples_every = samples_every
-
-    def on_step_end(self, trainer, step, metrics, rollout):
-        trainer.run.append("metrics", {"step": step, **metrics})
-        if self.samples_every and step % self.samples_every == 0:
-            trainer.run.append("samples", sample_records(step, rollout))
-
-    def on_eval(self, trainer, step, metrics):
-        trainer.run.append("eval", {"step": step, **metrics})
-
-
-def sample_records(step: int, r) -> list[dict]:
-    comps = {k: v.tolist() for k, v in r.components.items()}
-    rewards, adv, trunc = r.rewards.tolist(), r.advantages.tolist(), r.truncated.tolist()
-    lengths = r.completion_mask.sum(-1).tolist()
-    return [{"step": step, "split": "train", "group": r.group_ids[i], "example_id": r.example_ids[i],
-             "prompt": r.prompts[i], "completion": r.texts[i], "reward": rewards[i], "advantage": adv[i],
-             "truncated": trunc[i], "length": lengths[i], **{f"reward/{k}": v[i] for k, v in comps.items()}}
-            for i in range(len(r.texts))]
-
-
-class DisplacementRecorder(Hook):
-    """Every `every` steps, rel_fro per layer x module of the effective LoRA weights against the base; the final
-    step's rows also carry the update geometry (subspace_overlap, intruders: one pass over each base weight)."""
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def _record(self, trainer, step, geometry: bool = False):
-        if not trainer.cfg.lora.enabled:
-            return
-        rows = [{"step": step, **r} for r in lora_rows(trainer.model, geometry=geometry)]
-        if step % self.every == 0 and step < trainer.total_steps and geometry:
-            trainer.run.replace_step("displacement", step, rows)  # stopped early (max_time_s) at a recorded step
-        else:
-            trainer.run.append("displacement", rows)
-
-    def on_step_end(self, trainer, step, metrics, rollout):
-        if self.every and step % self.every == 0:
-            self._record(trainer, step, geometry=step == trainer.total_steps and trainer.cfg.record.final_geometry)
-
-    def on_train_end(self, trainer, summary):
-        # The last step too, so every run has final diagnostics (a 6-step run with every=10 would have none).
-        if not self.every:
-            return
-        geometry = trainer.cfg.record.final_geometry
-        if trainer.step % self.every:  # not recorded yet
-            self._record(trainer, trainer.step, geometry=geometry)
-        elif trainer.step < trainer.total_steps and geometry:  # stopped early at a recorded step: add the geometry
-            self._record(trainer, trainer.step, geometry=True)
-
-
-class ShiftRecorder(Hook):
-    """At each eval after the base one, the activation shift per layer on held-out prompts (the shift issue)."""
-
-    def __init__(self, n: int):
-        self.n = n
-
-    def on_eval(self, trainer, step, metrics):
-        if step == 0:
-            return
-        prompts = trainer.eval_prompts[:self.n]
-        rows = shift_inmemory(trainer.model, trainer.tokenizer, prompts, batch_size=min(len(prompts), 64), step=step)
-        trainer.run.append("shift", [{**r, "step": step} for r in rows])
-
-
-class AlertPrinter(Hook):
-    """Prints each live alert (mechdiag.alerts) once, when it first fires; after the recorders of the step."""
+    def __init__(self, recorder):
+        self.recorder = recorder
 
     def on_train_start(self, trainer):
-        self.watcher = Watcher(max_reward(reward_weights(trainer.cfg)))
-        run = trainer.run  # a resumed run's records: history for the alerts, already announced
-        self.watcher.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
+        self.recorder.start()
 
     def on_step_end(self, trainer, step, metrics, rollout):
-        every = trainer.cfg.record.displacement_every
-        disp = [r for r in trainer.run.read("displacement") if r.get("step") == step] \
-            if every and step % every == 0 else []
-        self.watcher.update(metrics=[{"step": step, **metrics}], displacement=disp)
+        self.recorder.train(step, metrics, rollout)
+        self.recorder.weights(step, trainer.model if trainer.cfg.lora.enabled else None,
+                              last=step == trainer.total_steps)
 
-    def on_eval(self, trainer, step, metrics):
-        self.watcher.update(evals=[{"step": step, **metrics}])
+    def on_train_end(self, trainer, summary):
+        self.recorder.end(trainer.step, trainer.model if trainer.cfg.lora.enabled else None, trainer.tokenizer)
 
 
 class Checkpointer(Hook):

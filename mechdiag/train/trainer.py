@@ -26,10 +26,10 @@ from safetensors.torch import load_file
 from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
+from mechdiag import recorder as R
 from mechdiag.config import LR_SCHEDULERS, Config, save
 from mechdiag.errors import UserError, first_line
-from mechdiag.generate import generate, greedy
-from mechdiag.metrics import pass_at_k
+from mechdiag.generate import step_seed
 from mechdiag.outcomes import outcomes_from
 from mechdiag.probes.forget import ForgetProbe
 from mechdiag.run import RunDir
@@ -102,10 +102,6 @@ def auto_threads() -> int:
     return max(1, min(n, n - busy))
 
 
-def step_seed(seed: int, step: int, salt: int = 0) -> int:
-    return (seed * 1_000_003 + step * 7919 + salt) % (2**63 - 1)
-
-
 def check_data(cfg: Config) -> None:
     """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
     examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
@@ -117,28 +113,6 @@ def check_data(cfg: Config) -> None:
     for s in cfg.task.mixture:
         if not tasks.get_task(s.name, s.path, **s.options).examples("train", n=1, seed=cfg.seed):
             raise UserError(f"mixture task {s.name} has no training examples")
-
-
-# ---- held-out evaluation -----------------------------------------------------------------------------------
-@torch.inference_mode()
-def heldout_eval(model, tokenizer, task, examples: list, prompts: list[str], cfg: Config,
-                 batch_size: int = 256) -> tuple[dict, list]:
-    """The trainer's held-out numbers from the one greedy pass (generate.greedy): accuracy, eval reward, entropy
-    and completion length of `model` on `examples`, and per problem (Sample, correct, reward). `mechdiag attribute`
-    scores with it too, so its reference rows equal summary.json exactly."""
-    was = model.training
-    model.eval()
-    try:
-        done, ent_sum, ent_n = greedy(model, tokenizer, prompts, cfg.max_completion_tokens, cfg.max_prompt_tokens,
-                                      batch_size)
-    finally:
-        model.train(was)
-    scored = [(smp, bool(task.correct(smp.text, ex)), task.reward(smp.text, ex, tasks.reward_weights(cfg))[0])
-              for smp, ex in zip(done, examples, strict=True)]
-    n = len(scored)
-    out = {"accuracy": sum(ok for _, ok, _ in scored) / n, "eval_reward": sum(r for _, _, r in scored) / n,
-           "entropy": ent_sum / max(ent_n, 1), "completion_length": sum(s.length for s in done) / n}
-    return out, scored
 
 
 # ---- trainer ----------------------------------------------------------------------------------------------
@@ -165,8 +139,9 @@ class Trainer:
                                for i, (t, _) in enumerate(self.sources)]
         if not self.train_examples[0]:
             raise UserError(f"task {cfg.task.name} has no training examples")
-        self.eval_examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
-        self.eval_prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
+        self.heldout = R.HeldOut(cfg, self.task, self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0), [])
+        self.eval_examples = self.heldout.examples
+        self.eval_prompts = self.heldout.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
@@ -182,6 +157,7 @@ class Trainer:
         self.step, self.bad_steps, self.base_eval = 0, 0, None
         for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
             H.hook_factory(spec)
+        signals = R.signals(cfg, self.tokenizer, self.heldout, cfg.lora.enabled, self.forget, self.eval_prompts)
         # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
         self.run = RunDir(out_dir, create=True)
         if resume:
@@ -189,10 +165,8 @@ class Trainer:
         elif any(self.run.stream(s).exists() for s in ("metrics", "eval")):
             raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
         save(cfg, self.run.config_path, header="mechdiag train: resolved config")
-        self.hooks = [H.MetricsWriter(cfg.record.samples_every), H.DisplacementRecorder(cfg.record.displacement_every)]
-        if cfg.record.shift_at_eval:
-            self.hooks.append(H.ShiftRecorder(cfg.record.shift_n))
-        self.hooks += [H.AlertPrinter(), H.ProgressBar()]
+        self.recorder = R.Recorder(self.run, signals)
+        self.hooks = [H.Recording(self.recorder), H.ProgressBar()]
         self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
         self.checkpointer = H.Checkpointer(cfg.save_every)
 
@@ -375,35 +349,10 @@ class Trainer:
         return self._perms[epoch]
 
     # ---- evaluation -----------------------------------------------------------------------------------
-    def evaluate(self, step: int, batch_size: int = 256) -> dict:
-        """Greedy accuracy on the fixed held-out problems, eval reward, entropy, length, and pass@k."""
-        out, scored = heldout_eval(self.sampler(), self.tokenizer, self.task, self.eval_examples, self.eval_prompts,
-                                   self.cfg, batch_size)
-        out.update(self._pass_at_k(step))
-        self.run.append("samples", [{"step": step, "split": "eval", "example_id": ex.id, "prompt": prompt,
-                                     "completion": smp.text, "correct": ok, "reward": r}
-                                    for ex, prompt, (smp, ok, r) in zip(self.eval_examples, self.eval_prompts,
-                                                                        scored[:16], strict=False)])
-        return out
-
-    def _pass_at_k(self, step: int) -> dict:
-        cfg = self.cfg
-        n = cfg.eval_samples
-        if n == 1:  # pass@k only from sampled completions; greedy accuracy is `accuracy`, never pass@1
-            return {}
-
-        k_list = [k for k in cfg.pass_k if k <= n]
-        groups = generate(self.sampler(), self.tokenizer, self.eval_prompts, n=n, temperature=cfg.temperature,
-                          top_p=cfg.top_p, max_new_tokens=cfg.max_completion_tokens,
-                          seed=step_seed(cfg.seed, step, 3), batch_size=256, max_prompt_tokens=cfg.max_prompt_tokens)
-        cs = [sum(bool(self.task.correct(s.text, ex)) for s in g)
-              for g, ex in zip(groups, self.eval_examples, strict=True)]
-        return {f"pass@{k}": sum(pass_at_k(n, c, k) for c in cs) / len(cs) for k in k_list}
-
     def _eval(self, step: int) -> dict:
-        metrics = self.evaluate(step)
-        if self.forget is not None:
-            metrics["forget_kl"] = self.forget.kl(self.model, self.ref_model)
+        """The held-out evaluation and the signals of an eval (forget_kl, shift), recorded; then the eval hooks."""
+        record = self.recorder.eval(step, self.model, self.tokenizer, sampler=self.sampler(), ref_model=self.ref_model)
+        metrics = {k: v for k, v in record.items() if k != "step"}
         H.call(self.hooks, "on_eval", self, step, metrics)
         return metrics
 
