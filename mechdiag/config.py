@@ -125,7 +125,7 @@ class Config(_Strict):
     max_completion_tokens: int = Field(48, ge=1)
 
     # model-written code: "strict" refuses to run it without OS isolation (bubblewrap); see mechdiag.sandbox
-    sandbox: Literal["auto", "strict"] = "auto"
+    sandbox: Literal["auto", "strict", "guard-only"] = "auto"
 
     # schedule
     seed: int = 42

@@ -15,12 +15,13 @@ A pass is the judge's `pass` line on a pipe only the judge holds, and the judge'
 
 Limits: CPU seconds (RLIMIT_CPU, the primary limit: a verdict does not depend on machine load), address space,
 processes, file size, open files, no core; a wall-clock backstop WALL_FACTOR times longer (sleeping code).
-Without a usable bwrap the candidate runs under the guard alone (isolation() == "guard"); a warning is printed
-once per process, and use("strict") refuses that.
+Without a usable bwrap, code does not run (SandboxUnavailable) unless the user set sandbox: guard-only: then the
+candidate runs under the guard alone (isolation() == "guard-only"), with a warning printed once per process.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import resource
@@ -41,6 +42,7 @@ MAX_OUTPUT = 1 << 20  # bytes of stdout+stderr read back before the run is kille
 DETAIL_CHARS = 2000
 WALL_FACTOR = 4.0  # wall-clock backstop = WALL_FACTOR * timeout_s (CPU seconds)
 MAX_MESSAGE = 8 << 20  # bytes of one message between judge and candidate
+TMP_BYTES = 64 << 20  # the candidate's one writable tmpfs (its /tmp), capped: host RAM outside RLIMIT_AS
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code"
 
 
@@ -52,7 +54,7 @@ class SandboxResult:
     duration_s: float
     detail: str = ""
     blocked: bool = False  # the guard refused an operation, or the solution returned non-plain data
-    isolation: str = ""  # bwrap | guard
+    isolation: str = ""  # bwrap | guard-only
 
 
 class SandboxUnavailable(UserError):
@@ -108,10 +110,24 @@ def read_frame(fd, limit):
     return read_exact(fd, int.from_bytes(head, "big"))
 '''
 
-CANDIDATE = CODEC + r'''
+# the candidate's first statement (and the probe's): a root start drops every uid, gid and group, which clears
+# all capabilities; it stops when uid 0 remains
+DROP = r'''
+def _drop(uid):
+    if uid != "-":
+        u = int(uid)
+        os.setgroups([])
+        os.setresgid(u, u, u)
+        os.setresuid(u, u, u)
+    if os.geteuid() == 0 or os.getuid() == 0:
+        os._exit(3)
+'''
+
+CANDIDATE = CODEC + DROP + r'''
 import os, collections, types  # noqa: imported before the hook (types reads a traceback frame on import)
 
 def _main():
+    _drop(sys.argv[4])
     _read, _write, _exit = os.read, os.write, os._exit
     data = b""
     while True:
@@ -551,8 +567,11 @@ def _python() -> str:
 
 
 def _bwrap_args(bwrap: str) -> list[str]:
-    args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534",
+    # as root, no user namespace (its uid 65534 would map to host uid 0): the candidate drops to a uid of its own
+    # first thing (see CANDIDATE); as a user, a user namespace mapping 65534 to that user
+    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    args = [bwrap, *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
@@ -563,11 +582,50 @@ def _bwrap_args(bwrap: str) -> list[str]:
                                                os.path.dirname(os.path.dirname(_python())))}
     for p in sorted(prefixes):
         if not (p == "/usr" or p.startswith("/usr/")):
+            parts = p.strip("/").split("/")
+            for i in range(1, len(parts)):  # bwrap makes missing parents 0700: the dropped uid must pass them
+                args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
             args += ["--ro-bind", p, p]
-    args += ["--ro-bind-try", "/etc/localtime", "/etc/localtime", "--proc", "/proc", "--dev", "/dev",
-             "--size", str(64 << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
+    # /proc read-only (no sysctl writes); /dev a read-only folder of three devices (no /dev/shm: POSIX shared
+    # memory has nowhere to live); /tmp the one writable tmpfs, capped
+    args += ["--ro-bind-try", "/etc/localtime", "/etc/localtime", "--proc", "/proc", "--remount-ro", "/proc",
+             "--size", str(64 << 10), "--tmpfs", "/dev"]
+    for dev in ("null", "zero", "urandom"):
+        args += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd", "--remount-ro", "/dev",
+             "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
              "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--"]
     return args
+
+
+_UID_POOL = 1 << 20  # candidate uids drawn from this many (one per run, so RLIMIT_NPROC counts one run's processes)
+_UIDS: list[int] | None = None
+_COUNTER = itertools.count()
+
+
+def _uid_range() -> tuple[int, int]:
+    """(first, count) of the uids this process may switch to: the widest range of its user namespace's map."""
+    try:
+        with open("/proc/self/uid_map") as fh:
+            rows = [tuple(int(x) for x in line.split()) for line in fh if line.strip()]
+    except OSError:
+        rows = []
+    if not rows:
+        return 65534, 1
+    inner, _outer, count = max(rows, key=lambda r: r[2])
+    return inner, count
+
+
+def _candidate_uid() -> str:
+    """The uid the candidate switches to before it reads model code ('-': none, the host is not root). Root's
+    limits are not enforced (RLIMIT_NPROC) and root may write /proc and /sys: the candidate never keeps uid 0."""
+    if os.geteuid() != 0:
+        return "-"
+    first, count = _uid_range()
+    if count > 2 * _UID_POOL:  # the top of the range: far from real users, distinct per run
+        base = first + count - 1 - _UID_POOL
+        return str(base + (os.getpid() * 4099 + next(_COUNTER)) % _UID_POOL)
+    return str(65534 if first <= 65534 < first + count else first + count - 1)
 
 
 _ISOLATION: str | None = None
@@ -577,17 +635,21 @@ _LOCK = threading.Lock()
 
 
 def isolation() -> str:
-    """The isolation model code gets in this process: 'bwrap' (OS namespaces + guard) or 'guard' (audit hook
-    only). Probed once: bwrap on PATH and able to start the interpreter in its namespaces."""
+    """The isolation model code can get in this process: 'bwrap' (OS namespaces + guard) or 'guard-only' (audit
+    hook only, run only when the user asked for sandbox: guard-only). Probed once: bwrap on PATH and able to
+    start the interpreter in its namespaces, as the candidate's dropped uid."""
     global _ISOLATION
     with _LOCK:
         if _ISOLATION is None:
-            _ISOLATION = "guard"
+            _ISOLATION = "guard-only"
             bwrap = shutil.which("bwrap")
             if bwrap and sys.platform.startswith("linux"):
                 try:
-                    probe = subprocess.run(_bwrap_args(bwrap) + [_python(), "-I", "-S", "-c", "print('ok')"],
-                                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+                    probe = subprocess.run(_bwrap_args(bwrap) + [
+                        _python(), "-I", "-S", "-c", "import os\n" + DROP + "_drop(os.sys.argv[1])\nprint('ok')",
+                        _candidate_uid()],
+                                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+                                           cwd="/")
                     if probe.returncode == 0 and probe.stdout.strip() == "ok":
                         _ISOLATION = "bwrap"
                 except (OSError, subprocess.SubprocessError):
@@ -595,12 +657,16 @@ def isolation() -> str:
         return _ISOLATION
 
 
+MODES = ("auto", "strict", "guard-only")
+
+
 def use(mode: str) -> str:
-    """Set the policy ('auto': fall back to the guard with a warning; 'strict': refuse to run without OS
-    isolation) and return the isolation in force. Raises SandboxUnavailable under 'strict' without bwrap."""
+    """Set the policy and return the isolation in force. 'auto' and 'strict' need OS isolation (bwrap) and raise
+    SandboxUnavailable without it: model code never runs unisolated by default. 'guard-only' is the weaker mode,
+    named by the user: the in-process guard alone where bwrap cannot run (with a warning)."""
     global _MODE
-    if mode not in ("auto", "strict"):
-        raise UserError(f"sandbox must be 'auto' or 'strict', got {mode!r}")
+    if mode not in MODES:
+        raise UserError(f"sandbox must be one of {', '.join(MODES)}, got {mode!r}")
     _MODE = mode
     return _check()
 
@@ -609,13 +675,15 @@ def _check() -> str:
     global _WARNED
     iso = isolation()
     if iso != "bwrap":
-        if _MODE == "strict":
-            raise SandboxUnavailable(f"sandbox: strict, but bubblewrap cannot be used here; {INSTALL_HINT}")
+        if _MODE != "guard-only":
+            raise SandboxUnavailable(f"sandbox: {_MODE}, but bubblewrap cannot be used here, and model code does "
+                                     f"not run without OS isolation; {INSTALL_HINT}, or set sandbox: guard-only "
+                                     f"to run it under the in-process guard alone")
         with _LOCK:
             if not _WARNED:
                 _WARNED = True
-                print(f"mechdiag: warning: model code runs under the in-process guard only (no OS isolation); "
-                      f"{INSTALL_HINT}", file=sys.stderr, flush=True)
+                print(f"mechdiag: warning: sandbox: guard-only: model code runs under the in-process guard only "
+                      f"(no OS isolation); {INSTALL_HINT}", file=sys.stderr, flush=True)
     return iso
 
 
@@ -641,9 +709,12 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     out_r, out_w = os.pipe()
     judge_dir = tempfile.mkdtemp(prefix="mechdiag-judge-")
     cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
+    uid = _candidate_uid()
+    if cand_dir is not None and uid != "-":
+        os.chown(cand_dir, int(uid), int(uid))  # the candidate's own folder, writable by its uid
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     python = _python()
-    cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none"]
+    cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none", uid]
     if iso == "bwrap":
         cand_cmd = _bwrap_args(shutil.which("bwrap") or "bwrap") + cand_cmd
     procs: list[subprocess.Popen] = []
