@@ -193,6 +193,31 @@ CORPUS = {
     "raise_rlimit": ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n", ""),
     "pickle_payload": ("import pickle\npickle.loads(b\"cos\\nsystem\\n(S'touch {outside}/pickled'\\ntR.\")\n",
                        "import os\nassert os.path.exists('{outside}/pickled')\n"),
+    # root in a container (issue 27): each returns True where the sandbox failed to hold
+    "root_host_uid0": ("import os\ndef f():\n    u = os.getuid()\n"
+                       "    for line in open('/proc/self/uid_map'):\n        inner, outer, n = map(int, line.split())\n"
+                       "        if inner <= u < inner + n and outer + u - inner == 0:\n            return True\n"
+                       "    return False\n", "assert f()\n"),
+    "root_sysctl_open": ("def f():\n    hits = 0\n    for p in ('kernel/core_pattern', 'vm/drop_caches', "
+                         "'kernel/pid_max', 'kernel/threads-max'):\n        try:\n"
+                         "            open('/proc/sys/' + p, 'a').close()  # opened, nothing written\n"
+                         "            hits += 1\n        except OSError:\n            pass\n    return hits > 0\n",
+                         "assert f()\n"),
+    "root_dev_shm_fill": ("import os\ndef f():\n    for d in ('/dev/shm', '/dev'):\n        try:\n"
+                          "            with open(d + '/fill', 'wb') as fh:\n"
+                          "                fh.write(b'x' * (32 << 20))\n            return True\n"
+                          "        except OSError:\n            pass\n    return False\n", "assert f()\n"),
+    "root_posix_shm": ("import _posixshmem, os\ndef f():\n    fd = _posixshmem.shm_open('/mechdiag', os.O_CREAT | "
+                       "os.O_RDWR, 0o600)\n    os.ftruncate(fd, 32 << 20)\n    os.write(fd, b'x' * (32 << 20))\n"
+                       "    return True\n", "assert f()\n"),
+    "root_nproc": ("import os, time\ndef f():\n    n = 0\n    for _ in range(60):\n        try:\n"
+                   "            pid = os.fork()\n        except OSError:\n            break\n        if pid == 0:\n"
+                   "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    return n >= 40\n",
+                   "assert f()\n"),
+    # the judge (issue 27)
+    "judge_stop_iteration": ("def f(x):\n    raise StopIteration\n", "assert all(map(f, [1, 2, 3]))\n"),
+    "judge_fake_sys": ("class _S:\n    maxsize = 5\nsys = _S()\ndef f():\n    return 5\n",
+                       "assert f() == sys.maxsize\n"),
     # controls
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
@@ -205,7 +230,7 @@ GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
 OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
                                                   "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
                                                   "list_", "scandir", "glob", "walk", "socket", "subprocess",
-                                                  "os_system", "pickle", "os_exit", "exit_", "forge"))]
+                                                  "os_system", "pickle", "os_exit", "exit_", "forge", "root_"))]
 
 HOST = """
 import json, os, sys, time
@@ -359,7 +384,8 @@ def test_env_scrubbed_and_no_host_folders():
     r = run_tests(code, "print(f())\nassert False\n", timeout_s=5)
     env, cwd, top, work, ssh, uid = eval(r.detail.strip().splitlines()[0])  # the judge printed plain data
     assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD"} and cwd == "/tmp"
-    assert not work and not ssh and uid == 65534 and not top
+    # as root: a uid of its own, never 0 (no user namespace maps it to host root); as a user: 65534 in its namespace
+    assert not work and not ssh and not top and uid != 0 and (os.geteuid() == 0 or uid == 65534)
 
 
 def test_run_many_keeps_order_and_mixes_outcomes():
@@ -372,38 +398,45 @@ def test_run_many_keeps_order_and_mixes_outcomes():
 FALLBACK = """
 import sys
 from mechdiag import sandbox
-r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
-r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
-print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
+try:
+    sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
+except sandbox.SandboxUnavailable as e:
+    print("auto:", e)
 try:
     sandbox.use("strict")
 except sandbox.SandboxUnavailable as e:
     print("strict:", e)
+print(sandbox.use("guard-only"))
+r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
+r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
+print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
 """
+REFUSAL = ("but bubblewrap cannot be used here, and model code does not run without OS isolation; install "
+           "bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code, or set "
+           "sandbox: guard-only to run it under the in-process guard alone")
 
 
-def test_fallback_is_reported_not_silent(tmp_path):
-    # no bwrap on PATH: the guard runs, says so once on stderr, names itself; strict refuses
+def test_without_bwrap_code_runs_only_in_the_mode_named_guard_only(tmp_path):
+    # no bwrap on PATH: auto and strict refuse (fail closed); guard-only runs, names itself, warns once
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "guard guard True False"
-    assert lines[1].startswith("strict: sandbox: strict, but bubblewrap cannot be used here")
+    assert lines[0] == "auto: sandbox: auto, " + REFUSAL and lines[1] == "strict: sandbox: strict, " + REFUSAL
+    assert lines[2:] == ["guard-only", "guard-only guard-only True False"]
     warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
-    assert len(warns) == 1 and "in-process guard only" in warns[0] and "apt-get install bubblewrap" in warns[0]
+    assert len(warns) == 1 and "guard-only" in warns[0] and "apt-get install bubblewrap" in warns[0]
 
 
-def test_strict_config_refuses_training_without_bwrap(tmp_path):
-    # sandbox: strict with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
+@pytest.mark.parametrize("mode", ["auto", "strict"])
+def test_code_training_refused_without_bwrap(tmp_path, mode):
+    # a code task with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", "sandbox=strict", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and not out.exists()
-    assert p.stderr.splitlines() == ["mechdiag: error: sandbox: strict, but bubblewrap cannot be used here; "
-                                     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS "
-                                     "isolation of model code"]
+    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", f"sandbox={mode}", "--set",
+                        "task.name=mbpp", "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and not out.exists(), p.stderr
+    assert p.stderr.splitlines() == [f"mechdiag: error: sandbox: {mode}, " + REFUSAL]
 
 
 def test_strict_with_bwrap_runs():
