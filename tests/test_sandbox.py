@@ -203,13 +203,14 @@ CORPUS = {
                          "            open('/proc/sys/' + p, 'a').close()  # opened, nothing written\n"
                          "            hits += 1\n        except OSError:\n            pass\n    return hits > 0\n",
                          "assert f()\n"),
+    # host RAM outside RLIMIT_AS: files each under RLIMIT_FSIZE, 48 MiB in all, in /dev/shm, /dev or POSIX shm
     "root_dev_shm_fill": ("import os\ndef f():\n    for d in ('/dev/shm', '/dev'):\n        try:\n"
-                          "            with open(d + '/fill', 'wb') as fh:\n"
-                          "                fh.write(b'x' * (32 << 20))\n            return True\n"
+                          "            for i in range(12):\n                with open(d + '/fill%d' % i, 'wb') as fh:\n"
+                          "                    fh.write(b'x' * (4 << 20))\n            return True\n"
                           "        except OSError:\n            pass\n    return False\n", "assert f()\n"),
-    "root_posix_shm": ("import _posixshmem, os\ndef f():\n    fd = _posixshmem.shm_open('/mechdiag', os.O_CREAT | "
-                       "os.O_RDWR, 0o600)\n    os.ftruncate(fd, 32 << 20)\n    os.write(fd, b'x' * (32 << 20))\n"
-                       "    return True\n", "assert f()\n"),
+    "root_posix_shm": ("import _posixshmem, os\ndef f():\n    for i in range(12):\n"
+                       "        fd = _posixshmem.shm_open('/mechdiag%d' % i, os.O_CREAT | os.O_RDWR, 0o600)\n"
+                       "        os.write(fd, b'x' * (4 << 20))\n    return True\n", "assert f()\n"),
     "root_nproc": ("import os, time\ndef f():\n    n = 0\n    for _ in range(60):\n        try:\n"
                    "            pid = os.fork()\n        except OSError:\n            break\n        if pid == 0:\n"
                    "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    return n >= 40\n",
@@ -237,7 +238,7 @@ import json, os, sys, time
 from mechdiag import sandbox
 job = json.loads(sys.stdin.read())
 code, tests = job["code"].replace("{host}", str(os.getpid())), job["tests"].replace("{host}", str(os.getpid()))
-iso = sandbox.isolation()
+iso = job["iso"] or sandbox.isolation()
 args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
 r = sandbox._run(*args, iso, guard=job["guard"])
 time.sleep(0.2)  # a signal sent to the host arrives before it reports
@@ -251,22 +252,23 @@ def _fill(text: str, outside: Path) -> str:
     return text.replace("{outside_rel}", rel).replace("{outside}", str(outside))
 
 
-def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL) -> dict:
+def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
+             iso: str = "") -> dict:
     """One run, driven by a fresh host process; rc is the host's exit status."""
     env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", HOST], input=json.dumps(
-        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall}),
+        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall, "iso": iso}),
         capture_output=True, text=True, env=env, timeout=60)
     out = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else {}
     return {"rc": p.returncode, "stderr": p.stderr[-500:], **out}
 
 
-def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2) -> dict:
+def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2, iso: str = "") -> dict:
     """Run the named cases; the figures the reliability doc reports."""
     (outside / "keep.txt").write_text("precious")
     with ThreadPoolExecutor(workers) as pool:
         runs = list(pool.map(lambda n: host_run(_fill(CORPUS[n][0], outside), _fill(CORPUS[n][1], outside),
-                                                guard), names))
+                                                guard, iso=iso), names))
     intact = sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and \
         (outside / "keep.txt").read_text() == "precious" and (outside / "keep.txt").stat().st_mode & 0o777 != 0o777
     by = dict(zip(names, runs, strict=True))
@@ -313,6 +315,15 @@ def test_os_layer_alone_contains_the_escapes(tmp_path):
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
     assert fig["contained"] == fig["tried"]
     assert fig["worst_wall_s"] <= WALL + SLACK
+
+
+def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
+    # sandbox: guard-only (no bwrap): the guard, rlimits and, as root, the candidate's own uid (no signals to the
+    # host, no /proc/<judge>, RLIMIT_NPROC enforced) hold every case
+    fig = corpus_figures(tmp_path, list(CORPUS), iso="guard-only")
+    assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
+    assert fig["contained"] == fig["tried"] == len(CORPUS)
+    assert all(r["isolation"] == "guard-only" for r in fig["by"].values())
 
 
 def test_correct_solution_passes_and_uses_stdlib():
