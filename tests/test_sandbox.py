@@ -219,6 +219,12 @@ CORPUS = {
     "judge_stop_iteration": ("def f(x):\n    raise StopIteration\n", "assert all(map(f, [1, 2, 3]))\n"),
     "judge_fake_sys": ("class _S:\n    maxsize = 5\nsys = _S()\ndef f():\n    return 5\n",
                        "assert f() == sys.maxsize\n"),
+    # NaN identity in the codec: plain Python fails each (a codec that made NaNs equal would pass them)
+    "judge_fresh_nan_equal": ("def f():\n    return [float('nan')]\n", "assert f() == [float('nan')]\n"),
+    "judge_math_nan_as_fresh": ("import math\ndef f():\n    return [math.nan]\n",
+                                "assert f() == [float('nan')]\n"),
+    "judge_test_nan_as_fresh": ("def f(x):\n    return [x]\n",
+                                "nan = float('nan')\nassert f(nan) == [float('nan')]\n"),
     # controls
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
@@ -337,6 +343,42 @@ def test_correct_solution_passes_and_uses_stdlib():
     r = run_tests(code, tests, timeout_s=10)
     assert r.passed and r.status == "passed" and not r.blocked, r
     assert r.isolation == "bwrap" and 0 < r.duration_s < 10
+
+
+# (code, tests) whose verdict in plain Python depends on NaN identity: the sandbox must give the same verdict
+NAN_CASES = [
+    ("def f(xs):\n    return list(xs)\n", "nan = float('nan')\nassert f([nan, 1.0]) == [nan, 1.0]\n"),
+    ("NAN = float('nan')\ndef f():\n    return [NAN]\n", "assert f() == f()\n"),
+    ("import math\ndef f():\n    return [math.nan]\n", "import math\nassert f() == [math.nan]\n"),
+    ("import cmath\ndef f():\n    return (cmath.nanj,)\n", "import cmath\nassert f() == (cmath.nanj,)\n"),
+    ("def f():\n    return [float('nan')]\n", "assert f() != f()\n"),
+    ("def f():\n    return [float('nan')]\n", "assert f() == [float('nan')]\n"),
+    ("def f(x):\n    return {x: 1}\n", "nan = float('nan')\nassert f(nan)[nan] == 1\n"),
+    ("def f(x):\n    return (x, x)\n", "r = f(float('nan'))\nassert r[0] is r[1] and r == (r[1], r[0])\n"),
+    ("def f(z):\n    return [z]\n", "z = complex(float('nan'), 1)\nassert f(z) == [z]\n"),
+    ("def f(xs):\n    return sorted(xs, key=str)\n", "nan = float('nan')\nassert nan in f([1.0, nan])\n"),
+    ("def f(x):\n    return x\n", "nan = float('nan')\nassert f(nan) != nan and f(nan) is nan\n"),
+    ("class Box:\n    def __init__(self):\n        self.v = []\n    def put(self, x):\n        self.v.append(x)\n"
+     "    def get(self):\n        return self.v\n",
+     "nan = float('nan')\nb = Box()\nb.put(nan)\nassert b.get() == [nan] and b.get() == b.get()\n"),
+]
+
+
+def _plain_verdict(code: str, tests: str) -> bool:
+    g: dict = {}
+    exec(code, g)
+    try:
+        exec(tests, g)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_nan_identity_verdicts_match_plain_python():
+    plain = [_plain_verdict(c, t) for c, t in NAN_CASES]
+    assert plain.count(True) == 11 and plain.count(False) == 1  # both kinds present
+    got = run_many([(c, t) for c, t in NAN_CASES], workers=2, timeout_s=5)
+    assert [r.passed for r in got] == plain, [(r.status, r.detail[-200:]) for r in got]
 
 
 def test_solution_objects_can_be_built_and_passed_back():
