@@ -21,6 +21,7 @@ candidate runs under the guard alone (isolation() == "guard-only"), with a warni
 
 from __future__ import annotations
 
+import errno
 import itertools
 import math
 import os
@@ -656,6 +657,48 @@ def _bwrap_args(bwrap: str) -> list[str]:
     return args
 
 
+# syscalls no test needs, refused (EPERM) by a seccomp filter bwrap installs before it starts the candidate:
+# tracing and reading other processes, namespaces and mounts, the kernel keyring, eBPF, perf, io_uring, modules
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "setns",
+                  "unshare", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+                  "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
+                  "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at")
+_SECCOMP: list[bytes | None] = []
+_SECCOMP_LOCK = threading.Lock()
+
+
+def seccomp_program() -> bytes | None:
+    """The filter's BPF program (libseccomp through pyseccomp; syscalls of another architecture kill the
+    process); None where pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
+    with _SECCOMP_LOCK:
+        if not _SECCOMP:
+            try:
+                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra), loaded where bwrap runs
+            except (ImportError, OSError):
+                _SECCOMP.append(None)
+                return None
+            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+            for name in SECCOMP_DENIED:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+            with tempfile.TemporaryFile() as fh:
+                f.export_bpf(fh)
+                fh.seek(0)
+                _SECCOMP.append(fh.read())
+        return _SECCOMP[0]
+
+
+def _seccomp_fd(args: list[str]) -> int | None:
+    """Add `--seccomp FD` to bwrap's args (before its `--`); the fd (a memfd holding the program) to pass and close."""
+    prog = seccomp_program()
+    if prog is None:
+        return None
+    fd = os.memfd_create("mechdiag-seccomp")
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    args[-1:-1] = ["--seccomp", str(fd)]
+    return fd
+
+
 _UID_POOL = 1 << 20  # candidate uids drawn from this many (one per run, so RLIMIT_NPROC counts one run's processes)
 _UIDS: list[int] | None = None
 _COUNTER = itertools.count()
@@ -702,16 +745,21 @@ def isolation() -> str:
             _ISOLATION = "guard-only"
             bwrap = shutil.which("bwrap")
             if bwrap and sys.platform.startswith("linux"):
+                args = _bwrap_args(bwrap)
+                fd = _seccomp_fd(args)
                 try:
-                    probe = subprocess.run(_bwrap_args(bwrap) + [
+                    probe = subprocess.run(args + [
                         _python(), "-I", "-S", "-c", "import os\n" + DROP + "_drop(os.sys.argv[1])\nprint('ok')",
                         _candidate_uid()],
                                            capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
-                                           cwd="/")
+                                           cwd="/", pass_fds=() if fd is None else (fd,))
                     if probe.returncode == 0 and probe.stdout.strip() == "ok":
                         _ISOLATION = "bwrap"
                 except (OSError, subprocess.SubprocessError):
                     pass
+                finally:
+                    if fd is not None:
+                        os.close(fd)
         return _ISOLATION
 
 
@@ -773,15 +821,19 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     python = _python()
     cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none", uid]
+    filter_fd = None
     if iso == "bwrap":
-        cand_cmd = _bwrap_args(shutil.which("bwrap") or "bwrap") + cand_cmd
+        args = _bwrap_args(shutil.which("bwrap") or "bwrap")
+        filter_fd = _seccomp_fd(args)
+        cand_cmd = args + cand_cmd
     procs: list[subprocess.Popen] = []
-    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w)
+    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w) + (() if filter_fd is None else (filter_fd,))
     try:
         try:
             cand = subprocess.Popen(
                 cand_cmd, cwd=cand_dir or judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
-                env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"), pass_fds=(req_r, resp_w),
+                env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"),
+                pass_fds=(req_r, resp_w) + (() if filter_fd is None else (filter_fd,)),
                 start_new_session=True, preexec_fn=_make_preexec(limits))
             procs.append(cand)
             judge = subprocess.Popen(

@@ -219,6 +219,10 @@ CORPUS = {
     "judge_stop_iteration": ("def f(x):\n    raise StopIteration\n", "assert all(map(f, [1, 2, 3]))\n"),
     "judge_fake_sys": ("class _S:\n    maxsize = 5\nsys = _S()\ndef f():\n    return 5\n",
                        "assert f() == sys.maxsize\n"),
+    # seccomp (bwrap's filter): a new user namespace or the session keyring reached through libc
+    "seccomp_userns_keyring": ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                               "    return libc.unshare(0x10000000) == 0 or libc.syscall({keyctl}, 0, -3, 1) >= 0\n",
+                               "assert f()\n"),
     # NaN identity in the codec: plain Python fails each (a codec that made NaNs equal would pass them)
     "judge_fresh_nan_equal": ("def f():\n    return [float('nan')]\n", "assert f() == [float('nan')]\n"),
     "judge_math_nan_as_fresh": ("import math\ndef f():\n    return [math.nan]\n",
@@ -237,7 +241,8 @@ GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
 OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
                                                   "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
                                                   "list_", "scandir", "glob", "walk", "socket", "subprocess",
-                                                  "os_system", "pickle", "os_exit", "exit_", "forge", "root_"))]
+                                                  "os_system", "pickle", "os_exit", "exit_", "forge", "root_",
+                                                  "seccomp_"))]
 
 HOST = """
 import json, os, sys, time
@@ -253,9 +258,16 @@ print(json.dumps({"passed": r.passed, "status": r.status, "duration_s": r.durati
 """
 
 
+def _nr(name: str) -> int:
+    import pyseccomp
+
+    return pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
+
+
 def _fill(text: str, outside: Path) -> str:
     rel = os.path.relpath(outside, "/")
-    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside))
+    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside)).replace("{keyctl}",
+                                                                                         str(_nr("keyctl")))
 
 
 def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
@@ -321,6 +333,24 @@ def test_os_layer_alone_contains_the_escapes(tmp_path):
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
     assert fig["contained"] == fig["tried"]
     assert fig["worst_wall_s"] <= WALL + SLACK
+
+
+def test_seccomp_filter_refuses_the_denied_syscalls():
+    # guard off, inside bwrap: each denied syscall fails with EPERM; without the filter unshare(CLONE_NEWUSER)
+    # and keyctl succeed here (the corpus case seccomp_userns_keyring passes then)
+    from mechdiag import sandbox
+
+    assert sandbox.seccomp_program() is not None
+    calls = {n: _nr(n) for n in sandbox.SECCOMP_DENIED}
+    code = ("import ctypes\ndef f(calls):\n    libc = ctypes.CDLL(None, use_errno=True)\n    out = {}\n"
+            "    for name, nr in calls.items():\n        ctypes.set_errno(0)\n"
+            "        out[name] = (libc.syscall(nr, 0, 0, 0, 0, 0, 0), ctypes.get_errno())\n    return out\n")
+    r = host_run(code, f"out = f({calls!r})\nprint(out)\n"
+                       f"assert out == {dict.fromkeys(calls, (-1, 1))!r}\n", guard=False, timeout=5, wall=10)
+    assert r["passed"] and r["isolation"] == "bwrap", r
+    r = host_run(code, f"assert f({{'getpid': {_nr('getpid')}}})['getpid'][0] > 0\n", guard=False, timeout=5,
+                 wall=10)  # a syscall not on the list still works
+    assert r["passed"], r
 
 
 def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
