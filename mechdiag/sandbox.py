@@ -790,6 +790,13 @@ def _check() -> str:
                 _WARNED = True
                 print(f"mechdiag: warning: sandbox: guard-only: model code runs under the in-process guard only "
                       f"(no OS isolation); {INSTALL_HINT}", file=sys.stderr, flush=True)
+    elif seccomp_program() is None:
+        with _LOCK:
+            if not _WARNED:
+                _WARNED = True
+                print("mechdiag: warning: pyseccomp or libseccomp2 is missing: bubblewrap runs model code without "
+                      "its seccomp filter; pip install 'mechdiag[sandbox]' (and apt-get install libseccomp2)",
+                      file=sys.stderr, flush=True)
     return iso
 
 

@@ -353,6 +353,20 @@ def test_seccomp_filter_refuses_the_denied_syscalls():
     assert r["passed"], r
 
 
+def test_bwrap_without_libseccomp_warns_once(tmp_path):
+    # a host without libseccomp2 (pyseccomp's import then fails; put first on the path here): the runs go on
+    # under bwrap, with one warning line
+    (tmp_path / "pyseccomp.py").write_text("raise OSError('libseccomp.so.2: cannot open shared object file')\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    prog = ("from mechdiag import sandbox\nprint(sandbox.seccomp_program())\n"
+            "print(sandbox.run_tests('def f():\\n    return 1\\n', 'assert f() == 1\\n').passed)\n"
+            "print(sandbox.run_tests('x = 1\\n', 'assert x == 1\\n').isolation)\n")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["None", "True", "bwrap"], p
+    warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert len(warns) == 1 and "without its seccomp filter" in warns[0], p.stderr
+
+
 def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
     # sandbox: guard-only (no bwrap): the guard, rlimits and, as root, the candidate's own uid (no signals to the
     # host, no /proc/<judge>, RLIMIT_NPROC enforced) hold every case
