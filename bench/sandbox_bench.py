@@ -49,7 +49,7 @@ def throughput(n: int, rounds: int) -> None:
             subprocess.run([sandbox._python(), "-I", "-S", "-c", "pass"], check=True)
 
     def guard(js):
-        assert all(sandbox._run(c, t, *args, e, "guard").passed for c, t, e in js)
+        assert all(sandbox._run(c, t, *args, e, "guard-only").passed for c, t, e in js)
 
     def bwrap(js):
         assert all(sandbox._run(c, t, *args, e, iso).passed for c, t, e in js)

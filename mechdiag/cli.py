@@ -564,9 +564,12 @@ def _ints(text: str, flag: str) -> list[int]:
 @click.option("--threads", type=int, help="torch threads.")
 @click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory to write (default runs/eval-<time>).")
+@click.option("--sandbox", "sandbox_mode", type=click.Choice(["auto", "strict", "guard-only"]), default="auto",
+              show_default=True, help="Code benchmarks: auto/strict need bubblewrap (else refused); guard-only runs "
+                                      "model code under the in-process guard alone.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, ks, samples, temperature, top_p,
-             max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, fmt):
+             max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, sandbox_mode, fmt):
     """Base vs tuned on benchmarks: accuracy, pass@k, maj@k, format, length; the study's comparison table.
 
     \b
@@ -599,7 +602,7 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
     benches = E.load_benchmarks(E.parse_tasks(task_specs, splits), settings.n, path, options)
     out_dir = out or str(Path("runs") / time.strftime("eval-%Y%m%d-%H%M%S"))
     res = E.run_eval(model, tuned, benches, settings, out_dir, dtype=dtype, device=device,
-                     progress=lambda line: click.echo(line, err=True))
+                     progress=lambda line: click.echo(line, err=True), sandbox_mode=sandbox_mode)
     if fmt == "table":
         from mechdiag.eval_table import render_table
 

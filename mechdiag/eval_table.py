@@ -69,4 +69,14 @@ def render_table(rows: list[dict], color: bool = False, width: int | None = None
         styles.append(style)
     keep = head[:2] + head[3:] + head[2:3]  # base last: each tuned cell carries its Δ against it
     table = render_text_table(None, head, body, width=width, keep=keep, styles=styles, color=color)
-    return table + "".join(summary_line(s) + "\n" for s in summary(rows))
+    return table + "".join(summary_line(s) + "\n" for s in summary(rows)) + sandbox_line(rows)
+
+
+def sandbox_line(rows: list[dict]) -> str:
+    """The sandbox mode each benchmark's code ran under (bwrap, guard-only; none: no model code ran)."""
+    modes: dict[str, list[str]] = {}
+    for b, m in dict.fromkeys((r["benchmark"], r["sandbox"]) for r in rows if "sandbox" in r):
+        modes.setdefault(m, []).append(b)
+    if not modes:
+        return ""
+    return "sandbox: " + "; ".join(f"{m} ({', '.join(bs)})" for m, bs in modes.items()) + "\n"

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from mechdiag import atomic, models
+from mechdiag import atomic, models, sandbox
 from mechdiag import tasks as T
 from mechdiag.console import Progress
 from mechdiag.errors import UserError
@@ -409,7 +409,8 @@ def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
 
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,
-             dtype: str = "float32", progress=None, report_samples: int = 8, device: str | None = None) -> Result:
+             dtype: str = "float32", progress=None, report_samples: int = 8, device: str | None = None,
+             sandbox_mode: str = "auto") -> Result:
     """Evaluate the base and every tuned model on every benchmark; write the run directory; return the rows.
 
     Besides the eval_* files, the first `report_samples` greedy completions per benchmark and model go to the run's
@@ -417,6 +418,10 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     """
 
     settings.check()
+    # code benchmarks run model code: without OS isolation they stop here unless sandbox_mode is guard-only
+    code = any(getattr(b.task, "domain", "") == "code" for b in benches)
+    iso = sandbox.use(sandbox_mode) if code else "none"
+    mode_of = {b.name: iso if getattr(b.task, "domain", "") == "code" else "none" for b in benches}
     models = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
     run = RunDir(out_dir, create=True)
     group_of = {t.label: t.group for t in tuned}
@@ -459,7 +464,8 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
                         per_model.append({"step": 0, "benchmark": bench.name, "metric": m, "model": label,
                                           "group": group_of.get(label, BASE), "value": metrics[m],
                                           "n": len(bench.examples), "samples": settings.samples,
-                                          "temperature": settings.temperature, "seed": settings.seed})
+                                          "temperature": settings.temperature, "seed": settings.seed,
+                                          "sandbox": mode_of[bench.name]})
                     if progress:
                         progress(f"{bench.name}  {label}  {len(bench.examples)} problems  "
                                  f"accuracy {metrics.get('accuracy', math.nan):.3f}  {time.perf_counter() - t0:.1f} s")
@@ -469,7 +475,8 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
             tmp.unlink()
     rows = compare(per_model, tuned)
     for r in rows:
-        r.update(samples=settings.samples, temperature=settings.temperature, seed=settings.seed)
+        r.update(samples=settings.samples, temperature=settings.temperature, seed=settings.seed,
+                 sandbox=mode_of[r["benchmark"]])
     _merge_jsonl(run.stream("eval_benchmarks"), lambda r: not redone(r), rows)
     _merge_jsonl(run.stream("eval_models"), lambda r: not redone(r), per_model)
     if shown:

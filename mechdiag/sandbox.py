@@ -15,12 +15,14 @@ A pass is the judge's `pass` line on a pipe only the judge holds, and the judge'
 
 Limits: CPU seconds (RLIMIT_CPU, the primary limit: a verdict does not depend on machine load), address space,
 processes, file size, open files, no core; a wall-clock backstop WALL_FACTOR times longer (sleeping code).
-Without a usable bwrap the candidate runs under the guard alone (isolation() == "guard"); a warning is printed
-once per process, and use("strict") refuses that.
+Without a usable bwrap, code does not run (SandboxUnavailable) unless the user set sandbox: guard-only: then the
+candidate runs under the guard alone (isolation() == "guard-only"), with a warning printed once per process.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import math
 import os
 import resource
@@ -41,6 +43,7 @@ MAX_OUTPUT = 1 << 20  # bytes of stdout+stderr read back before the run is kille
 DETAIL_CHARS = 2000
 WALL_FACTOR = 4.0  # wall-clock backstop = WALL_FACTOR * timeout_s (CPU seconds)
 MAX_MESSAGE = 8 << 20  # bytes of one message between judge and candidate
+TMP_BYTES = 64 << 20  # the candidate's one writable tmpfs (its /tmp), capped: host RAM outside RLIMIT_AS
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code"
 
 
@@ -52,7 +55,7 @@ class SandboxResult:
     duration_s: float
     detail: str = ""
     blocked: bool = False  # the guard refused an operation, or the solution returned non-plain data
-    isolation: str = ""  # bwrap | guard
+    isolation: str = ""  # bwrap | guard-only
 
 
 class SandboxUnavailable(UserError):
@@ -67,9 +70,46 @@ CODEC = r'''
 import marshal, os, sys
 _PLAIN = (type(None), bool, int, float, str)
 _SEQ = {list: "L", tuple: "T", set: "S", frozenset: "F"}
+# A NaN keeps its identity across the boundary (Python's == on containers, `in` and count check identity first:
+# [x] == [x] for x = nan): each side numbers the NaNs it sends (n: mine, k, value); one sent back is the
+# receiver's own object (m: yours, k); math.nan and cmath's travel by name (K).
+_MINE, _MINE_IDS, _THEIRS, _THEIRS_IDS = [], {}, {}, {}
+_KNOWN = ("math.nan", "cmath.nan", "cmath.nanj")
+
+def _nan(v):
+    k = _THEIRS_IDS.get(id(v))
+    if k is not None:
+        return ["m", k]
+    for name in _KNOWN:
+        mod, _, attr = name.partition(".")
+        if getattr(sys.modules.get(mod), attr, None) is v:
+            return ["K", name]
+    k = _MINE_IDS.get(id(v))
+    if k is None:
+        k = _MINE_IDS[id(v)] = len(_MINE)
+        _MINE.append(v)
+    return ["n", k, v]
+
+def nan_of(tag, rest):
+    """The object a NaN tag names; None when it is malformed."""
+    if tag == "n" and len(rest) == 2 and type(rest[0]) is int and type(rest[1]) in (float, complex) and (
+            rest[1] != rest[1]):
+        if rest[0] not in _THEIRS:
+            _THEIRS[rest[0]] = rest[1]
+            _THEIRS_IDS[id(rest[1])] = rest[0]
+        return _THEIRS[rest[0]]
+    if tag == "m" and len(rest) == 1 and type(rest[0]) is int and 0 <= rest[0] < len(_MINE):
+        return _MINE[rest[0]]
+    if tag == "K" and len(rest) == 1 and rest[0] in _KNOWN:
+        mod, _, attr = rest[0].partition(".")
+        __import__(mod)
+        return getattr(sys.modules[mod], attr)
+    return None
 
 def enc(v, ref):
     t = type(v)
+    if (t is float or t is complex) and v != v:
+        return _nan(v)
     if t in _PLAIN:
         return v
     tag = _SEQ.get(t)
@@ -108,10 +148,24 @@ def read_frame(fd, limit):
     return read_exact(fd, int.from_bytes(head, "big"))
 '''
 
-CANDIDATE = CODEC + r'''
+# the candidate's first statement (and the probe's): a root start drops every uid, gid and group, which clears
+# all capabilities; it stops when uid 0 remains
+DROP = r'''
+def _drop(uid):
+    if uid != "-":
+        u = int(uid)
+        os.setgroups([])
+        os.setresgid(u, u, u)
+        os.setresuid(u, u, u)
+    if os.geteuid() == 0 or os.getuid() == 0:
+        os._exit(3)
+'''
+
+CANDIDATE = CODEC + DROP + r'''
 import os, collections, types  # noqa: imported before the hook (types reads a traceback frame on import)
 
 def _main():
+    _drop(sys.argv[4])
     _read, _write, _exit = os.read, os.write, os._exit
     data = b""
     while True:
@@ -154,6 +208,8 @@ def _main():
             return rest[0]
         if tag == "C":
             return complex(rest[0], rest[1])
+        if tag in ("n", "m", "K"):
+            return nan_of(tag, rest)
         return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](dec(v) for v in rest)
 
     g = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -401,6 +457,10 @@ def dec(x):
         return complex(float(rest[0]), float(rest[1]))
     if tag == "R" and len(rest) == 1 and type(rest[0]) is int:
         return Remote(rest[0])
+    if tag in ("n", "m", "K"):
+        v = nan_of(tag, rest)
+        if v is not None:
+            return v
     raise CandidateGone("malformed data from the solution")
 
 REQ = RESP = None
@@ -429,7 +489,9 @@ def request(msg):
             raise NonPlainData("data from the solution rejected: " + str(e)) from None
     if ok == "err" and len(reply) == 4 and type(reply[1]) is str and type(reply[2]) is str:
         kind = getattr(builtins, reply[1], None)
-        if not (isinstance(kind, type) and issubclass(kind, Exception)):
+        # StopIteration would end the test's own iteration (all(map(f, xs)) stops early and passes): plain failure
+        if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(
+                kind, (StopIteration, StopAsyncIteration)):
             kind = CandidateError
         raise kind("from the solution: " + reply[1] + ": " + reply[2])
     raise CandidateGone("malformed reply from the solution")
@@ -460,6 +522,19 @@ def load(module):
     __import__(module)
     return sys.modules[module]
 
+# a standard module name the tests use without importing it (MBPP 596 uses sys) is a fresh import of the judge's,
+# never the solution's object of that name; modules with effects on import are left out
+STANDARD = frozenset(n for n in sys.stdlib_module_names if not n.startswith("_")) - {"this", "antigravity"}
+
+class Standard(dict):
+    """The tests' builtins: the builtins, and a standard module on first use of its name."""
+
+    def __missing__(self, name):
+        if name in STANDARD:
+            self[name] = load(name)
+            return self[name]
+        raise KeyError(name)
+
 def main():
     global REQ, RESP, MAX
     data = b""
@@ -483,8 +558,8 @@ def main():
             todo.extend(k for k in c.co_consts if type(k) is type(code))
         # a solution's name that shadows a builtin is taken only when the caller names it an entry point:
         # else `set = lambda x: 0` would rig `set(f(x)) == set(expected)`
-        wanted = [n for n in used if n in entry or not hasattr(builtins, n)]
-        g = {"__name__": "__main__", "__builtins__": builtins}
+        wanted = [n for n in used if n in entry or not (hasattr(builtins, n) or n in STANDARD)]
+        g = {"__name__": "__main__", "__builtins__": Standard(vars(builtins))}
         for item in request(["names", sorted(wanted)]):
             if type(item) is not list or len(item) < 3 or not all(type(x) is str for x in item[:2]):
                 raise CandidateGone("malformed reply from the solution")
@@ -551,8 +626,11 @@ def _python() -> str:
 
 
 def _bwrap_args(bwrap: str) -> list[str]:
-    args = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--uid", "65534", "--gid", "65534",
+    # as root, no user namespace (its uid 65534 would map to host uid 0): the candidate drops to a uid of its own
+    # first thing (see CANDIDATE); as a user, a user namespace mapping 65534 to that user
+    user = [] if os.geteuid() == 0 else ["--unshare-user", "--uid", "65534", "--gid", "65534"]
+    args = [bwrap, *user, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+            "--unshare-cgroup-try", "--die-with-parent", "--new-session",
             "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
         if os.path.islink(top):
@@ -563,11 +641,92 @@ def _bwrap_args(bwrap: str) -> list[str]:
                                                os.path.dirname(os.path.dirname(_python())))}
     for p in sorted(prefixes):
         if not (p == "/usr" or p.startswith("/usr/")):
+            parts = p.strip("/").split("/")
+            for i in range(1, len(parts)):  # bwrap makes missing parents 0700: the dropped uid must pass them
+                args += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
             args += ["--ro-bind", p, p]
-    args += ["--ro-bind-try", "/etc/localtime", "/etc/localtime", "--proc", "/proc", "--dev", "/dev",
-             "--size", str(64 << 20), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
+    # /proc read-only (no sysctl writes); /dev a read-only folder of three devices (no /dev/shm: POSIX shared
+    # memory has nowhere to live); /tmp the one writable tmpfs, capped
+    args += ["--ro-bind-try", "/etc/localtime", "/etc/localtime", "--proc", "/proc", "--remount-ro", "/proc",
+             "--size", str(64 << 10), "--tmpfs", "/dev"]
+    for dev in ("null", "zero", "urandom"):
+        args += ["--dev-bind", f"/dev/{dev}", f"/dev/{dev}"]
+    args += ["--symlink", "/proc/self/fd", "/dev/fd", "--remount-ro", "/dev",
+             "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--remount-ro", "/", "--chdir", "/tmp",
              "--setenv", "HOME", "/tmp", "--setenv", "TMPDIR", "/tmp", "--"]
     return args
+
+
+# syscalls no test needs, refused (EPERM) by a seccomp filter bwrap installs before it starts the candidate:
+# tracing and reading other processes, namespaces and mounts, the kernel keyring, eBPF, perf, io_uring, modules
+SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "setns",
+                  "unshare", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
+                  "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
+                  "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at")
+_SECCOMP: list[bytes | None] = []
+_SECCOMP_LOCK = threading.Lock()
+
+
+def seccomp_program() -> bytes | None:
+    """The filter's BPF program (libseccomp through pyseccomp; syscalls of another architecture kill the
+    process); None where pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
+    with _SECCOMP_LOCK:
+        if not _SECCOMP:
+            try:
+                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra), loaded where bwrap runs
+            except (ImportError, OSError):
+                _SECCOMP.append(None)
+                return None
+            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+            for name in SECCOMP_DENIED:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+            with tempfile.TemporaryFile() as fh:
+                f.export_bpf(fh)
+                fh.seek(0)
+                _SECCOMP.append(fh.read())
+        return _SECCOMP[0]
+
+
+def _seccomp_fd(args: list[str]) -> int | None:
+    """Add `--seccomp FD` to bwrap's args (before its `--`); the fd (a memfd holding the program) to pass and close."""
+    prog = seccomp_program()
+    if prog is None:
+        return None
+    fd = os.memfd_create("mechdiag-seccomp")
+    os.write(fd, prog)
+    os.lseek(fd, 0, os.SEEK_SET)
+    args[-1:-1] = ["--seccomp", str(fd)]
+    return fd
+
+
+_UID_POOL = 1 << 20  # candidate uids drawn from this many (one per run, so RLIMIT_NPROC counts one run's processes)
+_UIDS: list[int] | None = None
+_COUNTER = itertools.count()
+
+
+def _uid_range() -> tuple[int, int]:
+    """(first, count) of the uids this process may switch to: the widest range of its user namespace's map."""
+    try:
+        with open("/proc/self/uid_map") as fh:
+            rows = [tuple(int(x) for x in line.split()) for line in fh if line.strip()]
+    except OSError:
+        rows = []
+    if not rows:
+        return 65534, 1
+    inner, _outer, count = max(rows, key=lambda r: r[2])
+    return inner, count
+
+
+def _candidate_uid() -> str:
+    """The uid the candidate switches to before it reads model code ('-': none, the host is not root). Root's
+    limits are not enforced (RLIMIT_NPROC) and root may write /proc and /sys: the candidate never keeps uid 0."""
+    if os.geteuid() != 0:
+        return "-"
+    first, count = _uid_range()
+    if count > 2 * _UID_POOL:  # the top of the range: far from real users, distinct per run
+        base = first + count - 1 - _UID_POOL
+        return str(base + (os.getpid() * 4099 + next(_COUNTER)) % _UID_POOL)
+    return str(65534 if first <= 65534 < first + count else first + count - 1)
 
 
 _ISOLATION: str | None = None
@@ -577,30 +736,43 @@ _LOCK = threading.Lock()
 
 
 def isolation() -> str:
-    """The isolation model code gets in this process: 'bwrap' (OS namespaces + guard) or 'guard' (audit hook
-    only). Probed once: bwrap on PATH and able to start the interpreter in its namespaces."""
+    """The isolation model code can get in this process: 'bwrap' (OS namespaces + guard) or 'guard-only' (audit
+    hook only, run only when the user asked for sandbox: guard-only). Probed once: bwrap on PATH and able to
+    start the interpreter in its namespaces, as the candidate's dropped uid."""
     global _ISOLATION
     with _LOCK:
         if _ISOLATION is None:
-            _ISOLATION = "guard"
+            _ISOLATION = "guard-only"
             bwrap = shutil.which("bwrap")
             if bwrap and sys.platform.startswith("linux"):
+                args = _bwrap_args(bwrap)
+                fd = _seccomp_fd(args)
                 try:
-                    probe = subprocess.run(_bwrap_args(bwrap) + [_python(), "-I", "-S", "-c", "print('ok')"],
-                                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+                    probe = subprocess.run(args + [
+                        _python(), "-I", "-S", "-c", "import os\n" + DROP + "_drop(os.sys.argv[1])\nprint('ok')",
+                        _candidate_uid()],
+                                           capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+                                           cwd="/", pass_fds=() if fd is None else (fd,))
                     if probe.returncode == 0 and probe.stdout.strip() == "ok":
                         _ISOLATION = "bwrap"
                 except (OSError, subprocess.SubprocessError):
                     pass
+                finally:
+                    if fd is not None:
+                        os.close(fd)
         return _ISOLATION
 
 
+MODES = ("auto", "strict", "guard-only")
+
+
 def use(mode: str) -> str:
-    """Set the policy ('auto': fall back to the guard with a warning; 'strict': refuse to run without OS
-    isolation) and return the isolation in force. Raises SandboxUnavailable under 'strict' without bwrap."""
+    """Set the policy and return the isolation in force. 'auto' and 'strict' need OS isolation (bwrap) and raise
+    SandboxUnavailable without it: model code never runs unisolated by default. 'guard-only' is the weaker mode,
+    named by the user: the in-process guard alone where bwrap cannot run (with a warning)."""
     global _MODE
-    if mode not in ("auto", "strict"):
-        raise UserError(f"sandbox must be 'auto' or 'strict', got {mode!r}")
+    if mode not in MODES:
+        raise UserError(f"sandbox must be one of {', '.join(MODES)}, got {mode!r}")
     _MODE = mode
     return _check()
 
@@ -609,13 +781,22 @@ def _check() -> str:
     global _WARNED
     iso = isolation()
     if iso != "bwrap":
-        if _MODE == "strict":
-            raise SandboxUnavailable(f"sandbox: strict, but bubblewrap cannot be used here; {INSTALL_HINT}")
+        if _MODE != "guard-only":
+            raise SandboxUnavailable(f"sandbox: {_MODE}, but bubblewrap cannot be used here, and model code does "
+                                     f"not run without OS isolation; {INSTALL_HINT}, or set sandbox: guard-only "
+                                     f"to run it under the in-process guard alone")
         with _LOCK:
             if not _WARNED:
                 _WARNED = True
-                print(f"mechdiag: warning: model code runs under the in-process guard only (no OS isolation); "
-                      f"{INSTALL_HINT}", file=sys.stderr, flush=True)
+                print(f"mechdiag: warning: sandbox: guard-only: model code runs under the in-process guard only "
+                      f"(no OS isolation); {INSTALL_HINT}", file=sys.stderr, flush=True)
+    elif seccomp_program() is None:
+        with _LOCK:
+            if not _WARNED:
+                _WARNED = True
+                print("mechdiag: warning: pyseccomp or libseccomp2 is missing: bubblewrap runs model code without "
+                      "its seccomp filter; pip install 'mechdiag[sandbox]' (and apt-get install libseccomp2)",
+                      file=sys.stderr, flush=True)
     return iso
 
 
@@ -641,18 +822,25 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     out_r, out_w = os.pipe()
     judge_dir = tempfile.mkdtemp(prefix="mechdiag-judge-")
     cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
+    uid = _candidate_uid()
+    if cand_dir is not None and uid != "-":
+        os.chown(cand_dir, int(uid), int(uid))  # the candidate's own folder, writable by its uid
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     python = _python()
-    cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none"]
+    cand_cmd = [python, "-I", "-S", "-c", CANDIDATE, str(req_r), str(resp_w), "guard" if guard else "none", uid]
+    filter_fd = None
     if iso == "bwrap":
-        cand_cmd = _bwrap_args(shutil.which("bwrap") or "bwrap") + cand_cmd
+        args = _bwrap_args(shutil.which("bwrap") or "bwrap")
+        filter_fd = _seccomp_fd(args)
+        cand_cmd = args + cand_cmd
     procs: list[subprocess.Popen] = []
-    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w)
+    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w) + (() if filter_fd is None else (filter_fd,))
     try:
         try:
             cand = subprocess.Popen(
                 cand_cmd, cwd=cand_dir or judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
-                env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"), pass_fds=(req_r, resp_w),
+                env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"),
+                pass_fds=(req_r, resp_w) + (() if filter_fd is None else (filter_fd,)),
                 start_new_session=True, preexec_fn=_make_preexec(limits))
             procs.append(cand)
             judge = subprocess.Popen(

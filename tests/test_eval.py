@@ -6,8 +6,12 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import random
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -313,6 +317,7 @@ def test_cli_json_and_bad_input(stories260k, adapters, tmp_path, cli):
     assert {r["model"] for r in rows} == {"base", "a"} and {r["benchmark"] for r in rows} == {"arith/ood_steps"}
     assert {"accuracy", "pass@1", "pass@2", "maj@2", "format_rate", "truncation_rate"} <= {r["metric"] for r in rows}
     assert rows == read_jsonl(out / "eval_benchmarks.jsonl")
+    assert {r["sandbox"] for r in rows} == {"none"}  # no model code ran
     res = CliRunner().invoke(main, [*args[:-1], "csv"])
     assert res.exit_code == 0 and res.stdout.splitlines()[0].startswith("step,benchmark,metric,model,value,std,n")
     assert len(res.stdout.splitlines()) == len(rows) + 1
@@ -367,3 +372,40 @@ def test_end_to_end_bundled_base_vs_trained_adapter(tmp_path, cli):
                if m not in ("completion_length", "entropy", "eval_reward"))
     assert base[("arith/test", "format_rate")] > 0.5  # the bundled base writes the tags
     assert base[("arith/test", "pass@3")] >= base[("arith/test", "pass@1")]
+
+
+def test_sandbox_mode_in_every_eval_table_and_the_report(stories260k, tmp_path):
+    """A code benchmark records the sandbox mode in force in its rows, the text table and the report; without
+    bubblewrap `mechdiag eval` refuses it (one line, exit 2, nothing written) unless --sandbox guard-only."""
+    from mechdiag.eval_table import render_table
+    from mechdiag.report import render
+    from mechdiag.report.html import sandbox_of
+    from mechdiag.run import load_run
+
+    def ev(out, *extra, env=None):
+        return subprocess.run([sys.executable, "-m", "mechdiag", "eval", str(stories260k), "--task", "mbpp,arith",
+                               "--n", "1", "--k", "1", "--samples", "1", "--max-new-tokens", "6", "--out", str(out),
+                               "--format", "json", *extra], capture_output=True, text=True, timeout=300,
+                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
+                                       **(env or {})))
+
+    p = ev(tmp_path / "bw")
+    assert p.returncode == 0, p.stderr
+    rows = json.loads(p.stdout)
+    modes = {r["benchmark"]: r["sandbox"] for r in rows}
+    assert modes == {"mbpp/test": "bwrap", "arith/test": "none"}
+    assert render_table(rows).splitlines()[-1] == "sandbox: bwrap (mbpp/test); none (arith/test)"
+    assert sandbox_of(load_run(tmp_path / "bw")) == "bwrap, none"
+    page = render([load_run(tmp_path / "bw")])  # the HTML report's runs table
+    assert ">sandbox</th>" in page and "<td>bwrap, none</td>" in page
+    (tmp_path / "bw" / "summary.json").write_text(json.dumps({"sandbox": "guard-only"}))  # a training run's
+    assert sandbox_of(load_run(tmp_path / "bw")) == "guard-only"
+    nobw = {"PATH": str(tmp_path)}  # no bwrap on PATH
+    p = ev(tmp_path / "refused", env=nobw)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 2 and len(lines) == 1 and "sandbox: auto, but bubblewrap cannot be used" in lines[0], p
+    assert not (tmp_path / "refused").exists()
+    p = ev(tmp_path / "guard", "--sandbox", "guard-only", env=nobw)
+    assert p.returncode == 0, p.stderr
+    assert {r["sandbox"] for r in json.loads(p.stdout) if r["benchmark"] == "mbpp/test"} == {"guard-only"}
+    assert "warning: sandbox: guard-only" in p.stderr

@@ -346,7 +346,7 @@ def test_trl_output_dir_read_through_reader(tmp_path):
     trl_dir.mkdir()
     (trl_dir / "trainer_state.json").write_text(json.dumps({"log_history": [{"step": 1, "reward": 0.5}]}))
     html = render([trl_dir])
-    assert "<span class=tag>TRL</span>" in html and "trl-out" in html
+    assert "<span class=tag>trl</span>" in html and "trl-out" in html
     assert len(_figures(html)) == 1
 
 

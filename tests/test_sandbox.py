@@ -193,6 +193,42 @@ CORPUS = {
     "raise_rlimit": ("import resource\nresource.setrlimit(resource.RLIMIT_AS, (-1, -1))\n", ""),
     "pickle_payload": ("import pickle\npickle.loads(b\"cos\\nsystem\\n(S'touch {outside}/pickled'\\ntR.\")\n",
                        "import os\nassert os.path.exists('{outside}/pickled')\n"),
+    # root in a container (issue 27): each returns True where the sandbox failed to hold
+    "root_host_uid0": ("import os\ndef f():\n    u = os.getuid()\n"
+                       "    for line in open('/proc/self/uid_map'):\n        inner, outer, n = map(int, line.split())\n"
+                       "        if inner <= u < inner + n and outer + u - inner == 0:\n            return True\n"
+                       "    return False\n", "assert f()\n"),
+    "root_sysctl_open": ("def f():\n    hits = 0\n    for p in ('kernel/core_pattern', 'vm/drop_caches', "
+                         "'kernel/pid_max', 'kernel/threads-max'):\n        try:\n"
+                         "            open('/proc/sys/' + p, 'a').close()  # opened, nothing written\n"
+                         "            hits += 1\n        except OSError:\n            pass\n    return hits > 0\n",
+                         "assert f()\n"),
+    # host RAM outside RLIMIT_AS: files each under RLIMIT_FSIZE, 48 MiB in all, in /dev/shm, /dev or POSIX shm
+    "root_dev_shm_fill": ("import os\ndef f():\n    for d in ('/dev/shm', '/dev'):\n        try:\n"
+                          "            for i in range(12):\n                with open(d + '/fill%d' % i, 'wb') as fh:\n"
+                          "                    fh.write(b'x' * (4 << 20))\n            return True\n"
+                          "        except OSError:\n            pass\n    return False\n", "assert f()\n"),
+    "root_posix_shm": ("import _posixshmem, os\ndef f():\n    for i in range(12):\n"
+                       "        fd = _posixshmem.shm_open('/mechdiag%d' % i, os.O_CREAT | os.O_RDWR, 0o600)\n"
+                       "        os.write(fd, b'x' * (4 << 20))\n    return True\n", "assert f()\n"),
+    "root_nproc": ("import os, time\ndef f():\n    n = 0\n    for _ in range(60):\n        try:\n"
+                   "            pid = os.fork()\n        except OSError:\n            break\n        if pid == 0:\n"
+                   "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    return n >= 40\n",
+                   "assert f()\n"),
+    # the judge (issue 27)
+    "judge_stop_iteration": ("def f(x):\n    raise StopIteration\n", "assert all(map(f, [1, 2, 3]))\n"),
+    "judge_fake_sys": ("class _S:\n    maxsize = 5\nsys = _S()\ndef f():\n    return 5\n",
+                       "assert f() == sys.maxsize\n"),
+    # seccomp (bwrap's filter): a new user namespace or the session keyring reached through libc
+    "seccomp_userns_keyring": ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                               "    return libc.unshare(0x10000000) == 0 or libc.syscall({keyctl}, 0, -3, 1) >= 0\n",
+                               "assert f()\n"),
+    # NaN identity in the codec: plain Python fails each (a codec that made NaNs equal would pass them)
+    "judge_fresh_nan_equal": ("def f():\n    return [float('nan')]\n", "assert f() == [float('nan')]\n"),
+    "judge_math_nan_as_fresh": ("import math\ndef f():\n    return [math.nan]\n",
+                                "assert f() == [float('nan')]\n"),
+    "judge_test_nan_as_fresh": ("def f(x):\n    return [x]\n",
+                                "nan = float('nan')\nassert f(nan) == [float('nan')]\n"),
     # controls
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
@@ -205,14 +241,15 @@ GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
 OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
                                                   "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
                                                   "list_", "scandir", "glob", "walk", "socket", "subprocess",
-                                                  "os_system", "pickle", "os_exit", "exit_", "forge"))]
+                                                  "os_system", "pickle", "os_exit", "exit_", "forge", "root_",
+                                                  "seccomp_"))]
 
 HOST = """
 import json, os, sys, time
 from mechdiag import sandbox
 job = json.loads(sys.stdin.read())
 code, tests = job["code"].replace("{host}", str(os.getpid())), job["tests"].replace("{host}", str(os.getpid()))
-iso = sandbox.isolation()
+iso = job["iso"] or sandbox.isolation()
 args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
 r = sandbox._run(*args, iso, guard=job["guard"])
 time.sleep(0.2)  # a signal sent to the host arrives before it reports
@@ -221,27 +258,35 @@ print(json.dumps({"passed": r.passed, "status": r.status, "duration_s": r.durati
 """
 
 
+def _nr(name: str) -> int:
+    import pyseccomp
+
+    return pyseccomp.resolve_syscall(pyseccomp.Arch.NATIVE, name)
+
+
 def _fill(text: str, outside: Path) -> str:
     rel = os.path.relpath(outside, "/")
-    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside))
+    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside)).replace("{keyctl}",
+                                                                                         str(_nr("keyctl")))
 
 
-def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL) -> dict:
+def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
+             iso: str = "") -> dict:
     """One run, driven by a fresh host process; rc is the host's exit status."""
     env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", HOST], input=json.dumps(
-        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall}),
+        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall, "iso": iso}),
         capture_output=True, text=True, env=env, timeout=60)
     out = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else {}
     return {"rc": p.returncode, "stderr": p.stderr[-500:], **out}
 
 
-def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2) -> dict:
+def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2, iso: str = "") -> dict:
     """Run the named cases; the figures the reliability doc reports."""
     (outside / "keep.txt").write_text("precious")
     with ThreadPoolExecutor(workers) as pool:
         runs = list(pool.map(lambda n: host_run(_fill(CORPUS[n][0], outside), _fill(CORPUS[n][1], outside),
-                                                guard), names))
+                                                guard, iso=iso), names))
     intact = sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and \
         (outside / "keep.txt").read_text() == "precious" and (outside / "keep.txt").stat().st_mode & 0o777 != 0o777
     by = dict(zip(names, runs, strict=True))
@@ -290,6 +335,47 @@ def test_os_layer_alone_contains_the_escapes(tmp_path):
     assert fig["worst_wall_s"] <= WALL + SLACK
 
 
+def test_seccomp_filter_refuses_the_denied_syscalls():
+    # guard off, inside bwrap: each denied syscall fails with EPERM; without the filter unshare(CLONE_NEWUSER)
+    # and keyctl succeed here (the corpus case seccomp_userns_keyring passes then)
+    from mechdiag import sandbox
+
+    assert sandbox.seccomp_program() is not None
+    calls = {n: _nr(n) for n in sandbox.SECCOMP_DENIED}
+    code = ("import ctypes\ndef f(calls):\n    libc = ctypes.CDLL(None, use_errno=True)\n    out = {}\n"
+            "    for name, nr in calls.items():\n        ctypes.set_errno(0)\n"
+            "        out[name] = (libc.syscall(nr, 0, 0, 0, 0, 0, 0), ctypes.get_errno())\n    return out\n")
+    r = host_run(code, f"out = f({calls!r})\nprint(out)\n"
+                       f"assert out == {dict.fromkeys(calls, (-1, 1))!r}\n", guard=False, timeout=5, wall=10)
+    assert r["passed"] and r["isolation"] == "bwrap", r
+    r = host_run(code, f"assert f({{'getpid': {_nr('getpid')}}})['getpid'][0] > 0\n", guard=False, timeout=5,
+                 wall=10)  # a syscall not on the list still works
+    assert r["passed"], r
+
+
+def test_bwrap_without_libseccomp_warns_once(tmp_path):
+    # a host without libseccomp2 (pyseccomp's import then fails; put first on the path here): the runs go on
+    # under bwrap, with one warning line
+    (tmp_path / "pyseccomp.py").write_text("raise OSError('libseccomp.so.2: cannot open shared object file')\n")
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    prog = ("from mechdiag import sandbox\nprint(sandbox.seccomp_program())\n"
+            "print(sandbox.run_tests('def f():\\n    return 1\\n', 'assert f() == 1\\n').passed)\n"
+            "print(sandbox.run_tests('x = 1\\n', 'assert x == 1\\n').isolation)\n")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, env=env, timeout=60)
+    assert p.returncode == 0 and p.stdout.split() == ["None", "True", "bwrap"], p
+    warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert len(warns) == 1 and "without its seccomp filter" in warns[0], p.stderr
+
+
+def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
+    # sandbox: guard-only (no bwrap): the guard, rlimits and, as root, the candidate's own uid (no signals to the
+    # host, no /proc/<judge>, RLIMIT_NPROC enforced) hold every case
+    fig = corpus_figures(tmp_path, list(CORPUS), iso="guard-only")
+    assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
+    assert fig["contained"] == fig["tried"] == len(CORPUS)
+    assert all(r["isolation"] == "guard-only" for r in fig["by"].values())
+
+
 def test_correct_solution_passes_and_uses_stdlib():
     code = ("import re, collections, heapq, itertools, math, functools\n"
             "P = collections.namedtuple('P', 'x y')\n"
@@ -301,6 +387,42 @@ def test_correct_solution_passes_and_uses_stdlib():
     r = run_tests(code, tests, timeout_s=10)
     assert r.passed and r.status == "passed" and not r.blocked, r
     assert r.isolation == "bwrap" and 0 < r.duration_s < 10
+
+
+# (code, tests) whose verdict in plain Python depends on NaN identity: the sandbox must give the same verdict
+NAN_CASES = [
+    ("def f(xs):\n    return list(xs)\n", "nan = float('nan')\nassert f([nan, 1.0]) == [nan, 1.0]\n"),
+    ("NAN = float('nan')\ndef f():\n    return [NAN]\n", "assert f() == f()\n"),
+    ("import math\ndef f():\n    return [math.nan]\n", "import math\nassert f() == [math.nan]\n"),
+    ("import cmath\ndef f():\n    return (cmath.nanj,)\n", "import cmath\nassert f() == (cmath.nanj,)\n"),
+    ("def f():\n    return [float('nan')]\n", "assert f() != f()\n"),
+    ("def f():\n    return [float('nan')]\n", "assert f() == [float('nan')]\n"),
+    ("def f(x):\n    return {x: 1}\n", "nan = float('nan')\nassert f(nan)[nan] == 1\n"),
+    ("def f(x):\n    return (x, x)\n", "r = f(float('nan'))\nassert r[0] is r[1] and r == (r[1], r[0])\n"),
+    ("def f(z):\n    return [z]\n", "z = complex(float('nan'), 1)\nassert f(z) == [z]\n"),
+    ("def f(xs):\n    return sorted(xs, key=str)\n", "nan = float('nan')\nassert nan in f([1.0, nan])\n"),
+    ("def f(x):\n    return x\n", "nan = float('nan')\nassert f(nan) != nan and f(nan) is nan\n"),
+    ("class Box:\n    def __init__(self):\n        self.v = []\n    def put(self, x):\n        self.v.append(x)\n"
+     "    def get(self):\n        return self.v\n",
+     "nan = float('nan')\nb = Box()\nb.put(nan)\nassert b.get() == [nan] and b.get() == b.get()\n"),
+]
+
+
+def _plain_verdict(code: str, tests: str) -> bool:
+    g: dict = {}
+    exec(code, g)
+    try:
+        exec(tests, g)
+    except AssertionError:
+        return False
+    return True
+
+
+def test_nan_identity_verdicts_match_plain_python():
+    plain = [_plain_verdict(c, t) for c, t in NAN_CASES]
+    assert plain.count(True) == 11 and plain.count(False) == 1  # both kinds present
+    got = run_many([(c, t) for c, t in NAN_CASES], workers=2, timeout_s=5)
+    assert [r.passed for r in got] == plain, [(r.status, r.detail[-200:]) for r in got]
 
 
 def test_solution_objects_can_be_built_and_passed_back():
@@ -359,7 +481,8 @@ def test_env_scrubbed_and_no_host_folders():
     r = run_tests(code, "print(f())\nassert False\n", timeout_s=5)
     env, cwd, top, work, ssh, uid = eval(r.detail.strip().splitlines()[0])  # the judge printed plain data
     assert set(env) <= {"PATH", "HOME", "TMPDIR", "LANG", "LC_ALL", "PWD"} and cwd == "/tmp"
-    assert not work and not ssh and uid == 65534 and not top
+    # as root: a uid of its own, never 0 (no user namespace maps it to host root); as a user: 65534 in its namespace
+    assert not work and not ssh and not top and uid != 0 and (os.geteuid() == 0 or uid == 65534)
 
 
 def test_run_many_keeps_order_and_mixes_outcomes():
@@ -372,38 +495,45 @@ def test_run_many_keeps_order_and_mixes_outcomes():
 FALLBACK = """
 import sys
 from mechdiag import sandbox
-r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
-r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
-print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
+try:
+    sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
+except sandbox.SandboxUnavailable as e:
+    print("auto:", e)
 try:
     sandbox.use("strict")
 except sandbox.SandboxUnavailable as e:
     print("strict:", e)
+print(sandbox.use("guard-only"))
+r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
+r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
+print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
 """
+REFUSAL = ("but bubblewrap cannot be used here, and model code does not run without OS isolation; install "
+           "bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code, or set "
+           "sandbox: guard-only to run it under the in-process guard alone")
 
 
-def test_fallback_is_reported_not_silent(tmp_path):
-    # no bwrap on PATH: the guard runs, says so once on stderr, names itself; strict refuses
+def test_without_bwrap_code_runs_only_in_the_mode_named_guard_only(tmp_path):
+    # no bwrap on PATH: auto and strict refuse (fail closed); guard-only runs, names itself, warns once
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "guard guard True False"
-    assert lines[1].startswith("strict: sandbox: strict, but bubblewrap cannot be used here")
+    assert lines[0] == "auto: sandbox: auto, " + REFUSAL and lines[1] == "strict: sandbox: strict, " + REFUSAL
+    assert lines[2:] == ["guard-only", "guard-only guard-only True False"]
     warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
-    assert len(warns) == 1 and "in-process guard only" in warns[0] and "apt-get install bubblewrap" in warns[0]
+    assert len(warns) == 1 and "guard-only" in warns[0] and "apt-get install bubblewrap" in warns[0]
 
 
-def test_strict_config_refuses_training_without_bwrap(tmp_path):
-    # sandbox: strict with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
+@pytest.mark.parametrize("mode", ["auto", "strict"])
+def test_code_training_refused_without_bwrap(tmp_path, mode):
+    # a code task with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
     env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", "sandbox=strict", "--out", str(out)],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 2 and not out.exists()
-    assert p.stderr.splitlines() == ["mechdiag: error: sandbox: strict, but bubblewrap cannot be used here; "
-                                     "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS "
-                                     "isolation of model code"]
+    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", f"sandbox={mode}", "--set",
+                        "task.name=mbpp", "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 2 and not out.exists(), p.stderr
+    assert p.stderr.splitlines() == [f"mechdiag: error: sandbox: {mode}, " + REFUSAL]
 
 
 def test_strict_with_bwrap_runs():

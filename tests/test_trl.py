@@ -179,7 +179,7 @@ def test_recommend_and_report_on_trl_output_dir(trl_run, cli, tmp_path):
     proc = cli("report", str(out), "--out", str(tmp_path / "r.html"))
     assert proc.returncode == 0, proc.stderr
     html = (tmp_path / "r.html").read_text()
-    assert "<span class=tag>TRL</span>" in html
+    assert "<span class=tag>trl</span>" in html
 
 
 def test_attribute_refuses_a_callback_run_without_a_task(trl_run, tmp_path):

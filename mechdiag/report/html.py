@@ -187,6 +187,14 @@ def _held_cell(run: Run, key: str) -> str:
     return f"<td title='read from {esc(e.get('evidence'))}'>{_fmt(v)}</td>"
 
 
+def sandbox_of(run: Run) -> str:
+    """The sandbox mode the run's model code ran under: summary.json's, else its eval records' ('–': unknown)."""
+    if isinstance(run.summary.get("sandbox"), str):
+        return run.summary["sandbox"]
+    modes = dict.fromkeys(str(r["sandbox"]) for r in run.read("eval_benchmarks") if "sandbox" in r)
+    return ", ".join(modes) or "–"
+
+
 def section_runs(groups: list[Group]) -> str:
     runs = [r for g in groups for r in g.runs]
     differ = differing_keys(runs) if len(runs) > 1 else []
@@ -200,10 +208,12 @@ def section_runs(groups: list[Group]) -> str:
             src = f" <span class=tag>{esc(r.source)}</span>" if r.source != "mechdiag" else ""
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td class=path title='{esc(r.path)}'>{esc(r.name)}{src}</td>"
-                        f"<td>{_fmt(max(steps) if steps else None)}</td>{cells}</tr>")
+                        f"<td>{_fmt(max(steps) if steps else None)}</td><td>{esc(sandbox_of(r))}</td>"
+                        f"{cells}</tr>")
     note = (f"<p class=note>highlighted: config keys that differ between runs ({esc(', '.join(differ))})</p>"
             if differ else "")
-    return (f"<div class=scroll><table class=runs><tr><th>run</th><th>directory</th><th>steps</th>{head}</tr>"
+    return (f"<div class=scroll><table class=runs><tr><th>run</th><th>directory</th><th>steps</th>"
+            f"<th title='isolation of model code: bwrap, guard-only, none (no code ran)'>sandbox</th>{head}</tr>"
             + "".join(rows) + "</table></div>" + note)
 
 

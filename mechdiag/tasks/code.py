@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import os
 import re
 import warnings
 from collections import OrderedDict
@@ -182,7 +183,7 @@ class CodeTask(FileTask):
         return None
     timeout_s = 5.0
     memory_mb = 512
-    workers = 2
+    workers = 0  # sandboxes side by side; 0: one per core
 
     def option_names(self):
         return ("timeout_s", "memory_mb", "workers")
@@ -191,7 +192,7 @@ class CodeTask(FileTask):
         super().__init__(path, **options)
         self.timeout_s = float(options.get("timeout_s", self.timeout_s))
         self.memory_mb = int(options.get("memory_mb", self.memory_mb))
-        self.workers = int(options.get("workers", self.workers))
+        self.workers = int(options.get("workers", self.workers)) or os.cpu_count() or 1
         self._results: OrderedDict[str, SandboxResult] = OrderedDict()  # a group often repeats a completion
 
     def program(self, code: str, example: Example) -> str:

@@ -85,8 +85,8 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         weights = cfg.rewards.weights
         comps: dict[str, list[float]] = {}
         totals = []
-        for i, text in enumerate(texts):
-            c = task.components(text, examples[i // g])
+        # all completions of the step in one parallel batch (a code task runs its sandboxes side by side)
+        for c in task.components_many(texts, [examples[i // g] for i in range(len(texts))]):
             for k, v in c.items():
                 comps.setdefault(k, []).append(float(v))
             totals.append(sum(weights.get(k, 0.0) * v for k, v in c.items()))

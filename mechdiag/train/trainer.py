@@ -120,7 +120,9 @@ class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
         tasks.resolve_rewards(cfg)  # before config.yaml is saved: it shows the weights that ran
-        self.isolation = sandbox.use(cfg.sandbox)  # for summary.json; sandbox: strict without bwrap stops here
+        # for summary.json; a code task without OS isolation stops here unless the config says sandbox: guard-only
+        code = any(tasks.task_class(n).domain == "code" for n in [cfg.task.name, *(s.name for s in cfg.task.mixture)])
+        self.isolation = sandbox.use(cfg.sandbox) if code else "none"
         torch.set_num_threads(cfg.threads or auto_threads())
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
