@@ -36,7 +36,7 @@ from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import collect, policy_logits
+from mechdiag.train.rollout import collect, policy_logprobs
 from mechdiag.weights import ADAPTER_WEIGHTS
 
 
@@ -340,9 +340,8 @@ class Trainer:
         # a group's prompt runs once; not under checkpointing (no KV cache in train mode) nor LoRA dropout (each
         # row's prompt would no longer draw its own dropout mask)
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
-        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                               prompt_of=torch.tensor(mb.group_ids) if shared else None)
-        logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+        logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                               cfg.temperature, prompt_of=torch.tensor(mb.group_ids) if shared else None)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
