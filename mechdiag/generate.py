@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from mechdiag import vocab
 from mechdiag.models import encode_prompts, eos_ids, pad_id
 
 
@@ -146,30 +147,65 @@ def policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mas
 
     prompt_of (B,): rows with the same value share one prompt (a GRPO group). Each distinct prompt is then run
     once and its KV cache, indexed out to its rows, serves their completions: the same attention over the same
-    tokens with a G-th of the prompt's compute, differentiable like the plain forward.
+    tokens with a G-th of the prompt's compute, differentiable like the plain forward. At real vocabularies this
+    tensor is a step's largest: log-probs go through `policy_logprobs`, which never builds it.
     """
+    return _completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of, True)
+
+
+def policy_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                  prompt_of: torch.Tensor | None = None) -> torch.Tensor:
+    """The final hidden states (B, T, H) that predict each completion token (what the head of `policy_logits`
+    reads): the same forward without the head."""
+    return _completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of, False)
+
+
+def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                    prompt_of: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) log-probs of the completion tokens at `temperature`, 0 at padding, differentiable: the head applied
+    a chunk of positions at a time (mechdiag.vocab), so no vocabulary-wide tensor wider than a chunk exists."""
+    head = vocab.head_of(model)
+    if head is None:  # a head vocab.Head does not model: the full logits, masked as the chunked path is
+        logits = policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+        return vocab.token_logprobs(logits, completion_ids, temperature) * completion_mask
+    hidden = policy_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+    return vocab.selected_logprobs(hidden, head, completion_ids, completion_mask, temperature)
+
+
+def _decoder(model):
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder()
+
+
+def _completion_forward(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of,
+                        logits: bool) -> torch.Tensor:
+    """policy_logits (logits=True) or policy_hidden: the model's forward, or its decoder's (LoRA layers included:
+    PEFT injects them in place), over prompt + completion."""
+    net = model if logits else _decoder(model)
+    head_kw = lambda k: {"logits_to_keep": k} if logits else {}  # noqa: E731
+    field = "logits" if logits else "last_hidden_state"
     t = completion_ids.size(1)
     if prompt_of is None or t == 1:
         ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attn = torch.cat([prompt_mask, completion_mask], dim=1)
         pos = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False,
-                       logits_to_keep=t + 1).logits
-        return logits[:, :-1, :]
+        out = getattr(net(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, **head_kw(t + 1)),
+                      field)
+        return out[:, -t - 1:-1, :]
     inverse = torch.unique(prompt_of, return_inverse=True)[1].to(prompt_ids.device)  # row -> distinct prompt
     rows = torch.arange(len(inverse), device=inverse.device)
     first = rows.new_full((int(inverse.max()) + 1,), len(inverse)).scatter_reduce(0, inverse, rows, reduce="amin")
     u_mask = prompt_mask[first]
     pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
     cache = DynamicCache()
-    kv = {cache_kw(model): cache}
-    head = model(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=pos, use_cache=True,
-                 logits_to_keep=1, **kv).logits[:, -1:, :]
+    kv = {cache_kw(net): cache}
+    head = getattr(net(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=pos, use_cache=True,
+                       **head_kw(1), **kv), field)[:, -1:, :]
     cache.batch_select_indices(inverse)
     attn = torch.cat([prompt_mask, completion_mask[:, :-1]], dim=1)
     c_pos = pos[inverse, -1:] + 1 + torch.arange(t - 1, device=pos.device)[None, :]
-    rest = model(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
-                 **kv).logits
+    rest = getattr(net(input_ids=completion_ids[:, :-1], attention_mask=attn, position_ids=c_pos, use_cache=True,
+                       **kv), field)
     return torch.cat([head[inverse], rest], dim=1)
 
 

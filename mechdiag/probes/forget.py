@@ -14,8 +14,9 @@ from pathlib import Path
 
 import torch
 
+from mechdiag import vocab
 from mechdiag.errors import UserError
-from mechdiag.generate import policy_logits, sample_tokens
+from mechdiag.generate import policy_hidden, policy_logits, sample_tokens
 from mechdiag.models import encode_prompts, eos_ids, pad_id, reference_context
 from mechdiag.probes.prompts import read_prompts, task_prompts
 
@@ -70,13 +71,19 @@ class ForgetProbe:
             with ctx:
                 batches = self._continuations(ref, device)
             total, n = torch.zeros((), dtype=torch.float64), 0
-            for b in batches:  # one batch of (B, T, V) log-probs at a time
+            for b in batches:  # hidden states per batch; the vocabulary a chunk of positions at a time
                 ref, ctx = reference_context(model, ref_model)
-                with ctx:
-                    lp_base = torch.log_softmax(policy_logits(ref, *b).double(), -1)
-                lp = torch.log_softmax(policy_logits(model, *b).double(), -1)
-                per_token = (lp_base.exp() * (lp_base - lp)).sum(-1)
-                total += (per_token * b[3].to(per_token.dtype)).sum()
+                head_base, head = vocab.head_of(ref), vocab.head_of(model)
+                if head_base is None or head is None:  # a head vocab.Head does not model: the full logits
+                    with ctx:
+                        lp_base = torch.log_softmax(policy_logits(ref, *b).double(), -1)
+                    lp = torch.log_softmax(policy_logits(model, *b).double(), -1)
+                    per_token = (lp_base.exp() * (lp_base - lp)).sum(-1)
+                    total += (per_token * b[3].to(per_token.dtype)).sum().cpu()
+                else:
+                    with ctx:
+                        h_base = policy_hidden(ref, *b)
+                    total += vocab.selected_kl(h_base, head_base, policy_hidden(model, *b), head, b[3]).cpu()
                 n += int(b[3].sum())
         finally:
             model.train(was)

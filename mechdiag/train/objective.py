@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from mechdiag.vocab import token_entropy, token_logprobs  # noqa: F401 - their home is vocab; the objective reads them
+
 STD_EPS = 1e-4  # as TRL: A = (r - mean) / (std + 1e-4)
 
 
@@ -50,20 +52,6 @@ def group_stats(rewards: torch.Tensor, group_size: int) -> dict[str, float]:
 
 
 # ---- per-token quantities ---------------------------------------------------------------------------------
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(y_t | x, y_<t) for each target token: logits (B, T, V) already aligned with tokens (B, T)."""
-    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """H_t = -sum_v p log p per position (nats)."""
-    logits = logits.float() / temperature if temperature != 1.0 else logits.float()
-    logp = torch.log_softmax(logits, dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """K = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 (Schulman's k3: unbiased, non-negative)."""
     d = ref_logp - logp

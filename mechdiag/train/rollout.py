@@ -10,7 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mechdiag.generate import encode_prompts, eos_ids, pad_id, policy_logits, sample_tokens
+from mechdiag.generate import (
+    encode_prompts,
+    eos_ids,
+    pad_id,
+    policy_logits,  # noqa: F401 - attribute and tests import it from here
+    policy_logprobs,
+    sample_tokens,
+)
 from mechdiag.models import reference_context
 from mechdiag.train import objective as obj
 
@@ -53,10 +60,10 @@ class Rollout:
 
 @torch.inference_mode()
 def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
-    """Token log-probs of the completions under `model` (no grad), each group's prompt run once."""
-    logits = policy_logits(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
+    """Token log-probs of the completions under `model` (no grad, 0 at padding), each group's prompt run once and
+    the head applied a chunk of positions at a time."""
+    return policy_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature,
                            prompt_of=torch.tensor(r.group_ids))
-    return obj.token_logprobs(logits, r.completion_ids, temperature)
 
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:

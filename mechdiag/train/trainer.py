@@ -25,7 +25,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import get_scheduler
 
-from mechdiag import atomic, models, sandbox, tasks
+from mechdiag import atomic, models, sandbox, tasks, vocab
 from mechdiag import recorder as R
 from mechdiag.config import LR_SCHEDULERS, Config, save
 from mechdiag.errors import UserError, first_line
@@ -36,7 +36,7 @@ from mechdiag.run import RunDir
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import collect, policy_logits
+from mechdiag.train.rollout import collect, policy_logprobs
 from mechdiag.weights import ADAPTER_WEIGHTS
 
 
@@ -52,6 +52,7 @@ def frozen_copy(model):
 # bundled base: ~30% of decode time). At 0.5B it costs a full copy of the weights for a few percent
 # (docs/benchmarks.md, bench/scale.py), so "auto" keeps it up to this many parameters.
 SAMPLER_AUTO_MAX_PARAMS = 100_000_000
+LOGIT_COPIES = 4  # the full-logits path: logits, their float32 log-softmax, its exp and the gradient
 
 
 def sampler_choice(cfg: Config, n_params: int) -> str:
@@ -286,16 +287,24 @@ class Trainer:
         return metrics, roll
 
     def rows_per_pass(self, roll) -> int:
-        """cfg.update_rows, or the rows whose saved activations (~4 bytes x layers x (16 hidden + 6 MLP) per
-        token, measured on Qwen2 shapes) fit in half the weights' bytes, at least 256 MiB."""
+        """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes, at least 256 MiB: per
+        row its saved activations (~4 bytes x layers x (16 hidden + 6 MLP) per token, measured on Qwen2 shapes)
+        plus, outside the chunked head (vocab.head_of None), its logits and their gradient (LOGIT_COPIES float32
+        copies per position); the chunked head's own logits (vocab.CHUNK_LIVE x CHUNK_BYTES) come off the budget."""
         if self.cfg.update_rows:
             return self.cfg.update_rows
         c = self.model.config
         hidden, mlp = getattr(c, "hidden_size", 0), getattr(c, "intermediate_size", 0)
+        n_vocab = getattr(c, "vocab_size", 0)
         per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)
         width = roll.prompt_ids.size(1) + roll.completion_ids.size(1)
+        per_row = per_token * width
         budget = max(self.memory["weights_bytes"] // 2, 256 * 2**20)
-        return max(1, int(budget // max(per_token * width, 1)))
+        if vocab.head_of(self.model) is None:
+            per_row += LOGIT_COPIES * 4 * n_vocab * roll.completion_ids.size(1)
+        else:
+            budget -= vocab.CHUNK_LIVE * 4 * n_vocab * min(vocab.chunk_positions(n_vocab), len(roll) * width)
+        return max(1, int(budget // max(per_row, 1)))
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
@@ -314,9 +323,8 @@ class Trainer:
         # a group's prompt runs once; not under checkpointing (no KV cache in train mode) nor LoRA dropout (each
         # row's prompt would no longer draw its own dropout mask)
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
-        logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                               prompt_of=torch.tensor(mb.group_ids) if shared else None)
-        logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature)
+        logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                               cfg.temperature, prompt_of=torch.tensor(mb.group_ids) if shared else None)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,

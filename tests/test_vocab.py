@@ -1,0 +1,81 @@
+"""mechdiag.vocab: the chunked head gives the unchunked path's log-probs, gradients, entropy and KL, on the real
+model (stories260K) and on a real head with softcapping and a trained weight; chunks of 1 position and of all."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mechdiag import models, vocab
+from mechdiag.generate import policy_hidden, policy_logits, policy_logprobs
+
+
+def _batch(tok, n=3, t=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids, mask = models.encode_prompts(tok, ["Once upon a time", "The cat", "A dog ran"][:n])
+    comp = torch.randint(3, len(tok), (n, t), generator=g)
+    cmask = torch.ones(n, t, dtype=torch.long)
+    cmask[1, 4:] = 0  # a shorter completion: padding never reaches the head
+    return ids, mask, comp, cmask
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_and_grads_equal_the_full_logits(stories260k, temperature):
+    model, tok = models.load_model_and_tokenizer(str(stories260k), "float32")
+    b = _batch(tok)
+    m = b[3].bool()
+    params = [p for p in model.parameters() if p.requires_grad]
+    full_lp = vocab.token_logprobs(policy_logits(model, *b), b[2], temperature)
+    g_full = torch.autograd.grad((full_lp * b[3]).sum(), params)
+    for chunk in (1, 5, None):
+        head = vocab.head_of(model)
+        lp = vocab.selected_logprobs(policy_hidden(model, *b), head, b[2], b[3], temperature, chunk=chunk)
+        assert torch.allclose(lp[m], full_lp[m], atol=1e-5, rtol=1e-6) and (lp[~m] == 0).all()
+        g = torch.autograd.grad(lp.sum(), params)  # the embedding is tied: the head's weight gradient is in it
+        for a, e in zip(g, g_full, strict=True):
+            assert float((a - e).norm()) <= 1e-5 * float(e.norm()) + 1e-9
+    assert torch.allclose(policy_logprobs(model, *b, temperature=temperature)[m], full_lp[m], atol=1e-5)
+
+
+def test_softcapped_head_and_bias_match_autograd():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(50, 8, generator=g, requires_grad=True)
+    bias = torch.randn(50, generator=g, requires_grad=True)
+    h = torch.randn(2, 6, 8, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 50, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 5] = 0
+    head = vocab.Head(w, bias, softcap=3.0)
+    ref = vocab.token_logprobs(head.logits(h), tokens, 0.9) * mask  # autograd through tanh and log_softmax
+    got = vocab.selected_logprobs(h, head, tokens, mask, 0.9, chunk=4)
+    assert torch.allclose(got, ref, atol=1e-6)
+    weights = torch.randn(2, 6, generator=g)
+    for a, e in zip(torch.autograd.grad((got * weights).sum(), (h, w, bias)),
+                    torch.autograd.grad((ref * weights).sum(), (h, w, bias)), strict=True):
+        assert torch.allclose(a, e, atol=1e-5)
+
+
+def test_chunked_entropy_and_kl_equal_the_full_softmax(stories260k):
+    model, tok = models.load_model_and_tokenizer(str(stories260k), "float32")
+    b = _batch(tok)
+    m = b[3].bool()
+    with torch.no_grad():
+        logits, hidden = policy_logits(model, *b), policy_hidden(model, *b)
+        other = hidden + 0.1 * torch.randn(hidden.shape, generator=torch.Generator().manual_seed(2))
+    head = vocab.head_of(model)
+    ent = vocab.selected_entropy(hidden, head, b[3], chunk=2)
+    assert torch.allclose(ent[m], vocab.token_entropy(logits)[m], atol=1e-5) and (ent[~m] == 0).all()
+    lp, lq = torch.log_softmax(logits.double(), -1), torch.log_softmax(head.logits(other).double(), -1)
+    want = ((lp.exp() * (lp - lq)).sum(-1) * b[3]).sum()
+    got = vocab.selected_kl(hidden, head, other, head, b[3], chunk=3)
+    assert got.dtype == torch.float64 and float(got) > 0 and torch.allclose(got, want, rtol=1e-6)
+
+
+def test_chunks_follow_the_vocabulary_and_lm_head_adapters_fall_back(stories260k):
+    assert vocab.chunk_positions(151_936) == vocab.CHUNK_BYTES // (4 * 151_936) == 110
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = models.load_model_and_tokenizer(str(stories260k), "float32")
+    assert vocab.head_of(model) is not None
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["lm_head"]))
+    assert vocab.head_of(peft) is None  # an adapter on the head: the full-logits path keeps it exact
