@@ -16,12 +16,13 @@ import torch
 from transformers import AutoConfig
 
 from mechdiag import models
+from mechdiag.blocks import n_layers_of
 from mechdiag.errors import UserError
 from mechdiag.models import adapter_base as _adapter_base
 from mechdiag.models import adapter_context as _adapter_ctx
 from mechdiag.models import is_adapter as _is_adapter
 from mechdiag.models import load_adapters as _with_adapters
-from mechdiag.probes.capture import Probe, n_layers_of
+from mechdiag.probes.capture import Probe
 from mechdiag.weights import ADAPTER_WEIGHTS, PICKLE_SUFFIXES
 
 
