@@ -16,7 +16,6 @@ and masks the pad positions, so the choice never changes what the model sees.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import warnings
 from pathlib import Path
@@ -201,8 +200,10 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
     src = resolve(folder if folder.exists() else name_or_path, need="tokenizer_config.json")
     try:
         if Path(src).is_dir() and (Path(src) / "tokenizer.json").exists():
-            cls = _tokenizer_class(Path(src))
-            tok = (PreTrainedTokenizerFast if cls == "PreTrainedTokenizerFast" else AutoTokenizer).from_pretrained(src)
+            # the folder's tokenizer.json exactly as shipped: AutoTokenizer may swap in the config's class, which
+            # rebuilds the pipeline from vocab/merges (Qwen2Tokenizer on another family's file drops every space)
+            tok = PreTrainedTokenizerFast.from_pretrained(src)
+            _check_as_shipped(tok, Path(src) / "tokenizer.json")
         else:
             tok = AutoTokenizer.from_pretrained(src)
     except UserError:
@@ -213,11 +214,18 @@ def load_tokenizer(name_or_path: str | Path = BUNDLED, checkpoint: int | None = 
     return ensure_pad(tok)
 
 
-def _tokenizer_class(folder: Path) -> str | None:
-    try:
-        return json.loads((folder / "tokenizer_config.json").read_text()).get("tokenizer_class")
-    except (OSError, ValueError):
-        return None
+_PROBE_TEXT = "Hello world, 12 + 30 = 42.\n  def f(x):\treturn x  # done"
+
+
+def _check_as_shipped(tok, path: Path) -> None:
+    """The loaded tokenizer encodes as the tokenizers library encodes the file itself."""
+    from tokenizers import Tokenizer  # noqa: PLC0415 - only folders that ship tokenizer.json need it
+
+    want = Tokenizer.from_file(str(path)).encode(_PROBE_TEXT, add_special_tokens=False).ids
+    got = tok(_PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if got != want:
+        raise UserError(f"{path}: the loaded tokenizer encodes differently from the file itself ({len(got)} vs "
+                        f"{len(want)} ids on a probe text)")
 
 
 def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", checkpoint: int | None = None):

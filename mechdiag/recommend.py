@@ -628,14 +628,15 @@ def reduced_modules(s: Signals):
     concentration = cover / (k / m)
     if k > m // 2 or concentration < MODULE_CONCENTRATION:
         return None
-    keep = {str(mod).rsplit(".", 1)[-1] for mod, _ in ranked[:k]}  # LoRA targets by name: "attn.c_proj" -> c_proj
-    new = [mod for mod in current if mod in keep]
+    keep = [str(mod) for mod, _ in ranked[:k]]  # the family's own names; peft matches "attn.c_proj" as a suffix
+    new = [mod for mod in current if mod in keep] or keep  # a default that did not fit: the family's own modules
     what = "of the causal share (output KL lost without the module; attribution)" if causal else \
         "of the size-normalised update mass"
     ev = (f"{', '.join(f'{mod} {v:.0%}' for mod, v in ranked[:k])} {what} ({k} of {m} modules, "
           f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
-                    "reduced modules: adapt the modules carrying the update (study: v_proj + o_proj, best pass@1)",
+                    f"reduced modules: adapt the modules carrying the update ({', '.join(new)})"
+                    + (" (study: v_proj + o_proj, best pass@1)" if {"v_proj", "o_proj"} <= set(mass) else ""),
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
                     modules=",".join(new), source="causal share" if causal else "displacement")
 

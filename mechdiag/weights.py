@@ -34,9 +34,9 @@ CONVERT_HINT = ("convert it once, in an environment you trust, with "
 
 # --- naming -----------------------------------------------------------------------------------------------------
 
-# Block containers across families: model.layers.N (Llama, Mistral, Qwen2/3, Gemma, Phi-3), transformer.h.N
-# (GPT-2), gpt_neox.layers.N (GPT-NeoX), and the generic blocks.N / layer.N.
-_LAYER_RE = re.compile(r"(?:^|\.)(?:layers|h|blocks|layer)\.(\d+)\.")
+# The block index is the first numeric path component in every family (model.layers.N, transformer.h.N,
+# gpt_neox.layers.N, model.decoder.layers.N; mechdiag.blocks finds the same blocks in a model in memory).
+_LAYER_RE = re.compile(r"(?:^|\.)(\d+)\.")
 # Module names that one family uses twice inside a block: qualify them with their parent (GPT-2 attn/mlp c_proj).
 _AMBIGUOUS = {"c_proj"}
 # Non-parameter buffers some checkpoints carry: not weights, never compared.

@@ -7,6 +7,9 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "neox")
+# the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Nemotron (no gate_proj), Mistral,
+# OLMo-2 and one mixture-of-experts model (Qwen3-MoE: fused 3-D experts, a Linear router)
+MATRIX = (*FAMILIES, "gemma2", "nemotron", "mistral", "olmo2", "qwen3_moe")
 N_LAYERS = 2
 
 
@@ -28,6 +31,17 @@ def family_config(family: str):
     if family == "gpt2":
         return T.GPT2Config(vocab_size=64, n_embd=16, n_layer=N_LAYERS, n_head=2, n_positions=32, bos_token_id=0,
                             eos_token_id=1)
+    if family == "gemma2":
+        return T.Gemma2Config(num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0, **common)
+    if family == "nemotron":
+        return T.NemotronConfig(num_key_value_heads=1, **common)
+    if family == "mistral":
+        return T.MistralConfig(num_key_value_heads=1, **common)
+    if family == "olmo2":
+        return T.Olmo2Config(num_key_value_heads=1, **common)
+    if family == "qwen3_moe":
+        return T.Qwen3MoeConfig(num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
+                                num_experts_per_tok=2, **common)
     if family == "neox":
         return T.GPTNeoXConfig(**common)
     raise ValueError(family)

@@ -17,6 +17,7 @@ import torch
 from nnsight import NNsight
 from torch import nn
 
+from mechdiag.blocks import final_norm, find_blocks, head_transform
 from mechdiag.errors import UserError
 
 _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> NNsight (wrap each model once)
@@ -53,35 +54,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) and hasattr(model, "peft_config") else model
 
 
-def n_layers_of(config) -> int | None:
-    for key in ("num_hidden_layers", "n_layer", "num_layers"):
-        if isinstance(getattr(config, key, None), int):
-            return getattr(config, key)
-    return None
-
-
-def _find_layers(model: nn.Module) -> str:
-    """Qualified name of the ModuleList of decoder blocks (model.layers for Llama, transformer.h for GPT-2)."""
-    want = n_layers_of(model.config)
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
-    exact = [(name, m) for name, m in lists if len(m) == want]
-    pool = exact or lists
-    if not pool:
-        raise UserError(f"cannot find the decoder layers of {type(model).__name__}")
-    return min(pool, key=lambda nm: nm[0].count("."))[0]  # the outermost one
-
-
-def _find_final_norm(model: nn.Module) -> nn.Module:
-    """The norm applied after the last block (logit lens = lm_head(norm(h)))."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
-    for owner in (decoder, getattr(model, "transformer", None), model):
-        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm"):
-            m = getattr(owner, name, None)
-            if isinstance(m, nn.Module):
-                return m
-    raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
-
-
 def _envoy(root, path: str):
     for part in path.split("."):
         root = root[int(part)] if part.isdigit() else getattr(root, part)
@@ -100,9 +72,9 @@ class Probe:
                 warnings.simplefilter("ignore", FutureWarning)
                 _WRAPPED[self.inner] = NNsight(self.inner)
         self.nn = _WRAPPED[self.inner]
-        self.layers_path = _find_layers(self.inner)
-        self.n_layers = len(_envoy(self.inner, self.layers_path))
-        self.norm = _find_final_norm(self.inner)
+        self.layers_path, blocks = find_blocks(self.inner)
+        self.n_layers = len(blocks)
+        self.norm = final_norm(self.inner)
         self.head = self.inner.get_output_embeddings()
         if self.head is None:
             raise UserError(f"{type(self.inner).__name__} has no output head (need a causal LM)")
@@ -122,9 +94,23 @@ class Probe:
                 outs.append(o[0] if isinstance(o, tuple) else o)  # transformers 5 gives a tensor, 4 a tuple
             outs.append(self.nn.output.logits)
             saved = nnsight.save(outs)
-        return Captured(resid=list(saved[:-1]), logits=saved[-1])
+        cap = Captured(resid=list(saved[:-1]), logits=saved[-1])
+        self._check_lens(cap, batch)
+        return cap
 
     @torch.no_grad()
     def lens(self, h: torch.Tensor) -> torch.Tensor:
-        """Logit lens: next-token logits read from a residual h [..., D]."""
-        return self.head(self.norm(h))
+        """Logit lens: next-token logits read from a residual h [..., D], through the model's own final norm, head
+        and head transform (soft-capping, logit scaling)."""
+        return head_transform(self.inner.config, self.head(self.norm(h)))
+
+    def _check_lens(self, cap: Captured, batch: Batch) -> None:
+        """The last block's lens must be the model's own logits; a family whose head does more than norm, head and
+        head_transform is refused rather than measured wrong."""
+        rows = torch.arange(len(batch.last), device=batch.last.device)
+        got = self.lens(cap.resid[-1][rows, batch.last]).float()
+        want = cap.logits[rows, batch.last].float()
+        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(want.abs().max()))):
+            raise UserError(f"{type(self.inner).__name__}: the logit lens of the last block does not reproduce the "
+                            f"model's logits (max difference {float((got - want).abs().max()):.3g}); this family's "
+                            "head is not supported by shift")

@@ -16,10 +16,11 @@ import torch
 from transformers import AutoConfig
 
 from mechdiag import models
+from mechdiag.blocks import n_layers_of
 from mechdiag.errors import UserError, first_line
 from mechdiag.models import adapter_context as _adapter_ctx
 from mechdiag.models import load_adapters as _with_adapters
-from mechdiag.probes.capture import Probe, n_layers_of
+from mechdiag.probes.capture import Probe
 from mechdiag.weights import ADAPTER_WEIGHTS, adapter_base, is_adapter, local_base, refuse_pickle
 
 

@@ -2,50 +2,53 @@
 
 from __future__ import annotations
 
-import difflib
-import re
-
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 
-from mechdiag.config import LoraConfig, parse_layers
+from mechdiag import blocks
+from mechdiag.config import ALL_MODULES, LoraConfig, parse_layers
 from mechdiag.errors import UserError
-
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
+from mechdiag.weights import tensor_site
 
 
 def n_layers(model) -> int:
-    n = getattr(model.config, "num_hidden_layers", None)
-    if n is None:
-        raise UserError("the model config has no num_hidden_layers; cannot resolve lora.layers")
-    return int(n)
+    return len(blocks.find_blocks(model)[1])
 
 
 def linear_names(model) -> set[str]:
-    """Short names of the Linear modules inside the decoder layers (what target_modules may name)."""
-    return {name.rsplit(".", 1)[-1] for name, mod in model.named_modules()
-            if isinstance(mod, torch.nn.Linear) and _LAYER.search(name + ".")}
+    """The target names of the Linear / Conv1D modules inside the decoder blocks (what target_modules may name)."""
+    return set(blocks.target_names(model))
+
+
+def default_targets(model) -> list[str]:
+    """The study's module set where the family has all of it, else peft's "all-linear": every Linear / Conv1D
+    in the blocks (GPT-2 c_attn..., Phi-3 qkv_proj / gate_up_proj, NeoX query_key_value, Nemotron without gate)."""
+    known = blocks.target_names(model)
+    return list(ALL_MODULES) if set(ALL_MODULES) <= set(known) else known
 
 
 def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
-    """Validated (target_modules, layer indices) for this model."""
-    known = linear_names(model)
-    for m in lora.target_modules:
-        if m not in known:
-            near = difflib.get_close_matches(m, sorted(known), n=1)
-            raise UserError(f"lora.target_modules: the model has no module {m!r}"
-                            + (f" (did you mean {near[0]}?)" if near else f"; it has {', '.join(sorted(known))}"))
-    return list(lora.target_modules), parse_layers(lora.layers, n_layers(model))
+    """Validated (target_modules, layer indices) for this model; the default targets fit the family."""
+    known = blocks.target_names(model)
+    wanted = default_targets(model) if list(lora.target_modules) == list(ALL_MODULES) else list(lora.target_modules)
+    missing = [m for m in wanted if m not in known and not any(k.endswith("." + m) for k in known)]
+    if missing:
+        raise UserError(f"lora.target_modules: the model has no module {', '.join(map(repr, missing))}; its "
+                        f"adaptable modules are {', '.join(known) or 'none'}")
+    return wanted, parse_layers(lora.layers, n_layers(model))
 
 
 def apply_lora(model, lora: LoraConfig):
     """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
 
     modules, layers = resolve(model, lora)
+    path, _ = blocks.find_blocks(model)
     pcfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
-                          target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
+                          target_modules=modules, layers_to_transform=layers, layers_pattern=path.rsplit(".", 1)[-1],
+                          bias="none", task_type="CAUSAL_LM",
+                          fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
     return get_peft_model(model, pcfg)
 
 
@@ -55,12 +58,12 @@ def lora_modules(model) -> list[dict]:
     rows = []
     for name, mod in model.named_modules():
         if isinstance(mod, LoraLayer) and hasattr(mod, "base_layer"):
-            m = _LAYER.search(name + ".")
+            short = name.removeprefix("base_model.model.")
             base = mod.get_base_layer()
             params = sum(p.numel() for n, p in mod.named_parameters() if "lora_" in n)
-            rows.append({"name": name.removeprefix("base_model.model."), "layer": int(m.group(1)) if m else None,
-                         "module": name.rsplit(".", 1)[-1], "in": base.in_features, "out": base.out_features,
-                         "params": params})
+            out_f, in_f = base.weight.shape[::-1] if getattr(mod, "fan_in_fan_out", False) else base.weight.shape
+            rows.append({"name": short, "layer": blocks.layer_index(short), "module": tensor_site(short)[1],
+                         "in": int(in_f), "out": int(out_f), "params": params})
     return rows
 
 
@@ -83,4 +86,6 @@ def merge_into(peft_model, plain) -> None:
         dst = targets[name.removeprefix("base_model.model.")]
         w = mod.get_base_layer().weight
         delta = sum(mod.scaling[a] * (mod.lora_B[a].weight @ mod.lora_A[a].weight) for a in mod.active_adapters)
+        if getattr(mod, "fan_in_fan_out", False):  # Conv1D stores the weight as in x out
+            delta = delta.T
         dst.weight.copy_(w + delta.to(w.dtype))

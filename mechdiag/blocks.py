@@ -1,0 +1,107 @@
+"""A model's decoder blocks and the modules LoRA can adapt in them, for every causal-LM family.
+
+Blocks are found generically: the outermost ModuleList holding as many modules as the config has layers
+(model.layers, transformer.h, gpt_neox.layers, model.decoder.layers, ...), so families not named here work too.
+Adaptable modules are torch Linear and transformers' Conv1D (GPT-2, stored transposed: fan_in_fan_out), as in
+peft's "all-linear" target, which also leaves the output head out.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from mechdiag.errors import UserError
+
+ADAPTABLE = (nn.Linear, Conv1D)
+# the block index in a module or tensor name: the first numeric path component (model.layers.3.mlp ->3)
+_INDEX = re.compile(r"(?:^|\.)(\d+)(?:\.|$)")
+
+
+def n_layers_of(config) -> int | None:
+    for key in ("num_hidden_layers", "n_layer", "num_layers"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    text = getattr(config, "text_config", None)
+    return n_layers_of(text) if text is not None and text is not config else None
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """(qualified name, ModuleList) of the decoder blocks: the outermost list whose length is the config's depth,
+    else the outermost non-empty ModuleList."""
+    want = n_layers_of(getattr(model, "config", None))
+    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    pool = [(n, m) for n, m in lists if len(m) == want] or lists
+    if not pool:
+        raise UserError(f"cannot find the decoder blocks of {type(model).__name__}")
+    return min(pool, key=lambda nm: nm[0].count("."))
+
+
+def layer_index(name: str) -> int | None:
+    """The block index in a module or tensor name (model.layers.3.mlp.up_proj.weight -> 3), None outside."""
+    m = _INDEX.search(name)
+    return int(m.group(1)) if m else None
+
+
+def is_adaptable(module: nn.Module) -> bool:
+    return isinstance(module, ADAPTABLE)
+
+
+def short_name(qualified: str, siblings: set[str] | None = None) -> str:
+    """The module name users target: its last component, qualified by its parent where one family uses the same
+    name twice in a block (GPT-2's attn.c_proj and mlp.c_proj)."""
+    parts = qualified.split(".")
+    if len(parts) > 1 and siblings is not None and parts[-1] in siblings:
+        return ".".join(parts[-2:])
+    return parts[-1]
+
+
+def adaptable_modules(model: nn.Module) -> list[tuple[str, int, str]]:
+    """(qualified name, layer, target name) of every Linear / Conv1D inside the decoder blocks."""
+    path, _ = find_blocks(model)
+    found = []
+    for name, mod in model.named_modules():
+        if is_adaptable(mod) and name.startswith(path + "."):
+            rest = name[len(path) + 1:]
+            found.append((name, int(rest.split(".", 1)[0]), rest.split(".", 1)[1] if "." in rest else rest))
+    # a last component used under two parents in one block is ambiguous: qualify it by its parent
+    by_last: dict[str, set[str]] = {}
+    for _, layer, rest in found:
+        if layer == found[0][1]:
+            by_last.setdefault(rest.rsplit(".", 1)[-1], set()).add(rest)
+    twice = {last for last, rests in by_last.items() if len(rests) > 1}
+    return [(name, layer, short_name(rest, twice)) for name, layer, rest in found]
+
+
+def target_names(model: nn.Module) -> list[str]:
+    """The target names LoRA may use on this model, in block order."""
+    return list(dict.fromkeys(t for _, _, t in adaptable_modules(model)))
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The norm the model applies after its last block (the logit lens reads head(norm(h)))."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
+    for owner in (decoder, getattr(model, "transformer", None), model):
+        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f"):
+            m = getattr(owner, name, None) if owner is not None else None
+            if isinstance(m, nn.Module):
+                return m
+    raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
+
+
+def head_transform(config, logits):
+    """The model's own transform after its head: Gemma-2/3 soft-capping, Cohere's logit_scale, Granite's
+    logits_scaling (the lens must end where the model's logits do)."""
+    text = getattr(config, "text_config", None) or config
+    cap = getattr(text, "final_logit_softcapping", None)
+    scale = getattr(text, "logit_scale", None)
+    div = getattr(text, "logits_scaling", None)
+    if isinstance(scale, (int, float)) and getattr(text, "model_type", "").startswith("cohere"):
+        logits = logits * scale
+    if isinstance(div, (int, float)) and div != 1:
+        logits = logits / div
+    if cap:
+        logits = (logits / cap).tanh() * cap
+    return logits
