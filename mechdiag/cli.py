@@ -219,6 +219,8 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     run_dir = resume or out or str(Path("runs") / time.strftime("%Y%m%d-%H%M%S"))
     check_output(run_dir, "--resume" if resume else "--out", "dir")
     run = train(cfg, run_dir, resume=bool(resume))
+    if run is None:  # another rank of a multi-process run: rank 0 alone writes and reads the run directory
+        return
     s = run.summary()
     click.echo(f"base accuracy {s['base_accuracy']:.3f} -> final {s['final_accuracy']:.3f} "
                f"({100 * s['accuracy_gain']:+.1f} points) in {s['wall_time_s']:.0f} s; run: {run.path}")

@@ -524,7 +524,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     return trainer, run, cb
 
 
-def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
+def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
 
@@ -542,12 +542,12 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir:
         last = str(ckpts[-1]) if ckpts else None
     trainer.train(resume_from_checkpoint=last)
     trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
-    if not main:
-        return run
-    trainer.processing_class.save_pretrained(str(run.final))
-    summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
-               "planned_steps": cfg.max_steps,
-               "wall_time_s": time.perf_counter() - t0}
-    run.write_summary(summary)
-    return run
+    if main:
+        trainer.processing_class.save_pretrained(str(run.final))
+        summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
+                   "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+                   "planned_steps": cfg.max_steps,
+                   "wall_time_s": time.perf_counter() - t0}
+        run.write_summary(summary)
+    trainer.accelerator.wait_for_everyone()  # all ranks end together, after rank 0's last write
+    return run if main else None
