@@ -179,7 +179,7 @@ def test_synthetic_verl_jsonl_and_console(tmp_path):
     jl.write_text("".join(json.dumps({"step": s, "data": d}) + "\n" for s, d in enumerate(data, 1)))
     console = tmp_path / "run.log"
     console.write_text("INFO start\n" + "".join(
-        "(TaskRunner pid=7) step:%d - " % s + " - ".join(f"{k}:np.float64({v})" for k, v in d.items()) + "\n"
+        f"(TaskRunner pid=7) step:{s} - " + " - ".join(f"{k}:np.float64({v})" for k, v in d.items()) + "\n"
         for s, d in enumerate(data, 1)))
     old = tmp_path / "ppo.log"  # verl Dec 2024: critic/kl, scaled actor/lr(1e-4), val/test_score
     old.write_text("".join(f"step:{s} - critic/kl:0.002 - critic/kl_coeff:0.001 - actor/lr(1e-4):0.010 - "
