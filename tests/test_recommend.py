@@ -382,9 +382,8 @@ def test_bad_inputs_exit_2_one_line(tmp_path, cli):
     empty = tmp_path / "noconfig"
     empty.mkdir()
     (empty / "metrics.jsonl").write_text('{"step": 1, "reward": 1.0}\n')
-    proc = cli("recommend", str(empty))
-    assert_bad_input(proc)
-    assert "config.yaml" in proc.stderr
+    proc = cli("recommend", str(empty))  # metrics.jsonl without config.yaml: another loop's log (readers)
+    assert proc.returncode == 0 and "too few records" in proc.stdout, proc.stderr
     write_run(tmp_path / "corrupt")
     (tmp_path / "corrupt" / "metrics.jsonl").write_text('{"step": 1, "reward": 1.0}\n{not json\n')
     proc = cli("recommend", str(tmp_path / "corrupt"))
@@ -512,6 +511,7 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
                         **FLAT},
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
+    "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2},
 }
 
 
