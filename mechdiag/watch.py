@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -37,12 +37,14 @@ class State:
     evals: list[dict]
     alerts: list[A.Alert]
     finished: bool
+    user: dict[str, list[dict]] = field(default_factory=dict)  # user signals' streams (signals/NAME.jsonl)
 
 
 def read_state(run: RunDir) -> State:
     ceiling = max_reward(reward_weights(C.load(run.config_path))) if run.config_path.exists() else 1.0
     metrics, evals, disp = run.read("metrics"), run.read("eval"), run.read("displacement")
-    return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists())
+    return State(metrics, evals, A.check(metrics, evals, disp, ceiling), run.summary_path.exists(),
+                 {name: run.read(name) for name in run.user_streams()})
 
 
 def read_foreign_state(path) -> State:
@@ -81,6 +83,16 @@ def rows(state: State) -> list[tuple[str, str, str, str]]:
             continue
         latest = f"{pts[-1][1]:.4g}" if pts else "-"
         out.append((title, latest, str(pts[-1][0]) if pts else "-", sparkline([v for _, v in pts])))
+    return out + user_rows(state)
+
+
+def user_rows(state: State) -> list[tuple[str, str, str, str]]:
+    """(NAME/key, latest value, its step, sparkline) for each numeric key of each user signal's stream."""
+    out = []
+    for name, recs in state.user.items():
+        for key in dict.fromkeys(k for r in recs for k in r if k != "step"):
+            if pts := _points(recs, key):
+                out.append((f"{name}/{key}", f"{pts[-1][1]:.4g}", str(pts[-1][0]), sparkline([v for _, v in pts])))
     return out
 
 
@@ -116,12 +128,16 @@ def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, e
     run = label
     state = reread()
     if fmt == "json":
-        shown: set[str] = set()
+        shown: set = set()
         while True:
             for a in state.alerts:
                 if a.alert not in shown:
                     shown.add(a.alert)
                     echo(json.dumps(a.to_dict()))
+            for title, latest, step, _ in user_rows(state):
+                if (title, step) not in shown:  # a user signal's latest value, once per step
+                    shown.add((title, step))
+                    echo(json.dumps({"signal": title, "latest": float(latest), "step": int(step)}))
             if once or state.finished:
                 return state
             time.sleep(interval)

@@ -130,6 +130,21 @@ def test_partial_run_renders_and_says_what_is_missing(tmp_path):
     assert p.html_attr("data-rendered") == "2"
 
 
+def test_user_signals_plotted_in_a_browser(tmp_path):
+    run = make_run(tmp_path / "with-signal", 42, steps=30, streams=("metrics",), summary=False)
+    run.register("reward_gap")
+    run.append("reward_gap", [{"step": s, "gap": s / 10} for s in (1, 2, 3)] + [{"step": 3, "double_acc": 0.5}])
+    html = write_report([run.path], tmp_path / "sig.html").read_text()
+    assert "<section id=user-signals><h2>User signals</h2><h3>reward_gap</h3>" in html
+    fig = _figures(html)[-1]
+    assert [a["text"] for a in fig["layout"]["annotations"]] == ["gap", "double_acc"]
+    assert [(t["x"], t["y"]) for t in fig["data"]] == [([1, 2, 3], [0.1, 0.2, 0.3]), ([3], [0.5])]
+    p = chromium.load(tmp_path / "sig.html")
+    assert p.console == [] and p.html_attr("data-rendered") == "3"
+    no_signal = write_report([make_run(tmp_path / "plain", 42, steps=30).path], tmp_path / "plain.html")
+    assert "User signals" not in no_signal.read_text()
+
+
 # ---- page content -----------------------------------------------------------------------------------------
 def test_page_size_and_self_contained(tmp_path):
     runs = [make_run(tmp_path / f"long-seed{s}", s, steps=200, layers=8, disp_every=10).path for s in (42, 3407)]

@@ -274,6 +274,23 @@ def test_watch_cli_synthetic(tmp_path, cli):
     assert proc.returncode == 0 and proc.stdout == ""
 
 
+def test_watch_shows_user_signals(tmp_path, cli):
+    run = make_alert_run(tmp_path / "r")
+    run.register("reward_gap")
+    run.append("reward_gap", [{"step": 1, "gap": 0.5}, {"step": 2, "gap": 0.25, "note": "text"},
+                              {"step": 2, "double_accuracy": 1.5}])
+    proc = cli("watch", str(run.path), "--once", "--format", "json")
+    assert proc.returncode == 0, proc.stderr
+    assert [json.loads(x) for x in proc.stdout.splitlines()] == [
+        {"signal": "reward_gap/gap", "latest": 0.25, "step": 2},
+        {"signal": "reward_gap/double_accuracy", "latest": 1.5, "step": 2}]
+    proc = cli("watch", str(run.path), "--once")
+    lines = [ln for ln in proc.stdout.splitlines() if "reward_gap/" in ln]
+    assert proc.returncode == 0 and len(lines) == 2  # the text key has no row
+    assert [ln.replace("│", " ").split()[:4] for ln in lines] == [["reward_gap/gap", "0.25", "2", "█▁"],
+                                                                   ["reward_gap/double_accuracy", "1.5", "2", "▁"]]
+
+
 def test_sparkline():
     from mechdiag.watch import sparkline
 

@@ -15,7 +15,7 @@ from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
 from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass
-from mechdiag.run import Group
+from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
            "#7f7f7f", "#bcbd22"]
@@ -194,6 +194,17 @@ def other_signals(groups: list[Group]) -> go.Figure | None:
                                 "nothing is clipped", showarrow=False, font=dict(color="#666", size=10),
                            xref="x domain", yref="y domain", x=0.5, y=0.8, row=i // 4 + 1, col=i % 4 + 1)
     return fig
+
+
+def user_signals(groups: list[Group]) -> list[tuple[str, go.Figure]]:
+    """Per user signal (a stream outside the built-in ones, signals/NAME.jsonl): its numeric keys over steps."""
+    out = []
+    for name in sorted({n for g in groups for r in g.runs for n in r.streams if n not in STREAMS}):
+        keys = dict.fromkeys(k for g in groups for r in g.runs for rec in r.read(name) for k in rec if k != "step")
+        panels = [(name, k, _safe(k)) for k in keys if any(_series(r.read(name), k) for g in groups for r in g.runs)]
+        if panels:
+            out.append((name, _small_multiples(groups, panels[:16], cols=4, height_per_row=190)))
+    return out
 
 
 def clip_is_zero_by_construction(groups: list[Group]) -> bool:

@@ -308,6 +308,11 @@ def section_displacement(groups: list[Group], figs: _Figures) -> str:
     return "".join(out)
 
 
+def section_user_signals(groups: list[Group], figs: _Figures) -> str:
+    parts = [f"<h3>{esc(name)}</h3>" + figs.embed(fig) for name, fig in F.user_signals(groups)]
+    return "".join(parts)  # no user signals: no section
+
+
 def section_shift(groups: list[Group], figs: _Figures) -> str:
     fig = F.activation_shift(groups)
     if fig is None:
@@ -584,11 +589,13 @@ def render_page(groups: list[Group], advice=None, plotly_js: str | None = None) 
         ("dynamics", "Training dynamics: the eight signals", section_dynamics(groups, figs)),
         ("displacement", "Weight displacement", section_displacement(groups, figs)),
         ("shift", "Activation shift", section_shift(groups, figs)),
+        ("user-signals", "User signals", section_user_signals(groups, figs)),
         ("attribution", "Attribution: causal vs displacement share", section_attribution(groups)),
         ("benchmarks", "Evaluation: base vs tuned", section_benchmarks(groups)),
         ("recommendations", "Recommendations", section_recommendations(advice)),
         ("samples", "Sample completions: base vs tuned", section_samples(groups)),
     ]
+    sections = [sec for sec in sections if sec[2]]  # a section with nothing to say (no user signals) is left out
     nonce = secrets.token_urlsafe(18)
     csp = (f"default-src 'none'; script-src 'nonce-{nonce}'; style-src 'unsafe-inline'; img-src data: blob:; "
            "font-src data:; connect-src 'none'; form-action 'none'; base-uri 'none'")
