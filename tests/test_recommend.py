@@ -511,7 +511,8 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
                         **FLAT},
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
-    "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2},
+    "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
+                   "eval_reward": (1.5, 1.5)},
 }
 
 
