@@ -7,6 +7,7 @@ samples, displacement at the end, shift at the final eval). A process's peak RSS
 float32 weight bytes; s/step is the step's own time from metrics.jsonl.
 
     python bench/scale.py [--cases native,native-merged,trl] [--model-dir DIR] [--threads 2] [--dtype float32]
+        [--real-vocab]   # the full published config: 151,936-entry tokenizer built locally, tied embedding
 
 beta is 0.04 so that both trainers run the backward on every row (a random model's rewards are all equal, and
 with beta 0 mechdiag would skip them all).
@@ -50,8 +51,28 @@ CASES = {  # name -> (backend, config overrides)
 }
 
 
-def build(folder: Path) -> Path:
-    """The 0.5B-shaped model (random init, seed 0) and the bundled tokenizer in `folder`, once."""
+QWEN_VOCAB = 151_936  # Qwen2.5-0.5B's published vocab_size (its tied embedding's rows)
+
+
+def real_vocab_tokenizer(folder: Path, n_vocab: int = QWEN_VOCAB) -> None:
+    """Rewrite the tokenizer saved in `folder` (the bundled WordLevel one) to n_vocab entries, built locally with
+    the tokenizers library: the bundled words keep their ids, filler words take the rest, so the model's
+    vocabulary-wide tensors have the real width while prompts tokenize as before."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    spec = json.loads(Tokenizer.from_file(str(path)).to_str())
+    words = spec["model"]["vocab"]
+    taken = set(words.values()) | {t["id"] for t in spec.get("added_tokens", [])}
+    free = (i for i in range(n_vocab) if i not in taken)
+    for k, i in zip(range(n_vocab - len(taken)), free, strict=False):
+        words[f"w{k}"] = i
+    Tokenizer.from_str(json.dumps(spec)).save(str(path))
+
+
+def build(folder: Path, real_vocab: bool = False, shape: dict | None = None) -> Path:
+    """The 0.5B-shaped model (random init, seed 0) and the bundled tokenizer in `folder`, once; with real_vocab
+    the tokenizer has Qwen2.5-0.5B's 151,936 entries and the model its full published config (tied embedding)."""
     if (folder / "model.safetensors").exists():
         return folder
     import torch
@@ -59,14 +80,15 @@ def build(folder: Path) -> Path:
 
     from mechdiag.models import load_tokenizer
 
-    tok = load_tokenizer("bundled")
-    cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id, **SHAPE)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
     tmp = folder.with_name(folder.name + ".tmp")
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
+    load_tokenizer("bundled").save_pretrained(tmp)
+    if real_vocab:
+        real_vocab_tokenizer(tmp)
+    tok = load_tokenizer(tmp)
+    cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, **(shape or SHAPE))
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)
     os.replace(tmp, folder)
     return folder
 
@@ -111,6 +133,7 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--completion", type=int, default=32)
+    ap.add_argument("--real-vocab", action="store_true", help="Qwen2.5-0.5B's 151,936-entry vocabulary (tied)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -124,7 +147,7 @@ def main():
         print(RESULT + json.dumps(child(args.child, args.set, args.out)), flush=True)
         return
     with tempfile.TemporaryDirectory() as d:
-        model_dir = build(args.model_dir or Path(d) / "qwen05b-shape")
+        model_dir = build(args.model_dir or Path(d) / "qwen05b-shape", real_vocab=args.real_vocab)
         weights = (model_dir / "model.safetensors").stat().st_size
         n_params = weights // 4
         load = os.getloadavg()[0]

@@ -79,3 +79,40 @@ def test_chunks_follow_the_vocabulary_and_lm_head_adapters_fall_back(stories260k
     assert vocab.head_of(model) is not None
     peft = get_peft_model(model, LoraConfig(r=2, target_modules=["lm_head"]))
     assert vocab.head_of(peft) is None  # an adapter on the head: the full-logits path keeps it exact
+
+
+class _Roll:
+    """The shape a rollout gives rows_per_pass: 4 rows of 6 prompt + 10 completion tokens."""
+    prompt_ids, completion_ids = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 10, dtype=torch.long)
+
+    def __len__(self):
+        return 4
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_row_pass_budget_counts_the_vocabulary_as_documented(chunked):
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from mechdiag.train.trainer import LOGIT_COPIES, Trainer
+
+    def rows(n_vocab):
+        c = Qwen2Config(vocab_size=n_vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+        if not chunked:
+            c.logit_scale = 2.0  # a rescaled head: vocab.head_of is None, the full-logits path
+        model = Qwen2ForCausalLM(c)
+        assert (vocab.head_of(model) is not None) == chunked
+        me = SimpleNamespace(cfg=SimpleNamespace(update_rows=None), model=model,
+                             memory={"weights_bytes": 8 * 2**30})
+        return Trainer.rows_per_pass(me, _Roll())
+
+    budget, per_row, width = 4 * 2**30, 4 * 2 * (16 * 8 + 6 * 16) * 16, 16
+    for n_vocab in (177, 151_936):
+        if chunked:
+            off = vocab.CHUNK_LIVE * 4 * n_vocab * min(vocab.chunk_positions(n_vocab), 4 * width)
+            assert rows(n_vocab) == (budget - off) // per_row
+        else:
+            assert rows(n_vocab) == budget // (per_row + LOGIT_COPIES * 4 * n_vocab * 10)
+    assert rows(151_936) < rows(177)
