@@ -34,6 +34,7 @@ from mechdiag.integrations.trl_args import config_from_output_dir
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, load_run
+from mechdiag.tasks.rewards import weighted_total
 from mechdiag.weights import adapter_base, is_adapter
 
 # ---- key maps -----------------------------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
         return {}, []
     weights = weights or {}
     comp = df[names].astype(float)
-    total = sum(comp[n] * float(weights.get(n, 1.0)) for n in names)
+    total = weighted_total({n: comp[n] for n in names}, weights, missing=1.0)
     total = total.where(~comp.isna().all(axis=1))  # a row every function left None is unscorable (TRL: NaN)
     prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
     keys = _contiguous_keys(len(df), group_size, prompts)
