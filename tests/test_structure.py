@@ -122,7 +122,7 @@ HOMES = {
     "wdisp": "metrics.py", "DELTA_W": "metrics.py", "update_mass": "metrics.py",
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
-    "is_run_dir": "models.py",
+    "is_run_dir": "models.py", "held": "run.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {

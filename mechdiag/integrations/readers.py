@@ -33,7 +33,7 @@ from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.trl_args import config_from_output_dir
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
-from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, load_run
+from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, held, load_run
 from mechdiag.tasks.rewards import weighted_total
 from mechdiag.weights import adapter_base, is_adapter
 
@@ -253,9 +253,8 @@ def _callback_run(output_dir: Path) -> RunDir | None:
 def _fresh(into) -> RunDir:
     rd = into if isinstance(into, RunDir) else RunDir(into, create=True)
     rd.path.mkdir(parents=True, exist_ok=True)
-    held = [s for s in STREAMS if rd.stream(s).exists()]
-    if held or rd.config_path.exists():
-        raise UserError(f"{rd.path} already holds a run ({', '.join(held) or 'config.yaml'}); give an empty folder")
+    if held(rd.path):
+        raise UserError(f"{rd.path} already holds a run ({', '.join(held(rd.path))}); give an empty folder")
     return rd
 
 
