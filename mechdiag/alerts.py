@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, wdisp
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -61,11 +61,11 @@ def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
         step = row["step"]
         if step < NO_UPDATE_STEPS:
             continue
-        wdisp = row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)
+        moved = wdisp(row["delta_fro"] ** 2, row["ref_fro"] ** 2)
         if row["delta_fro"] == 0.0:
             return Alert("no_update", step, f"every LoRA delta is exactly zero at step {step} (B still zero)")
-        if wdisp <= NO_UPDATE_WDISP:
-            return Alert("no_update", step, f"wdisp {wdisp:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")
+        if moved <= NO_UPDATE_WDISP:
+            return Alert("no_update", step, f"wdisp {moved:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")
     zero_grad = 0  # a logged grad_norm of exactly 0: that optimizer step changed nothing
     for r in metrics:
         g = r.get("grad_norm")

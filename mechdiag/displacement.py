@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from mechdiag.errors import UserError
-from mechdiag.metrics import update_mass
+from mechdiag.metrics import DELTA_W, update_mass, wdisp
 from mechdiag.weights import (
     Entry,
     SafeFiles,
@@ -42,7 +42,6 @@ try:
 except ImportError:  # built without a C compiler: the torch path below computes the same numbers
     _diffkernel = None
 
-DELTA_W = 1e-12  # the study's delta_w: keeps wdisp finite for all-zero reference groups
 CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the passes stay in cache
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
                "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite"]
@@ -469,7 +468,7 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
         g.insert(len(keys), "all", "all")
     g["ref_fro"] = g["ref_sq"] ** 0.5
     g["delta_fro"] = g["delta_sq"] ** 0.5
-    g["wdisp"] = g["delta_fro"] / (g["ref_sq"] + delta_w) ** 0.5
+    g["wdisp"] = wdisp(g["delta_sq"], g["ref_sq"], delta_w)
     parts = [part for _, part in g.groupby("step")] if "step" in g.columns else [g]
     for col, normalised in (("update_mass", False), ("update_mass_size_normalised", True)):
         shares = {}

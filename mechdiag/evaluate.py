@@ -41,7 +41,7 @@ from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
 from mechdiag.metrics import direction, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
-from mechdiag.tasks.rewards import format_ok
+from mechdiag.tasks.rewards import format_ok, weighted_total
 from mechdiag.weights import is_adapter
 
 
@@ -306,7 +306,7 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
         row = sampled[i]
         ok_i, keys_i = [bool(x) for x in s_ok[j:j + len(row)]], [task.answer_key(s.text, ex) for s in row]
         j += len(row)
-        reward = sum(weights.get(k, 0.0) * v for k, v in g_comp[i].items())
+        reward = weighted_total(g_comp[i], weights)
         g = greedy[i]
         per = tally.add(correct=bool(g_ok[i]), reward=reward, fmt=format_ok(g.text), length=g.length,
                         truncated=g.truncated, sample_correct=ok_i, sample_keys=keys_i)

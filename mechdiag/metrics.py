@@ -132,6 +132,15 @@ def last_step(rows: list[dict]) -> list[dict]:
     return [r for r in rows if r.get("step") == max(steps)] if steps else []
 
 
+DELTA_W = 1e-12  # the study's delta_w: keeps wdisp finite for all-zero reference groups
+
+
+def wdisp(delta_sq, ref_sq, delta_w: float = DELTA_W):
+    """The study's WDisp (eq. 10/12) from sum ||W - W_ref||_F^2 and sum ||W_ref||_F^2 over a group; numbers or
+    pandas columns."""
+    return delta_sq ** 0.5 / (ref_sq + delta_w) ** 0.5
+
+
 def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False) -> dict:
     """Each group's share of the squared displacement: ||dW_g||^2 / sum_h ||dW_h||^2, summed over the rows
     (tensors) of a group keyed by row[by] as weights.py names it (GPT-2's attn.c_proj and mlp.c_proj stay apart).

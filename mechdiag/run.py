@@ -175,6 +175,13 @@ class RunDir:
             raise UserError(f"corrupt {self.summary_path}: {e}") from None
 
 
+def held(path: str | os.PathLike) -> list[str]:
+    """What makes a folder already hold a run (the one rule for train, the TRL backend and the readers): any
+    record stream or a summary.json. A config.yaml alone is not a run."""
+    p = Path(path)
+    return [f.name for f in [*(p / f"{s}.jsonl" for s in STREAMS), p / "summary.json"] if f.exists()]
+
+
 def resolve_run(path) -> RunDir:
     """The run directory named by a user: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
     p = Path(path)

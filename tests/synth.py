@@ -50,7 +50,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
         metrics.append(rec)
     rd.append("metrics", metrics)
     eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)]
-    evals = [{"step": s, "accuracy": _curve(accuracy, s / steps) + jit() * 0.1, "eval_reward": _curve(eval_reward, s / steps),
+    evals = [{"step": s, "accuracy": _curve(accuracy, s / steps) + jit() * 0.1,
+              "eval_reward": _curve(eval_reward, s / steps),
               "entropy": _curve(entropy, s / steps), "completion_length": 30.0,
               **{k: _curve(v, s / steps) for k, v in (pass_k or {}).items()}} for s in eval_steps]
     rd.append("eval", evals)

@@ -20,6 +20,7 @@ from mechdiag.cli import main
 from mechdiag.errors import first_line
 from mechdiag.models import bundled_path
 from mechdiag.paths import shared_path
+from mechdiag.run import held
 from tests.helpers import assert_bad_input, run_cli
 
 TRAIN_OUT = ["--out", "{out}"]
@@ -313,3 +314,15 @@ def test_first_line_is_one_line_even_for_an_empty_message():
     assert first_line(ValueError("  \n \n")) == "ValueError"
     assert first_line(ValueError("\n  bad key\nmore detail")) == "bad key"
     assert first_line(ValueError("x" * 500), 160) == "x" * 157 + "..."
+
+
+def test_one_rule_for_a_folder_that_already_holds_a_run(tmp_path):
+    """run.held is the rule train, `train --backend trl` and the readers share (the TRL backend looked only at
+    metrics.jsonl, the readers also refused a lone config.yaml): any record stream or a summary.json."""
+    (tmp_path / "config.yaml").write_text("seed: 1\n")
+    assert held(tmp_path) == []
+    (tmp_path / "eval.jsonl").write_text("{}\n")
+    (tmp_path / "summary.json").write_text("{}")
+    assert held(tmp_path) == ["eval.jsonl", "summary.json"]
+    result = CliRunner().invoke(main, ["train", "--out", str(tmp_path), *FAST])
+    assert result.exit_code == 2 and "already holds a run" in result.stderr, result.stderr

@@ -112,3 +112,62 @@ def test_imports_inside_functions_say_why():
     proc = subprocess.run([str(Path(sys.executable).with_name("ruff")), "check", "--select", "PLC0415", "mechdiag"],
                           cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+# issue 23: each duplicated idea has one home; name -> the one file that defines it (function, class or a
+# module-level constant)
+HOMES = {
+    "is_adapter": "weights.py", "adapter_base": "weights.py", "local_base": "weights.py",
+    "refuse_pickle": "weights.py", "PICKLE_SUFFIXES": "weights.py", "first_line": "errors.py",
+    "wdisp": "metrics.py", "DELTA_W": "metrics.py", "update_mass": "metrics.py",
+    "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
+    "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
+    "is_run_dir": "models.py", "held": "run.py",
+}
+# inline forms of those ideas that must not come back outside their home
+PATTERNS = {
+    "first_line": (r"str\(\w+\)(\.strip\(\))?\.splitlines\(\)", "errors.py"),
+    "pickle suffixes": (r"""["']\.(bin|pt|pth|ckpt|pkl)["']""", "weights.py"),
+    "rows output block": (r"\.to_parquet\(|\.to_csv\(", "cli.py"),
+    "weighted reward sum": (r"weights\.get\([^)]*\)\)?\s*\*", "tasks/rewards.py"),
+    "lr schedule map": (r"constant_with_warmup", "config.py"),
+    "wdisp formula": (r"delta_fro\W+/\s*(math\.sqrt|\()", "metrics.py"),
+}
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    out = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            out |= {t.id for t in targets if isinstance(t, ast.Name)}
+    return out
+
+
+def test_each_deduplicated_idea_has_one_home():
+    where: dict[str, list[str]] = {n: [] for n in HOMES}
+    for path, tree in _sources().items():
+        for name in _top_level_names(tree) & set(HOMES):
+            where[name].append(path)
+    assert {n: f for n, f in where.items() if f != [f"mechdiag/{HOMES[n]}"]} == {}
+
+
+def test_inline_copies_do_not_come_back():
+    import re  # noqa: PLC0415 - only this test reads the sources as text
+
+    found = []
+    for p in sorted(PKG.rglob("*.py")):
+        rel = str(p.relative_to(PKG))
+        for idea, (pattern, home) in PATTERNS.items():
+            if rel != home and re.search(pattern, p.read_text()):
+                found.append((idea, rel))
+    assert found == []
+    # the guards see what they guard: each matches the copy it replaced
+    old = {"first_line": "{str(e).splitlines()[0] if str(e) else type(e).__name__}",
+           "pickle suffixes": "p.suffix in ('.bin', '.pt')", "rows output block": "result.to_parquet(tmp, index=False)",
+           "weighted reward sum": "sum(weights.get(k, 0.0) * v for k, v in c.items())",
+           "lr schedule map": '{"constant": "constant_with_warmup"}',
+           "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)'}
+    assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []

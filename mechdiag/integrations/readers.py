@@ -43,7 +43,8 @@ from mechdiag.integrations.provenance import (
 from mechdiag.integrations.trl_args import GRPO_FIELDS, LORA_FIELDS, config_and_fields, find_training_args
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
-from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, load_run
+from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, held, load_run
+from mechdiag.tasks.rewards import weighted_total
 from mechdiag.weights import adapter_base, is_adapter
 
 # ---- key maps -----------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
         return {}, []
     weights = weights or {}
     comp = df[names].astype(float)
-    total = sum(comp[n] * float(weights.get(n, 1.0)) for n in names)
+    total = weighted_total({n: comp[n] for n in names}, weights, missing=1.0)
     total = total.where(~comp.isna().all(axis=1))  # a row every function left None is unscorable (TRL: NaN)
     prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
     keys = _contiguous_keys(len(df), group_size, prompts)
@@ -278,9 +279,8 @@ def _callback_run(output_dir: Path) -> RunDir | None:
 def _fresh(into) -> RunDir:
     rd = into if isinstance(into, RunDir) else RunDir(into, create=True)
     rd.path.mkdir(parents=True, exist_ok=True)
-    held = [s for s in STREAMS if rd.stream(s).exists()]
-    if held or rd.config_path.exists():
-        raise UserError(f"{rd.path} already holds a run ({', '.join(held) or 'config.yaml'}); give an empty folder")
+    if held(rd.path):
+        raise UserError(f"{rd.path} already holds a run ({', '.join(held(rd.path))}); give an empty folder")
     return rd
 
 

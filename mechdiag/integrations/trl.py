@@ -42,7 +42,7 @@ from mechdiag.models import device, load_model_and_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
-from mechdiag.run import CALLBACK_DIR, RunDir
+from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks import resolve_rewards
 from mechdiag.train.lora import resolve
 
@@ -530,7 +530,7 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
 
     t0 = time.perf_counter()
     run_path = Path(out_dir)
-    if not resume and (run_path / "metrics.jsonl").exists():
+    if not resume and held(run_path):
         raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
     trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
     main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory

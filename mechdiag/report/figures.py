@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass, wdisp
 from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -373,7 +373,7 @@ def geometry_heatmap(group: Group) -> tuple[go.Figure, list[int]] | None:
 
 
 def _wdisp_by_step(run) -> dict[float, float]:
-    """WDisp = sqrt(sum_g ||dW_g||^2) / sqrt(sum_g ||W_g||^2) over all recorded tensors, per step."""
+    """metrics.wdisp over all recorded tensors, per step."""
     num, den = defaultdict(float), defaultdict(float)
     for rec in run.read("displacement"):
         step, ref, delta = _num(rec.get("step")), _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
@@ -381,7 +381,7 @@ def _wdisp_by_step(run) -> dict[float, float]:
             continue
         num[step] += delta * delta
         den[step] += ref * ref
-    return {s: math.sqrt(num[s]) / math.sqrt(den[s]) for s in num if den[s] > 0}
+    return {s: wdisp(num[s], den[s]) for s in num if den[s] > 0}
 
 
 def _module_mass(run) -> dict[str, float]:

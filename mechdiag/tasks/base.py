@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from mechdiag.tasks.rewards import REWARD_WEIGHTS, answer_number, extract_answer
+from mechdiag.tasks.rewards import REWARD_WEIGHTS, answer_number, extract_answer, weighted_total
 
 
 @dataclass
@@ -63,8 +63,7 @@ class Task:
 
     def reward(self, completion: str, example: Example, weights: dict[str, float]) -> tuple[float, dict]:
         comps = self.components(completion, example)
-        total = sum(weights.get(k, 0.0) * v for k, v in comps.items())
-        return total, comps
+        return weighted_total(comps, weights), comps
 
 
 SYSTEM_PROMPT = ("Think step by step inside <reasoning>...</reasoning>, then give only the final answer "

@@ -21,6 +21,11 @@ REWARD_WEIGHTS = {
 }
 
 
+def weighted_total(components: dict, weights: dict[str, float], missing: float = 0.0):
+    """The reward: sum of weight * component. A component with no weight counts `missing` (0 for a task's own
+    weights; TRL weighs an unnamed reward function 1). Components may be numbers or pandas columns."""
+    return sum(float(weights.get(k, missing)) * v for k, v in components.items())
+
 def extract_tag(text: str, tag: str) -> str | None:
     """Content of the first <tag>...</tag>; an unclosed last tag runs to the end of the text."""
     m = re.search(rf"<{tag}>(.*?)</{tag}>", text, re.S)

@@ -19,6 +19,7 @@ from mechdiag.generate import (
     sample_tokens,
 )
 from mechdiag.models import reference_context
+from mechdiag.tasks.rewards import weighted_total
 from mechdiag.train import objective as obj
 
 
@@ -96,7 +97,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         for c in task.components_many(texts, [examples[i // g] for i in range(len(texts))]):
             for k, v in c.items():
                 comps.setdefault(k, []).append(float(v))
-            totals.append(sum(weights.get(k, 0.0) * v for k, v in c.items()))
+            totals.append(weighted_total(c, weights))
         rewards = torch.tensor(totals, dtype=torch.float32)
         r = Rollout(p_ids, p_mask, c_ids, c_mask, trunc.cpu(), rewards,
                     {k: torch.tensor(v) for k, v in comps.items()},

@@ -32,7 +32,7 @@ from mechdiag.errors import UserError, first_line
 from mechdiag.generate import step_seed
 from mechdiag.outcomes import outcomes_from
 from mechdiag.probes.forget import ForgetProbe
-from mechdiag.run import RunDir
+from mechdiag.run import RunDir, held
 from mechdiag.train import hooks as H
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
@@ -165,7 +165,7 @@ class Trainer:
         self.run = RunDir(out_dir, create=True)
         if resume:
             self._resume()
-        elif any(self.run.stream(s).exists() for s in ("metrics", "eval")):
+        elif held(self.run.path):
             raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
         save(cfg, self.run.config_path, header="mechdiag train: resolved config")
         self.recorder = R.Recorder(self.run, signals)
