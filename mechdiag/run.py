@@ -334,11 +334,12 @@ class Group:
     runs: list[Run]
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten_config(d: dict, prefix: str = "") -> dict:
+    """A config dict as dotted keys; reward weights and task options stay whole (one value each)."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and k not in ("weights", "options"):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -358,7 +359,7 @@ def _treatment(run: Run) -> dict:
         data = run.cfg.model_dump(mode="json")
     except UserError:  # an old or foreign config: compare it as written
         data = run.config or {"path": str(run.path)}
-    return {k: v for k, v in _flatten(data).items() if not k.startswith(IGNORED_KEYS)}
+    return {k: v for k, v in flatten_config(data).items() if not k.startswith(IGNORED_KEYS)}
 
 
 def _stem(run: Run) -> str:

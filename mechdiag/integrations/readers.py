@@ -43,7 +43,7 @@ from mechdiag.integrations.provenance import (
 from mechdiag.integrations.trl_args import GRPO_FIELDS, LORA_FIELDS, config_and_fields, find_training_args
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
-from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, held, load_run
+from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, flatten_config, held, load_run
 from mechdiag.tasks.rewards import weighted_total
 from mechdiag.weights import adapter_base, is_adapter
 
@@ -654,7 +654,7 @@ def _write_foreign(into, by_step: dict, trainer: str, fields: dict, path: Path, 
         samples += rolls[step][1]
     if config:
         cfg = config if isinstance(config, C.Config) else C.load(config)
-        for k, v in _flat_cfg(cfg.model_dump(mode="json")).items():
+        for k, v in flatten_config(cfg.model_dump(mode="json")).items():
             prov.read(k, v, "the config given")
         header = f"read from {trainer} log {path}; the design is the config given"
     else:
@@ -675,16 +675,6 @@ def _write_foreign(into, by_step: dict, trainer: str, fields: dict, path: Path, 
         summary["final_accuracy"] = evals[-1]["accuracy"]
     rd.write_summary(summary)
     return rd
-
-
-def _flat_cfg(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and k not in ("weights", "options"):
-            out.update(_flat_cfg(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # ---- any foreign run ----------------------------------------------------------------------------------------
