@@ -232,11 +232,14 @@ def parse_layers(spec: str | list[int], n_layers: int | None) -> list[int] | Non
     return sorted(out)
 
 
+WHOLE_KEYS = ("weights", "options")  # dict-valued settings that are one value each (never merged or flattened)
+
+
 # ---- loading -----------------------------------------------------------------------------------------------
 def _deep_merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
     for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("weights", "options"):
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k not in WHOLE_KEYS:
             out[k] = _deep_merge(out[k], v)
         else:
             out[k] = copy.deepcopy(v)

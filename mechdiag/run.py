@@ -338,7 +338,7 @@ def flatten_config(d: dict, prefix: str = "") -> dict:
     """A config dict as dotted keys; reward weights and task options stay whole (one value each)."""
     out = {}
     for k, v in d.items():
-        if isinstance(v, dict) and k not in ("weights", "options"):
+        if isinstance(v, dict) and k not in configlib.WHOLE_KEYS:
             out.update(flatten_config(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v

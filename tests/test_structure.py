@@ -122,7 +122,7 @@ HOMES = {
     "wdisp": "metrics.py", "DELTA_W": "metrics.py", "update_mass": "metrics.py",
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
-    "is_run_dir": "models.py", "held": "run.py",
+    "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -132,6 +132,7 @@ PATTERNS = {
     "weighted reward sum": (r"weights\.get\([^)]*\)\)?\s*\*", "tasks/rewards.py"),
     "lr schedule map": (r"constant_with_warmup", "config.py"),
     "wdisp formula": (r"delta_fro\W+/\s*(math\.sqrt|\()", "metrics.py"),
+    "config flattening": (r"\(['\"]weights['\"], ['\"]options['\"]\)", "config.py"),
 }
 
 
@@ -169,5 +170,6 @@ def test_inline_copies_do_not_come_back():
            "pickle suffixes": "p.suffix in ('.bin', '.pt')", "rows output block": "result.to_parquet(tmp, index=False)",
            "weighted reward sum": "sum(weights.get(k, 0.0) * v for k, v in c.items())",
            "lr schedule map": '{"constant": "constant_with_warmup"}',
-           "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)'}
+           "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)',
+           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []

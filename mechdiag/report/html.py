@@ -23,7 +23,7 @@ from mechdiag.atomic import clean_json
 from mechdiag.config import to_yaml
 from mechdiag.metrics import attribution_reference, causal_shares, direction, mean_std, rank_correlation
 from mechdiag.report import figures as F
-from mechdiag.run import Group, Run, base_eval, final_eval
+from mechdiag.run import Group, Run, base_eval, final_eval, flatten_config
 
 MAX_COMPLETION_CHARS = 3000
 MAX_PAIRS = 6
@@ -152,19 +152,9 @@ RUN_COLUMNS = [("seed", "seed"), ("learning_rate", "lr"), ("beta", "β"), ("epsi
                ("lora.alpha", "α"), ("lora.target_modules", "modules"), ("lora.layers", "layers")]
 
 
-def _flat(cfg: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in (cfg or {}).items():
-        if isinstance(v, dict) and k not in ("weights", "options"):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def differing_keys(runs: list[Run]) -> list[str]:
     """Config keys whose values are not the same in every run (the seed aside: seeds are pooled)."""
-    flats = [_flat(r.config) for r in runs]
+    flats = [flatten_config(r.config or {}) for r in runs]
     keys = dict.fromkeys(k for f in flats for k in f)
     return [k for k in keys if k != "seed"
             and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
