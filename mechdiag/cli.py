@@ -651,13 +651,11 @@ def attribute(run, by, n, fmt, out, save):
     from mechdiag.console import progress
 
     _rows_output(fmt, out)
-    from pathlib import Path
-
     from mechdiag.integrations.readers import locate
-    from mechdiag.run import CALLBACK_DIR
+    from mechdiag.run import callback_run
 
     got = locate(run)
-    if got is not None and not (Path(run) / CALLBACK_DIR / "config.yaml").exists():
+    if got is not None and callback_run(run) is None:
         raise UserError(f"{run}: a {got[0]} run without mechdiag's adapter and held-out problems; attribute reads "
                         "runs of mechdiag train and TRL output_dirs recorded by MechdiagCallback")
     A.open_run(run)  # bad run directories fail here, before any model is loaded

@@ -3,19 +3,21 @@ metrics as mean +- std over seeds, and say which treatment helped on which metri
 
 from __future__ import annotations
 
-from mechdiag.metrics import direction, mean_std
+from mechdiag.metrics import change, mean_std
 from mechdiag.run import Run, base_eval, final_eval, group_runs
 
 
 # ---- side by side ----------------------------------------------------------------------------------------
-def verdict(delta: float, std_a: float, std_b: float, n_a: int, n_b: int) -> str:
-    """helped / hurt when the difference of means exceeds the sum of the seed stds (a deliberately conservative
-    band: with two seeds per group a std is a rough estimate); with one seed on a side only the sign is known."""
-    if n_a < 2 or n_b < 2:
-        return ("helped" if delta > 0 else "hurt" if delta < 0 else "no change") + " (1 seed)"
-    if abs(delta) <= std_a + std_b:
-        return "within seed noise"
-    return "helped" if delta > 0 else "hurt"
+def verdict(metric: str, delta: float, base: float, std_a: float, std_b: float, n_a: int, n_b: int) -> str:
+    """helped / hurt (metrics.change) when the difference of means exceeds the sum of the seed stds (a deliberately
+    conservative band: with two seeds per group a std is a rough estimate); with one seed on a side only the sign
+    is known."""
+    one = n_a < 2 or n_b < 2
+    judged = change(metric, delta, base, noise=0.0 if one else std_a + std_b)
+    if judged is None:
+        return "not judged"
+    word = {1: "helped", -1: "hurt", 0: "no change" if one else "within seed noise"}[judged]
+    return word + (" (1 seed)" if one else "")
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -53,8 +55,7 @@ def side_by_side(runs: list[Run]) -> list[dict]:
             elif m in base:
                 b_mean, b_std, b_n = base[m]
                 rec["delta"] = mean - b_mean
-                judged = verdict((mean - b_mean) * direction(m), std, b_std, n, b_n)
-                rec["verdict"] = judged if direction(m) else "not judged"
+                rec["verdict"] = verdict(m, mean - b_mean, b_mean, std, b_std, n, b_n)
             out.append(rec)
     return out
 

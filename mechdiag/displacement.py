@@ -23,7 +23,7 @@ import pandas as pd
 import torch
 
 from mechdiag.errors import UserError
-from mechdiag.metrics import DELTA_W, update_mass, wdisp
+from mechdiag.metrics import DELTA_W, update_mass, update_mass_size_normalised, wdisp
 from mechdiag.weights import (
     Entry,
     SafeFiles,
@@ -451,7 +451,7 @@ def _keys(df: pd.DataFrame, by: str) -> list[str]:
 def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELTA_W) -> pd.DataFrame:
     """The study's WDisp per group (per step too when rows carry a step column).
     Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass, update_mass_size_normalised
-    (mechdiag.metrics.update_mass). Non-finite rows are left out."""
+    (mechdiag.metrics.update_mass, update_mass_size_normalised). Non-finite rows are left out."""
     df = rows_df.copy()
     if "nonfinite" in df.columns:
         df = df[~df["nonfinite"].astype(bool)]
@@ -470,12 +470,12 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
     g["delta_fro"] = g["delta_sq"] ** 0.5
     g["wdisp"] = wdisp(g["delta_sq"], g["ref_sq"], delta_w)
     parts = [part for _, part in g.groupby("step")] if "step" in g.columns else [g]
-    for col, normalised in (("update_mass", False), ("update_mass_size_normalised", True)):
+    for col, mass in (("update_mass", update_mass), ("update_mass_size_normalised", update_mass_size_normalised)):
         shares = {}
         for part in parts:  # shares within each recorded step
             rows = [{"group": i, "delta_fro": d, "ref_fro": r} for i, d, r in
                     zip(part.index, part["delta_fro"], part["ref_fro"], strict=True)]
-            shares.update(update_mass(rows, "group", size_normalised=normalised))
+            shares.update(mass(rows, "group"))
         g[col] = [shares.get(i, 0.0) for i in g.index]
     if by == "layer":
         g["layer"] = g["layer"].astype("Int64")

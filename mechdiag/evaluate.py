@@ -39,7 +39,7 @@ from mechdiag.console import Progress
 from mechdiag.errors import UserError
 from mechdiag.eval_table import BASE
 from mechdiag.generate import generate, greedy
-from mechdiag.metrics import direction, maj_at_k, mean_std, metric_order, pass_at_k
+from mechdiag.metrics import change, maj_at_k, mean_std, metric_order, pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.tasks.rewards import format_ok, weighted_total
 from mechdiag.weights import is_adapter
@@ -351,12 +351,15 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
 
 
 # ---- comparison --------------------------------------------------------------------------------------------
+STATUS = {1: "improve", -1: "regress", 0: "same"}  # metrics.change -> a row's status
+
+
 def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
     """Group per-model rows (benchmark, metric, model, value, n) into the comparison rows.
 
     One row per benchmark x metric x column, where the columns are the base and each tuned group: value = mean
     over the group's adapters, std = their sample std (None for one adapter), delta = value - base, and status
-    "improve" / "regress" / "same" for metrics with a direction (None for the base and neutral metrics).
+    "improve" / "regress" / "same" by metrics.change (None for the base and neutral metrics).
     """
     groups: dict[str, list[str]] = {BASE: [BASE]}
     for t in tuned:
@@ -384,12 +387,8 @@ def compare(per_model: list[dict], tuned: list[Tuned]) -> list[dict]:
                 row = {"step": 0, "benchmark": b, "metric": m, "model": g, "value": mean, "std": std, "n": ns[b],
                        "seeds": len(vals), "members": ",".join(members), "delta": None, "status": None}
                 if g != BASE:
-                    d = mean - base
-                    row["delta"] = d
-                    dirn = direction(m)
-                    if dirn and math.isfinite(d):
-                        tol = 1e-9 * max(1.0, abs(base))
-                        row["status"] = "same" if abs(d) <= tol else ("improve" if d * dirn > 0 else "regress")
+                    row["delta"] = mean - base
+                    row["status"] = STATUS.get(change(m, mean - base, base))
                 rows.append(row)
     return rows
 

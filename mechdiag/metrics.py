@@ -1,4 +1,5 @@
-"""Metric definitions shared by the CLI, the report and recommend: which way is better, display order, mean and
+"""Metric definitions shared by the CLI, the report and recommend: which way is better (and whether a change
+improved or regressed), display order, mean and
 std over seeds, the pass@k / maj@k estimators, update mass, and the causal share of `mechdiag attribute`
 (docs/metrics.md has the formulas)."""
 
@@ -45,6 +46,21 @@ def _matches(metric: str, key: str) -> bool:
 
 def direction(metric: str) -> int:
     return next((d for key, d in DIRECTION.items() if _matches(metric, key)), 0)
+
+
+SAME = 1e-9  # a change within this share of max(1, |base|) is float noise: the same
+
+
+def change(metric: str, delta, base=0.0, noise: float = 0.0) -> int | None:
+    """The one improved / regressed verdict (compare, `mechdiag eval`, the report): +1 better and -1 worse in the
+    metric's direction, 0 the same (|delta| within `noise`, e.g. the seeds' spread, or within float noise,
+    SAME x max(1, |base|)); None for a neutral metric or a delta that is not a finite number."""
+    d = direction(metric)
+    if not d or not is_number(delta):
+        return None
+    if abs(delta) <= max(noise, SAME * max(1.0, abs(base) if is_number(base) else 1.0)):
+        return 0
+    return 1 if delta * d > 0 else -1
 
 
 def is_score(metric: str) -> bool:
@@ -141,13 +157,8 @@ def wdisp(delta_sq, ref_sq, delta_w: float = DELTA_W):
     return delta_sq ** 0.5 / (ref_sq + delta_w) ** 0.5
 
 
-def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False) -> dict:
-    """Each group's share of the squared displacement: ||dW_g||^2 / sum_h ||dW_h||^2, summed over the rows
-    (tensors) of a group keyed by row[by] as weights.py names it (GPT-2's attn.c_proj and mlp.c_proj stay apart).
-
-    size_normalised: each group's ||dW_g||^2 is first divided by its ||W_g||^2 (its WDisp^2), so a module does not
-    carry "the update" just for being a bigger matrix. Rows without finite norms are left out; {} when nothing
-    moved (or, size-normalised, when a group has no reference norm)."""
+def _masses(rows: Iterable[dict], by: str) -> tuple[dict, dict]:
+    """Per group keyed by row[by]: (sum ||dW||^2, sum ||W||^2) over its finite rows (tensors)."""
     mass: dict = {}
     ref: dict = {}
     for r in rows:
@@ -155,12 +166,30 @@ def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool 
             key = r[by]
             mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
             ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0)
-    if size_normalised:
-        if any(ref[k] <= 0 for k in mass):
-            return {}
-        mass = {k: v / ref[k] for k, v in mass.items()}
+    return mass, ref
+
+
+def _shares(mass: dict) -> dict:
     total = math.fsum(mass.values())
     return {k: v / total for k, v in mass.items()} if total > 0 else {}
+
+
+def update_mass(rows: Iterable[dict], by: str = "module") -> dict:
+    """Raw update mass (the report, `mechdiag attribute`'s disp_share): each group's share of the squared
+    displacement, ||dW_g||^2 / sum_h ||dW_h||^2, over the rows (tensors) of a group keyed by row[by] as weights.py
+    names it (GPT-2's attn.c_proj and mlp.c_proj stay apart). Rows without finite norms are left out; {} when
+    nothing moved."""
+    return _shares(_masses(rows, by)[0])
+
+
+def update_mass_size_normalised(rows: Iterable[dict], by: str = "module") -> dict:
+    """Size-normalised update mass (recommend's reduced_modules): the shares of ||dW_g||^2 / ||W_g||^2 (each
+    group's WDisp^2), so a module does not carry "the update" just for being a bigger matrix. {} when nothing
+    moved or a group has no reference norm."""
+    mass, ref = _masses(rows, by)
+    if any(ref[k] <= 0 for k in mass):
+        return {}
+    return _shares({k: v / ref[k] for k, v in mass.items()})
 
 
 # ---- attribution (mechdiag attribute) -----------------------------------------------------------------------------

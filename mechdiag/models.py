@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
-from mechdiag.run import find_checkpoint
+from mechdiag.run import find_checkpoint, is_run_dir
 from mechdiag.weights import is_adapter, local_base, refuse_pickle
 
 BUNDLED = "bundled"
@@ -66,12 +66,6 @@ def _check_weights(folder: Path) -> None:
     raise UserError(f"model folder {folder} has no model.safetensors")
 
 
-def is_run_dir(folder: Path) -> bool:
-    """A folder holding a run's final/ or checkpoints/ (and no model of its own)."""
-    own = (folder / "config.json").is_file() or is_adapter(folder)
-    return not own and ((folder / "final").is_dir() or (folder / "checkpoints").is_dir())
-
-
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
     """The folder behind a model argument: `bundled` (or `bundled:deep`), a model or adapter folder, or a run
     directory (its final/, else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths
@@ -79,7 +73,9 @@ def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
     if str(arg) in BUNDLED_ASSETS:
         return Path(resolve(str(arg)))
     path = Path(arg).expanduser()
-    if not path.is_dir() or not is_run_dir(path):
+    own = (path / "config.json").is_file() or is_adapter(path)  # a model of its own wins
+    kept = (path / "final").is_dir() or (path / "checkpoints").is_dir()  # what is left of a copied run
+    if not path.is_dir() or own or not (is_run_dir(path) or kept):
         if checkpoint is not None:
             raise UserError(f"{arg}: --checkpoint needs a run directory")
         return path

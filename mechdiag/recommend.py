@@ -28,6 +28,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     last_step,
     max_reward,
     update_mass,
+    update_mass_size_normalised,
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.run import Run, base_eval, final_eval, group_runs
@@ -207,7 +208,7 @@ class Signals:
             cfg=cfg, runs=[str(r.path) for r in runs],
             train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
             layer_mass={int(k): v for k, v in _mean_dicts([update_mass(rows, "layer") for rows in disp]).items()},
-            module_mass=_mean_dicts([update_mass(rows, "module", size_normalised=True) for rows in disp]),
+            module_mass=_mean_dicts([update_mass_size_normalised(rows, "module") for rows in disp]),
             shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
             final=_mean_dicts([final_eval(r) for r in runs]),
             n_layers=max(layers) + 1 if layers else None,

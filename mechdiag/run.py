@@ -182,17 +182,29 @@ def held(path: str | os.PathLike) -> list[str]:
     return [f.name for f in [*(p / f"{s}.jsonl" for s in STREAMS), p / "summary.json"] if f.exists()]
 
 
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """A mechdiag run directory (the one rule for run arguments, model arguments and the readers): a folder with
+    a config.yaml or a record stream, as train, the TRL callback and the readers write them."""
+    p = Path(path)
+    return p.is_dir() and ((p / "config.yaml").is_file() or any((p / f"{s}.jsonl").is_file() for s in STREAMS))
+
+
+def callback_run(path: str | os.PathLike) -> Path | None:
+    """OUT/mechdiag/ when `path` is a TRL output_dir whose MechdiagCallback wrote its run directory there."""
+    p = Path(path) / CALLBACK_DIR
+    return p if is_run_dir(p) else None
+
+
 def resolve_run(path) -> RunDir:
     """The run directory named by a user: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
     p = Path(path)
     if not p.is_dir():
         raise UserError(f"run directory not found: {p}")
-    if (p / "config.yaml").exists() or (p / "metrics.jsonl").exists():
-        return RunDir(p)
-    if (p / CALLBACK_DIR / "config.yaml").exists():
-        return RunDir(p / CALLBACK_DIR)
-    raise UserError(f"{p} is not a run directory (no config.yaml or metrics.jsonl; for a TRL output_dir, "
-                    f"its {CALLBACK_DIR}/ folder written by MechdiagCallback)")
+    got = p if is_run_dir(p) else callback_run(p)
+    if got is None:
+        raise UserError(f"{p} is not a run directory (no config.yaml or record stream; for a TRL output_dir, "
+                        f"its {CALLBACK_DIR}/ folder written by MechdiagCallback)")
+    return RunDir(got)
 
 
 def find_checkpoint(path: Path, step: int | None = None) -> Path:

@@ -9,7 +9,6 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 
 from rich.console import Console, Group
@@ -20,7 +19,7 @@ from mechdiag import alerts as A
 from mechdiag import config as C
 from mechdiag.integrations.readers import locate, read_any_run
 from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
-from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
+from mechdiag.run import RunDir, callback_run, resolve_run
 from mechdiag.tasks import reward_weights
 
 SPARK = "▁▂▃▄▅▆▇█"
@@ -115,7 +114,7 @@ def render(run: RunDir, state: State):
 
 def watch(path, once: bool = False, fmt: str = "table", interval: float = 2.0, echo=print) -> State:
     """Show the run at `path` (once, or live until its summary.json appears); returns the last state."""
-    if locate(path) is not None and not (Path(path) / CALLBACK_DIR / "config.yaml").exists():
+    if locate(path) is not None and callback_run(path) is None:
         label = SimpleNamespace(path=path)
 
         def reread() -> State:

@@ -19,8 +19,11 @@ import torch
 from mechdiag import eval_table
 from mechdiag import evaluate as E
 from mechdiag.atomic import read_jsonl
+from mechdiag.compare import verdict
 from mechdiag.errors import UserError
 from mechdiag.generate import Sample
+from mechdiag.metrics import change
+from mechdiag.report.html import _delta_class
 from mechdiag.tasks import REGISTRY, get_task
 from tests.helpers import assert_bad_input
 
@@ -179,6 +182,26 @@ def test_compare_groups_seeds_and_marks_changes():
     assert "\x1b[" not in text and "\x1b[32m" in eval_table.render_table(rows, color=True)
     narrow = eval_table.render_table(rows, width=60)  # the base column goes before a tuned one's Δ
     assert max(len(x) for x in narrow.splitlines()[:-2]) <= 60 and "▲+0.150" in narrow
+
+
+def test_one_verdict_for_compare_eval_and_the_report():
+    """metrics.change is the one improved / regressed rule: mechdiag eval's status, compare's verdict (one seed)
+    and the report's cell colour agree on every case, float noise included."""
+    cases = [("pass@1", 0.1, 0.5, 1), ("pass@1", -0.1, 0.5, -1), ("truncation_rate", -0.1, 0.2, 1),
+             ("loss", 0.3, 2.0, -1), ("accuracy", 0.2 - 0.1 - 0.1, 0.3, 0), ("accuracy", 3e-10, 0.5, 0),
+             ("accuracy", 2e-9, 0.5, 1), ("eval_reward", 5e-9, 10.0, 0), ("completion_length", 5.0, 20.0, None),
+             ("entropy", -0.5, 1.0, None), ("accuracy", math.nan, 0.5, None)]
+    for metric, delta, base, want in cases:
+        assert change(metric, delta, base) == want, (metric, delta)
+        rows = E.compare(_rows({"base": {metric: base}, "t": {metric: base + delta}}),
+                         [E.Tuned("t", "t", None, "peft")])
+        assert [r["status"] for r in rows if r["model"] == "t"] == [E.STATUS.get(want)], (metric, delta)
+        assert verdict(metric, delta, base, 0.0, 0.0, 1, 1) == \
+            {1: "helped (1 seed)", -1: "hurt (1 seed)", 0: "no change (1 seed)", None: "not judged"}[want]
+        assert _delta_class(metric, delta, base) == {1: "up", -1: "down"}.get(want, "")
+    # with seeds on both sides the band is the sum of their stds
+    assert verdict("accuracy", 0.05, 0.5, 0.03, 0.03, 2, 2) == "within seed noise"
+    assert verdict("accuracy", -0.07, 0.5, 0.03, 0.03, 2, 2) == "hurt"
 
 
 def test_parse_tasks_and_adapters(tmp_path):

@@ -120,9 +120,11 @@ HOMES = {
     "is_adapter": "weights.py", "adapter_base": "weights.py", "local_base": "weights.py",
     "refuse_pickle": "weights.py", "PICKLE_SUFFIXES": "weights.py", "first_line": "errors.py",
     "wdisp": "metrics.py", "DELTA_W": "metrics.py", "update_mass": "metrics.py",
+    "update_mass_size_normalised": "metrics.py",
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
-    "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
+    "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
+    "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -133,6 +135,9 @@ PATTERNS = {
     "lr schedule map": (r"constant_with_warmup", "config.py"),
     "wdisp formula": (r"delta_fro\W+/\s*(math\.sqrt|\()", "metrics.py"),
     "config flattening": (r"\(['\"]weights['\"], ['\"]options['\"]\)", "config.py"),
+    "is a run directory": (r"CALLBACK_DIR\s*/\s*['\"]config\.yaml|"
+                           r"\{s\}\.jsonl['\"]\)\.(exists|is_file)\(\) for s in STREAMS", "run.py"),
+    "improved/regressed verdict": (r"\*\s*(dirn|direction)\b", "metrics.py"),
 }
 
 
@@ -171,5 +176,7 @@ def test_inline_copies_do_not_come_back():
            "weighted reward sum": "sum(weights.get(k, 0.0) * v for k, v in c.items())",
            "lr schedule map": '{"constant": "constant_with_warmup"}',
            "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)',
-           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):'}
+           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):',
+           "is a run directory": 'or (path / CALLBACK_DIR / "config.yaml").exists()',
+           "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []

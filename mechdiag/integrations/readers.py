@@ -43,7 +43,7 @@ from mechdiag.integrations.provenance import (
 from mechdiag.integrations.trl_args import GRPO_FIELDS, LORA_FIELDS, config_and_fields, find_training_args
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
-from mechdiag.run import CALLBACK_DIR, STREAMS, Run, RunDir, flatten_config, held, load_run
+from mechdiag.run import Run, RunDir, callback_run, flatten_config, held, is_run_dir, load_run
 from mechdiag.tasks.rewards import weighted_total
 from mechdiag.weights import adapter_base, is_adapter
 
@@ -265,15 +265,10 @@ def trainer_state(output_dir: Path) -> dict:
 
 def is_trl_dir(path: str | Path) -> bool:
     path = Path(path)
-    if not path.is_dir() or any((path / f"{s}.jsonl").exists() for s in STREAMS) or (path / "config.yaml").exists():
+    if not path.is_dir() or is_run_dir(path):
         return False
     return (path / "trainer_state.json").exists() or any(path.glob("checkpoint-*/trainer_state.json")) \
-        or (path / CALLBACK_DIR / "config.yaml").exists()
-
-
-def _callback_run(output_dir: Path) -> RunDir | None:
-    p = output_dir / CALLBACK_DIR
-    return RunDir(p) if p.is_dir() and (p / "config.yaml").exists() else None
+        or callback_run(path) is not None
 
 
 def _fresh(into) -> RunDir:
@@ -391,7 +386,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     if not output_dir.is_dir():
         raise UserError(f"TRL output directory not found: {output_dir}")
     state = trainer_state(output_dir)
-    cb = _callback_run(output_dir)
+    cb = RunDir(callback_run(output_dir)) if callback_run(output_dir) else None
     if not state and cb is None:
         raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
                         "not a TRL output directory")
@@ -693,8 +688,6 @@ def _own_kind(path: Path) -> str | None:
     if (path / "metrics.jsonl").is_file() and not (path / "config.yaml").exists() and \
             logs.is_table_log(path / "metrics.jsonl"):  # metrics.jsonl without config.yaml: another loop's log
         return "table"
-    if (path / "config.yaml").exists() or (path / CALLBACK_DIR / "config.yaml").exists():
-        return None  # a mechdiag run directory
     return None
 
 
@@ -711,8 +704,7 @@ def locate(path) -> tuple[str, Path] | None:
     kind = _own_kind(path)
     if kind is not None:
         return kind, _target(kind, path)
-    if not path.is_dir() or (path / "config.yaml").exists() or any((path / f"{s}.jsonl").exists() for s in STREAMS) \
-            or (path / CALLBACK_DIR / "config.yaml").exists():
+    if not path.is_dir() or is_run_dir(path) or callback_run(path):  # a mechdiag run directory
         return None
     level, found = [path], []
     for _ in range(SEARCH_DEPTH):

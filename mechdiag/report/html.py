@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
 from mechdiag.config import to_yaml
-from mechdiag.metrics import attribution_reference, causal_shares, direction, mean_std, rank_correlation
+from mechdiag.metrics import attribution_reference, causal_shares, change, mean_std, rank_correlation
 from mechdiag.report import figures as F
 from mechdiag.run import Group, Run, base_eval, final_eval, flatten_config
 
@@ -93,10 +93,8 @@ def _fmt(v, digits: int = 4) -> str:
     return esc(v)
 
 
-def _delta_class(delta: float | None, direction: int) -> str:
-    if delta is None or direction == 0 or abs(delta) < 1e-12:
-        return ""
-    return "up" if delta * direction > 0 else "down"
+def _delta_class(metric: str, delta: float | None, base) -> str:
+    return {1: "up", -1: "down"}.get(change(metric, delta, base), "")
 
 
 def _pm(mean, std) -> str:
@@ -225,7 +223,7 @@ def section_summary(groups: list[Group], advice) -> str:
             bm, bs = mean_std([_num(b.get(k)) for b, _, _ in pairs])
             fm, fs = mean_std([_num(f.get(k)) for _, f, _ in pairs])
             d = fm - bm if fm is not None and bm is not None else None
-            cls = _delta_class(d, direction(k))
+            cls = _delta_class(k, d, bm)
             rows.append(f"<tr><td><span class=sw style='background:{g.color}'></span>{esc(g.label)}</td>"
                         f"<td>{esc(k)}</td><td>{_pm(bm, bs)}</td><td>{_pm(fm, fs)}</td>"
                         f"<td class='{cls}'>{'–' if d is None else f'{d:+.4g}'}</td></tr>")
@@ -391,7 +389,7 @@ def section_benchmarks(groups: list[Group]) -> str:
                 if std is None and len(vals) == 1 and stds.get((b, m, c)):
                     std = stds[(b, m, c)][0]
                 d = mean - base_mean if c != "base" and mean is not None and base_mean is not None else None
-                cls = _delta_class(d, direction(m))
+                cls = _delta_class(m, d, base_mean)
                 tip = f" title='Δ vs base {d:+.4g}'" if d is not None else ""
                 tds.append(f"<td class='{cls}'{tip}>{_pm(mean, std) if mean is not None else '–'}</td>")
         body.append(f"<tr><th class=bench>{esc(b)}</th>{''.join(tds)}</tr>")
