@@ -3,7 +3,8 @@
 Tables: numbers are never cut (a numeric column is as wide as its widest number; the significant digits drop
 from 4 to 2, then trailing columns are left out, until the table fits); text columns wrap; values are shown as
 plain text, never read as rich markup ("[q_proj, v_proj]" stays as written).
-Progress: a terminal gets the commands' own bars; a log file or pipe gets one line at most every EVERY_S seconds.
+Progress (Meter, progress): a terminal gets a rich bar; a log file or pipe gets one line at most every EVERY_S
+seconds (Progress).
 """
 
 from __future__ import annotations
@@ -137,19 +138,38 @@ class Progress:
         return True
 
 
+class Meter:
+    """A long job's progress, the one switch every long command and the trainer use: a rich bar on a terminal
+    (`note` beside it), else Progress lines at most every EVERY_S seconds; `lines` says which one it is."""
+
+    def __init__(self, label: str, total: float, stream=None, done: float = 0, transient: bool = True):
+        stream = stream if stream is not None else sys.stderr
+        self.lines = None if _is_terminal(stream) else Progress(label, total=total, stream=stream)
+        if self.lines is None:
+            self.bar = Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[note]}"), console=Console(file=stream), transient=transient)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total, completed=done, note="")
+
+    def update(self, done: float, note: str = "") -> None:
+        if self.lines is not None:
+            self.lines.update(done, note)
+        else:
+            self.bar.update(self.task, completed=done, note=note)
+
+    def close(self) -> None:
+        if self.lines is None:
+            self.bar.stop()
+
+
 @contextlib.contextmanager
 def progress(label: str, total: float, stream=None):
-    """update(done, note=""): a transient bar on a terminal, else a Progress line at most every EVERY_S seconds
-    (the one switch every long command uses)."""
-    stream = stream if stream is not None else sys.stderr
-    if not _is_terminal(stream):
-        lines = Progress(label, total=total, stream=stream)
-        yield lambda done, note="": lines.update(done, note)
-        return
-    with Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-             console=Console(file=stream), transient=True) as bar:
-        task = bar.add_task(label, total=total)
-        yield lambda done, note="": bar.update(task, completed=done)
+    """update(done, note=""): a Meter for the block (a transient bar on a terminal, else Progress lines)."""
+    meter = Meter(label, total, stream)
+    try:
+        yield meter.update
+    finally:
+        meter.close()
 
 
 def _is_terminal(stream) -> bool:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
+import pty
+import subprocess
+import sys
 
 from click.testing import CliRunner
 from rich.console import Console
@@ -11,6 +15,7 @@ from rich.text import Text
 from mechdiag.cli import main
 from mechdiag.console import Progress, number, progress, render_table
 from mechdiag.models import bundled_path
+from mechdiag.paths import REPO_ROOT
 from tests.conftest import tiny_train_flags
 from tests.helpers import run_cli
 
@@ -102,3 +107,27 @@ def test_long_commands_print_progress_lines_into_a_log(tiny_run, tmp_path):
                    "--device", "cpu", "--out", str(tmp_path / "eval"))
     assert proc.returncode == 0, proc.stderr
     assert "eval arith/test base: 3/3 problems" in proc.stderr
+
+
+def test_train_draws_the_one_meter_on_a_terminal(tmp_path):
+    """stderr is a terminal (a pty): train's progress is console.Meter's bar, the live note beside it, and no log
+    lines (the same switch as displacement and attribute)."""
+    master, slave = pty.openpty()
+    env = {**os.environ, "COLUMNS": "140", "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, "-m", "mechdiag", "train", *tiny_train_flags("max_steps=2"), "--out",
+                             str(tmp_path / "run")], stdout=subprocess.DEVNULL, stderr=slave, env=env)
+    os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    assert proc.wait(timeout=600) == 0, out[-2000:]
+    text = out.decode(errors="replace")
+    assert "train step" in text and "2/2" in text and "reward" in text and "acc" in text, text[-2000:]
+    assert "train step: 1/2" not in text and "eval step 2" not in text  # the log lines are for pipes only

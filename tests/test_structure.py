@@ -123,6 +123,7 @@ HOMES = {
     "update_mass_size_normalised": "metrics.py",
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
+    "Meter": "console.py",
     "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py",
 }
@@ -138,6 +139,7 @@ PATTERNS = {
     "is a run directory": (r"CALLBACK_DIR\s*/\s*['\"]config\.yaml|"
                            r"\{s\}\.jsonl['\"]\)\.(exists|is_file)\(\) for s in STREAMS", "run.py"),
     "improved/regressed verdict": (r"\*\s*(dirn|direction)\b", "metrics.py"),
+    "progress output": (r"rich\.progress\b", "console.py"),
 }
 
 
@@ -178,5 +180,6 @@ def test_inline_copies_do_not_come_back():
            "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)',
            "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):',
            "is a run directory": 'or (path / CALLBACK_DIR / "config.yaml").exists()',
-           "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")'}
+           "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")',
+           "progress output": "from rich.progress import BarColumn, MofNCompleteColumn, Progress"}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []

@@ -16,7 +16,7 @@ import importlib
 import sys
 import time
 
-from mechdiag.console import Progress as Lines
+from mechdiag.console import Meter
 from mechdiag.errors import UserError
 
 
@@ -88,41 +88,30 @@ class Checkpointer(Hook):
 
 
 class ProgressBar(Hook):
-    """A rich progress bar with live reward and accuracy; when stderr is not a terminal (nohup, CI logs), a plain
-    line per eval and a progress line at most every ~10 s (mechdiag.console.Progress)."""
+    """Train progress with live reward, accuracy and KL (mechdiag.console.Meter: a bar on a terminal, else a
+    progress line at most every ~10 s); without a terminal each eval gets a line of its own."""
 
     def __init__(self):
-        self.progress = None
-        self.lines = None
+        self.meter = None
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
-        from rich.console import Console  # noqa: PLC0415 - rich progress only when training on a terminal
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: PLC0415 - rich progress only when training on a terminal
-
-        self.console = Console(stderr=True)
-        if not self.console.is_terminal:
-            self.lines = Lines("train step", total=trainer.total_steps)
-            return
-        self.progress = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[info]}"), console=self.console, transient=False)
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=trainer.total_steps, completed=trainer.step,
-                                           info="")
+        self.meter = Meter("train step", trainer.total_steps, done=trainer.step, transient=False)
 
     def on_step_end(self, trainer, step, metrics, rollout):
-        info = f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  kl {metrics.get('kl', float('nan')):.4f}"
-        if self.progress is not None:
-            self.progress.update(self.task, completed=step, info=info)
-        elif self.lines is not None:
-            self.lines.update(step, info)
+        self.meter.update(step, f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  "
+                                f"kl {metrics.get('kl', float('nan')):.4f}")
 
     def on_eval(self, trainer, step, metrics):
         self.acc = metrics["accuracy"]
-        if self.progress is None:
+        if self.meter is None or self.meter.lines is not None:
             print(f"eval step {step}: accuracy {metrics['accuracy']:.3f} eval_reward {metrics['eval_reward']:.3f}"
                   f" ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
 
     def on_train_end(self, trainer, summary):
-        if self.progress is not None:
-            self.progress.stop()
+        self.close()
+
+    def close(self):
+        if self.meter is not None:
+            self.meter.close()
+            self.meter = None
