@@ -10,7 +10,7 @@ import math
 import random
 import statistics
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 # Which way is better: +1 higher, -1 lower, 0 neither (reported, never coloured, judged or counted). Keys ending in
 # "@" or "/" are families (pass@k, reward/<component>); the first matching key wins.
@@ -157,16 +157,17 @@ def wdisp(delta_sq, ref_sq, delta_w: float = DELTA_W):
     return delta_sq ** 0.5 / (ref_sq + delta_w) ** 0.5
 
 
-def _masses(rows: Iterable[dict], by: str) -> tuple[dict, dict]:
-    """Per group keyed by row[by]: (sum ||dW||^2, sum ||W||^2) over its finite rows (tensors)."""
-    mass: dict = {}
-    ref: dict = {}
+def group_norms(rows: Iterable[dict], key: Callable[[dict], object]) -> dict:
+    """key(row) -> (sum ||dW||^2, sum ||W||^2) over the finite rows (tensors) of that group (key None: left out);
+    what wdisp and the update masses are made of."""
+    out: dict = {}
     for r in rows:
-        if is_number(r.get("delta_fro")) and r.get(by) is not None and not r.get("nonfinite"):
-            key = r[by]
-            mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
-            ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0)
-    return mass, ref
+        k = key(r)
+        if is_number(r.get("delta_fro")) and k is not None and not r.get("nonfinite"):
+            d, ref = out.get(k, (0.0, 0.0))
+            out[k] = (d + float(r["delta_fro"]) ** 2,
+                      ref + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0))
+    return out
 
 
 def _shares(mass: dict) -> dict:
@@ -179,17 +180,17 @@ def update_mass(rows: Iterable[dict], by: str = "module") -> dict:
     displacement, ||dW_g||^2 / sum_h ||dW_h||^2, over the rows (tensors) of a group keyed by row[by] as weights.py
     names it (GPT-2's attn.c_proj and mlp.c_proj stay apart). Rows without finite norms are left out; {} when
     nothing moved."""
-    return _shares(_masses(rows, by)[0])
+    return _shares({k: d for k, (d, _) in group_norms(rows, lambda r: r.get(by)).items()})
 
 
 def update_mass_size_normalised(rows: Iterable[dict], by: str = "module") -> dict:
     """Size-normalised update mass (recommend's reduced_modules): the shares of ||dW_g||^2 / ||W_g||^2 (each
     group's WDisp^2), so a module does not carry "the update" just for being a bigger matrix. {} when nothing
     moved or a group has no reference norm."""
-    mass, ref = _masses(rows, by)
-    if any(ref[k] <= 0 for k in mass):
+    norms = group_norms(rows, lambda r: r.get(by))
+    if any(ref <= 0 for _, ref in norms.values()):
         return {}
-    return _shares({k: v / ref[k] for k, v in mass.items()})
+    return _shares({k: d / ref for k, (d, ref) in norms.items()})
 
 
 # ---- attribution (mechdiag attribute) -----------------------------------------------------------------------------

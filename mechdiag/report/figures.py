@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass, wdisp
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, group_norms, last_step, update_mass, wdisp
 from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -220,32 +220,44 @@ def _module_order(modules) -> list[str]:
     return known + sorted(m for m in modules if m not in ALL_MODULES)
 
 
+def _pooled(run, key) -> dict:
+    """key -> WDisp (metrics.wdisp) of the run's displacement rows with that key that carry both norms."""
+    rows = [r for r in run.read("displacement") if _num(r.get("ref_fro")) is not None]
+    return {k: wdisp(d, ref) for k, (d, ref) in group_norms(rows, key).items() if ref > 0}
+
+
+def _cell(rec) -> tuple | None:
+    step, layer, module = _num(rec.get("step")), _num(rec.get("layer")), rec.get("module")
+    return None if step is None or layer is None or module is None else (step, int(layer), str(module))
+
+
+def _layer(rec) -> tuple | None:
+    step, layer = _num(rec.get("step")), _num(rec.get("layer"))
+    return None if step is None or layer is None else (step, int(layer))
+
+
+def _seed_mean(per_run: list[dict]) -> dict:
+    """step -> rest of the key -> mean over the runs that have it."""
+    acc: dict = defaultdict(lambda: defaultdict(list))
+    for values in per_run:
+        for (step, *rest), v in values.items():
+            acc[step][rest[0] if len(rest) == 1 else tuple(rest)].append(v)
+    return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in acc.items()}
+
+
 def _disp_cells(group: Group) -> dict[float, dict[tuple[int, str], float]]:
     """step -> (layer, module) -> relative displacement, averaged over the group's seeds. A cell holding several
-    tensors (weight and bias) pools them: sqrt(sum ||dW||^2) / sqrt(sum ||W||^2); rel_fro alone is a fallback."""
-    acc: dict[float, dict[tuple[int, str], list[float]]] = defaultdict(lambda: defaultdict(list))
+    tensors (weight and bias) pools them (metrics.wdisp); rel_fro alone is a fallback."""
+    per_run = []
     for run in group.runs:
-        num, den, rel = defaultdict(float), defaultdict(float), defaultdict(list)
+        cells, rel = _pooled(run, _cell), defaultdict(list)
         for rec in run.read("displacement"):
-            step, layer, module = _num(rec.get("step")), _num(rec.get("layer")), rec.get("module")
-            if step is None or layer is None or module is None:
-                continue
-            key = (step, int(layer), str(module))
-            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
-            if ref is not None and delta is not None:
-                num[key] += delta * delta
-                den[key] += ref * ref
-            elif _num(rec.get("rel_fro")) is not None:
-                rel[key].append(_num(rec.get("rel_fro")))
-        for key in set(num) | set(rel):
-            if den.get(key, 0.0) > 0:
-                v = math.sqrt(num[key] / den[key])
-            elif rel.get(key):
-                v = sum(rel[key]) / len(rel[key])
-            else:
-                continue
-            acc[key[0]][key[1:]].append(v)
-    return {s: {k: sum(v) / len(v) for k, v in cells.items()} for s, cells in acc.items()}
+            k = _cell(rec)
+            if k is not None and k not in cells and _num(rec.get("rel_fro")) is not None and \
+                    None in (_num(rec.get("ref_fro")), _num(rec.get("delta_fro"))):
+                rel[k].append(_num(rec["rel_fro"]))
+        per_run.append({**cells, **{k: sum(v) / len(v) for k, v in rel.items()}})
+    return _seed_mean(per_run)
 
 
 def _thin(steps: list, k: int) -> list:
@@ -256,23 +268,8 @@ def _thin(steps: list, k: int) -> list:
 
 
 def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
-    """step -> layer -> pooled displacement of the layer's tensors, sqrt(sum ||dW||^2) / sqrt(sum ||W||^2)."""
-    per_run = []
-    for run in group.runs:
-        num, den = defaultdict(float), defaultdict(float)
-        for rec in run.read("displacement"):
-            step, layer = _num(rec.get("step")), _num(rec.get("layer"))
-            ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
-            if None in (step, layer, ref, delta):
-                continue
-            num[(step, int(layer))] += delta * delta
-            den[(step, int(layer))] += ref * ref
-        per_run.append({k: math.sqrt(num[k] / den[k]) for k in num if den[k] > 0})
-    acc: dict[float, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for values in per_run:
-        for (step, layer), v in values.items():
-            acc[step][layer].append(v)
-    return {s: {lay: sum(v) / len(v) for lay, v in d.items()} for s, d in acc.items()}
+    """step -> layer -> pooled displacement (metrics.wdisp) of the layer's tensors, averaged over the seeds."""
+    return _seed_mean([_pooled(run, _layer) for run in group.runs])
 
 
 def _cell_heatmap(z, modules, layers, name: str, fmt: str, zmax=None, x: float = 1.0) -> go.Heatmap:

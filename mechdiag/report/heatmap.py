@@ -7,19 +7,20 @@ import os
 import pandas as pd
 
 from mechdiag.atomic import write_text
+from mechdiag.metrics import wdisp
 
 OUTSIDE = "outside blocks"  # row label for embeddings, final norm and lm_head (layer null)
 
 
 def displacement_grid(df: pd.DataFrame) -> pd.DataFrame:
-    """rel displacement per (layer, module) cell: sqrt(sum delta^2) / sqrt(sum ref^2) over the cell's tensors
+    """rel displacement per (layer, module) cell: metrics.wdisp over the cell's tensors
     (weight + bias), i.e. rel_fro when the cell holds one tensor. Rows: layers in order, then OUTSIDE."""
     d = df[["layer", "module", "ref_fro", "delta_fro"]].copy()
     d = d[d["ref_fro"].notna() & d["delta_fro"].notna()]
     d["ref_sq"], d["delta_sq"] = d["ref_fro"].astype(float) ** 2, d["delta_fro"].astype(float) ** 2
     d["row"] = [OUTSIDE if pd.isna(v) else str(int(v)) for v in d["layer"]]
     g = d.groupby(["row", "module"], sort=False)[["ref_sq", "delta_sq"]].sum()
-    rel = (g["delta_sq"] ** 0.5 / g["ref_sq"].where(g["ref_sq"] > 0) ** 0.5).unstack("module")
+    rel = wdisp(g["delta_sq"], g["ref_sq"].where(g["ref_sq"] > 0)).unstack("module")
     layers = sorted((r for r in rel.index if r != OUTSIDE), key=int) + ([OUTSIDE] if OUTSIDE in rel.index else [])
     modules = list(dict.fromkeys(d["module"]))  # checkpoint order: q, k, v, o, ... as the model lists them
     return rel.reindex(index=layers, columns=modules)
