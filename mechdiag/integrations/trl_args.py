@@ -174,13 +174,6 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     return C.from_dict(kept)
 
 
-def config_from_output_dir(output_dir: Path, lora: dict | None, model: str | None):
-    """The run's real GRPOConfig (training_args.bin, read safely) with the adapter's LoRA layout and base model;
-    None when the output_dir holds no training_args.bin."""
-    got = config_and_fields(output_dir, lora, model)
-    return None if got is None else got[0]
-
-
 def config_and_fields(output_dir: Path, lora: dict | None, model: str | None):
     """(Config, the training_args.bin fields, the mechdiag keys they set) or None without a training_args.bin."""
     path = find_training_args(output_dir)

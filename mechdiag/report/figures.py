@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, group_norms, last_step, update_mass, wdisp
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, group_norms, last_step, mean_std, update_mass, wdisp
 from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -89,10 +89,9 @@ def seed_band(series: list[dict[float, float]]) -> tuple[list, list, list, list]
     steps = sorted(by_step)
     mean, std = [], []
     for st in steps:
-        vals = by_step[st]
-        m = sum(vals) / len(vals)
+        m, sd = mean_std(by_step[st])
         mean.append(m)
-        std.append(math.sqrt(sum((v - m) ** 2 for v in vals) / (len(vals) - 1)) if len(vals) > 1 else 0.0)
+        std.append(sd or 0.0)
     if len(steps) > MAX_POINTS:  # bin-average consecutive steps
         n, k = len(steps), MAX_POINTS
         bins = [(i * n // k, (i + 1) * n // k) for i in range(k)]

@@ -17,11 +17,6 @@ def n_layers(model) -> int:
     return len(blocks.find_blocks(model)[1])
 
 
-def linear_names(model) -> set[str]:
-    """The target names of the Linear / Conv1D modules inside the decoder blocks (what target_modules may name)."""
-    return set(blocks.target_names(model))
-
-
 def default_targets(model) -> list[str]:
     """The study's module set where the family has all of it, else peft's "all-linear": every Linear / Conv1D
     in the blocks (GPT-2 c_attn..., Phi-3 qkv_proj / gate_up_proj, NeoX query_key_value, Nemotron without gate)."""
