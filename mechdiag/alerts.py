@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, wdisp
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, group_norms, is_number, wdisp
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -42,7 +42,7 @@ def _series(records: list[dict], key: str) -> list[tuple[int, float]]:
     out = []
     for r in records:
         v, s = r.get(key), r.get("step")
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and isinstance(s, int):
+        if is_number(v) and isinstance(s, int):
             out.append((s, float(v)))
     return out
 
@@ -207,12 +207,8 @@ class Watcher:
 
 
 def _per_step(rows) -> list[dict]:
-    """Displacement rows summed per step into one row (sqrt of the summed squares), which is all no_update reads:
+    """Displacement rows summed per step into one row (metrics.group_norms), which is all no_update reads:
     a long run's history stays a row per recorded step."""
-    sums: dict[int, list[float]] = {}
-    for r in rows:
-        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
-            d = sums.setdefault(r["step"], [0.0, 0.0])
-            d[0] += float(r["delta_fro"]) ** 2
-            d[1] += float(r["ref_fro"]) ** 2
+    sums = group_norms(rows, lambda r: r["step"] if isinstance(r.get("step"), int) and r.get("ref_fro") is not None
+                       else None)
     return [{"step": s, "delta_fro": math.sqrt(d), "ref_fro": math.sqrt(ref)} for s, (d, ref) in sums.items()]
