@@ -288,6 +288,13 @@ _checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), de
                                   help="Tuned side a run directory: use its checkpoints/step-N, not final/.")
 
 
+def _rows_options(f):
+    """--format and --out of a command whose output is rows (checked by _rows_output, written by _emit_rows)."""
+    f = click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")(f)
+    return click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
+                        show_default=True)(f)
+
+
 @main.command(short_help="How far checkpoint B moved from A, per tensor/module/layer.")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
@@ -295,9 +302,7 @@ _checkpoint_option = click.option("--checkpoint", type=click.IntRange(min=0), de
               "base_model_name_or_path is not a local folder).")
 @_checkpoint_option
 @click.option("--by", type=click.Choice(["tensor", "module", "layer", "all"]), default="tensor", show_default=True)
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
-              show_default=True)
-@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@_rows_options
 @click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
               "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
@@ -350,9 +355,7 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
 @click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N or mps")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), default="float32", show_default=True)
 @_checkpoint_option
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
-              show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False), help="write the rows here instead of stdout")
+@_rows_options
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
 def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
               fmt, out, html):
@@ -631,9 +634,7 @@ def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, 
 @click.option("--by", type=click.Choice(["layer", "module", "both"]), default="both", show_default=True)
 @click.option("--n", "n", type=click.IntRange(min=1), help="Use the first N of the run's held-out problems "
               "(default: all of them; the reference rows match summary.json only then).")
-@click.option("--format", "fmt", type=click.Choice(["table", "json", "csv", "parquet"]), default="table",
-              show_default=True)
-@click.option("--out", type=click.Path(), default=None, help="Write the rows here instead of stdout.")
+@_rows_options
 @click.option("--save", is_flag=True, help="Also write the rows into the run (attribution.jsonl) for report and "
               "recommend.")
 def attribute(run, by, n, fmt, out, save):
