@@ -382,13 +382,22 @@ def _stem(run: Run) -> str:
     return name or run.name
 
 
+def _varying(items: list[dict]) -> list[str]:
+    return [k for k in sorted({k for it in items for k in it}) if len({_text(it.get(k)) for it in items}) > 1]
+
+
+def varying_keys(runs: list[Run]) -> list[str]:
+    """The config keys that tell runs apart (the one rule for group labels and the report's highlighted columns):
+    values of the resolved config, seed-like keys (IGNORED_KEYS) aside."""
+    return _varying([_treatment(r) for r in runs])
+
+
 def group_runs(runs: list[Run]) -> list[Group]:
     """Runs whose treatments agree form a group, first run's group first (the baseline of a comparison). A group
     is labelled by the config keys that vary across groups (at most three), or by its runs' name without a seed
     suffix when there is one group."""
     items = [_treatment(r) for r in runs]
-    keys = sorted({k for it in items for k in it})
-    varying = [k for k in keys if len({_text(it.get(k)) for it in items}) > 1]
+    varying = _varying(items)
     groups: dict[tuple, Group] = {}
     for run, it in zip(runs, items, strict=True):
         sig = tuple(_text(it.get(k)) for k in varying)

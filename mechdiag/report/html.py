@@ -23,7 +23,7 @@ from mechdiag.atomic import clean_json
 from mechdiag.config import to_yaml
 from mechdiag.metrics import attribution_reference, causal_shares, change, mean_std, rank_correlation
 from mechdiag.report import figures as F
-from mechdiag.run import Group, Run, base_eval, final_eval, flatten_config
+from mechdiag.run import Group, Run, base_eval, final_eval, varying_keys
 
 MAX_COMPLETION_CHARS = 3000
 MAX_PAIRS = 6
@@ -150,14 +150,6 @@ RUN_COLUMNS = [("seed", "seed"), ("learning_rate", "lr"), ("beta", "β"), ("epsi
                ("lora.alpha", "α"), ("lora.target_modules", "modules"), ("lora.layers", "layers")]
 
 
-def differing_keys(runs: list[Run]) -> list[str]:
-    """Config keys whose values are not the same in every run (the seed aside: seeds are pooled)."""
-    flats = [flatten_config(r.config or {}) for r in runs]
-    keys = dict.fromkeys(k for f in flats for k in f)
-    return [k for k in keys if k != "seed"
-            and len({json.dumps(f.get(k), sort_keys=True, default=str) for f in flats}) > 1]
-
-
 def _held_cell(run: Run, key: str) -> str:
     """A config value as the run holds it: a foreign run's value only when read from it or inferred from its
     logs (marked, with the evidence on hover), else unknown; never mechdiag's placeholder."""
@@ -185,7 +177,7 @@ def sandbox_of(run: Run) -> str:
 
 def section_runs(groups: list[Group]) -> str:
     runs = [r for g in groups for r in g.runs]
-    differ = differing_keys(runs) if len(runs) > 1 else []
+    differ = varying_keys(runs) if len(runs) > 1 else []
     columns = RUN_COLUMNS + [(k, k) for k in differ if k not in dict(RUN_COLUMNS)]
     head = "".join(f"<th{' class=diff' if k in differ else ''}>{esc(t)}</th>" for k, t in columns)
     rows = []
