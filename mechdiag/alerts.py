@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, group_norms, is_number, wdisp
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, group_norms, series, wdisp
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -38,19 +38,10 @@ class Alert:
         return asdict(self)
 
 
-def _series(records: list[dict], key: str) -> list[tuple[int, float]]:
-    out = []
-    for r in records:
-        v, s = r.get(key), r.get("step")
-        if is_number(v) and isinstance(s, int):
-            out.append((s, float(v)))
-    return out
-
-
-def _windows(series: list[tuple[int, float]], n: int = WINDOW):
+def _windows(points: list[tuple[int, float]], n: int = WINDOW):
     """(step, mean of the n values ending at that step) from the n-th value on."""
-    for i in range(n - 1, len(series)):
-        yield series[i][0], math.fsum(v for _, v in series[i - n + 1:i + 1]) / n
+    for i in range(n - 1, len(points)):
+        yield points[i][0], math.fsum(v for _, v in points[i - n + 1:i + 1]) / n
 
 
 # ---- the alerts ---------------------------------------------------------------------------------------------
@@ -85,7 +76,7 @@ def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
 
 
 def kl_spike(metrics: list[dict]) -> Alert | None:
-    kl = _series(metrics, "kl")
+    kl = series(metrics, "kl")
     for i, (step, v) in enumerate(kl):
         before = [x for _, x in kl[max(0, i - KL_WINDOW):i]]
         if len(before) < KL_MIN_HISTORY or v <= KL_SPIKE_MIN:
@@ -101,9 +92,9 @@ def kl_spike(metrics: list[dict]) -> Alert | None:
 def truncation(metrics: list[dict]) -> Alert | None:
     """Mean clipped share over WINDOW steps above CLIPPED_HIGH; where a trainer logs no clipped share but the
     mean length of completions that ended (TRL's mean_terminated_length), a step with none ended counts as all cut."""
-    clipped = _series(metrics, "completion_clipped_ratio")
+    clipped = series(metrics, "completion_clipped_ratio")
     if not clipped:
-        clipped = [(s, 1.0 if v == 0 else 0.0) for s, v in _series(metrics, "terminated_length")]
+        clipped = [(s, 1.0 if v == 0 else 0.0) for s, v in series(metrics, "terminated_length")]
     by_step = {r["step"]: r for r in metrics if isinstance(r.get("step"), int)}
     for step, m in _windows(clipped):
         if m > CLIPPED_HIGH:
@@ -118,7 +109,7 @@ def truncation(metrics: list[dict]) -> Alert | None:
 
 
 def entropy_collapse(metrics: list[dict]) -> Alert | None:
-    ent = _series(metrics, "entropy")
+    ent = series(metrics, "entropy")
     if len(ent) < 2 * WINDOW:
         return None
     head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
@@ -134,7 +125,7 @@ def entropy_collapse(metrics: list[dict]) -> Alert | None:
 
 def zero_std(metrics: list[dict]) -> Alert | None:
     by_step = {r["step"]: r for r in metrics if isinstance(r.get("step"), int)}
-    for step, m in _windows(_series(metrics, "frac_zero_std")):
+    for step, m in _windows(series(metrics, "frac_zero_std")):
         if m > FRAC_ZERO_STD_HIGH:
             r = by_step[step]
             split = ""
@@ -149,8 +140,8 @@ def zero_std(metrics: list[dict]) -> Alert | None:
 def reward_accuracy_gap(metrics: list[dict], evals: list[dict], max_reward: float) -> Alert | None:
     """At an eval after the base: train reward (mean of WINDOW steps to it) up by GAP_REWARD_RISE x max_reward from
     the first WINDOW steps, while accuracy is at most GAP_ACC_FLAT above the base eval's."""
-    reward = _series(metrics, "reward")
-    acc = _series(evals, "accuracy")
+    reward = series(metrics, "reward")
+    acc = series(evals, "accuracy")
     if len(reward) < 2 * WINDOW or len(acc) < 2:
         return None
     base_step, base = acc[0]

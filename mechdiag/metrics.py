@@ -81,6 +81,12 @@ def is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def series(records: Iterable[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of the records with an integer step and a finite number under `key` (alerts, the report)."""
+    return [(r["step"], float(r[key])) for r in records
+            if is_number(r.get(key)) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
+
+
 def mean_std(values: Iterable) -> tuple[float | None, float | None]:
     """Mean and sample std (Bessel) over the finite numbers given (seeds); std None for one value, both None
     for none, 0 for seeds that agree to 1e-9."""

@@ -14,7 +14,16 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, group_norms, last_step, mean_std, update_mass, wdisp
+from mechdiag.metrics import (
+    EVAL_SIGNALS,
+    TRAIN_SIGNALS,
+    group_norms,
+    last_step,
+    mean_std,
+    series,
+    update_mass,
+    wdisp,
+)
 from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -103,13 +112,8 @@ def seed_band(series: list[dict[float, float]]) -> tuple[list, list, list, list]
     return [_r(x) for x in steps], [_r(x) for x in mean], [_r(x) for x in lo], [_r(x) for x in hi]
 
 
-def _series(records: list[dict], key: str) -> dict[float, float]:
-    out = {}
-    for rec in records:
-        step, v = _num(rec.get("step")), _num(rec.get(key))
-        if step is not None and v is not None:
-            out[step] = v
-    return out
+def _series(records: list[dict], key: str) -> dict[int, float]:
+    return dict(series(records, key))
 
 
 def _small_multiples(groups: list[Group], panels: list[tuple[str, str, str]], cols: int,
@@ -370,14 +374,7 @@ def geometry_heatmap(group: Group) -> tuple[go.Figure, list[int]] | None:
 
 def _wdisp_by_step(run) -> dict[float, float]:
     """metrics.wdisp over all recorded tensors, per step."""
-    num, den = defaultdict(float), defaultdict(float)
-    for rec in run.read("displacement"):
-        step, ref, delta = _num(rec.get("step")), _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
-        if step is None or ref is None or delta is None:
-            continue
-        num[step] += delta * delta
-        den[step] += ref * ref
-    return {s: wdisp(num[s], den[s]) for s in num if den[s] > 0}
+    return _pooled(run, lambda rec: _num(rec.get("step")))
 
 
 def _module_mass(run) -> dict[str, float]:
