@@ -18,7 +18,7 @@ from rich.table import Table
 from mechdiag import alerts as A
 from mechdiag import config as C
 from mechdiag.integrations.readers import locate, read_any_run
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, max_reward, series
 from mechdiag.run import RunDir, callback_run, resolve_run
 from mechdiag.tasks import reward_weights
 
@@ -67,17 +67,12 @@ def sparkline(values: list[float], width: int = SPARK_POINTS) -> str:
     return "".join(SPARK[min(len(SPARK) - 1, int((v - lo) / (hi - lo) * len(SPARK)))] for v in vals)
 
 
-def _points(records: list[dict], key: str) -> list[tuple[int, float]]:
-    return [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float))
-            and not isinstance(r.get(key), bool) and isinstance(r.get("step"), int)]
-
-
 def rows(state: State) -> list[tuple[str, str, str, str]]:
     """(signal, latest value, its step, sparkline) for the eight signals, then the extras that were recorded."""
     panels = [("metrics", k, t) for k, t in TRAIN_SIGNALS] + [("eval", k, t) for k, t in EVAL_SIGNALS]
     out = []
     for i, (stream, key, title) in enumerate(panels + EXTRA):
-        pts = _points(state.metrics if stream == "metrics" else state.evals, key)
+        pts = series(state.metrics if stream == "metrics" else state.evals, key)
         if i >= len(panels) and not pts:
             continue
         latest = f"{pts[-1][1]:.4g}" if pts else "-"
@@ -90,7 +85,7 @@ def user_rows(state: State) -> list[tuple[str, str, str, str]]:
     out = []
     for name, recs in state.user.items():
         for key in dict.fromkeys(k for r in recs for k in r if k != "step"):
-            if pts := _points(recs, key):
+            if pts := series(recs, key):
                 out.append((f"{name}/{key}", f"{pts[-1][1]:.4g}", str(pts[-1][0]), sparkline([v for _, v in pts])))
     return out
 
