@@ -8,7 +8,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,11 @@ def dumps(record: Any) -> str:
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
     write_text(path, dumps(obj) + "\n")
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> None:
+    """A whole JSON Lines file, atomically (one record per line)."""
+    write_text(path, "".join(dumps(r) + "\n" for r in records))
 
 
 def append_jsonl(path: str | os.PathLike, records: list[dict], fsync: bool = False) -> None:

@@ -665,7 +665,7 @@ def attribute(run, by, n, fmt, out, save):
         done = iter(range(1, att.n_evals(by) + 1))
         rows = att.rows(by, progress=lambda: update(next(done), "evaluations"))
     if save:
-        atomic.write_text(att.run.stream(A.STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
+        atomic.write_jsonl(att.run.stream(A.STREAM), rows)
     df = pd.DataFrame(rows, columns=A.COLUMNS)
     df["layer"] = df["layer"].astype("Int64")
     _emit_rows(df, fmt, out, lambda: _rows_table(

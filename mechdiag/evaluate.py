@@ -404,7 +404,7 @@ class Result:
 
 def _merge_jsonl(path: Path, keep, new_records: list[dict]) -> None:
     old = [r for r in atomic.read_jsonl(path) if keep(r)] if path.exists() else []
-    atomic.write_text(path, "".join(atomic.dumps(r) + "\n" for r in old + new_records))
+    atomic.write_jsonl(path, old + new_records)
 
 
 def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], settings: Settings, out_dir,

@@ -95,7 +95,7 @@ class RunDir:
     def replace_step(self, name: str, step: int, records: list[dict]) -> None:
         """Replace one step's records of a stream (atomically), keeping the others in order."""
         kept = [r for r in self.read(name) if r.get("step") != step] if self.stream(name).exists() else []
-        atomic.write_text(self.stream(name), "".join(atomic.dumps(r) + "\n" for r in [*kept, *records]))
+        atomic.write_jsonl(self.stream(name), [*kept, *records])
 
     def drop_after(self, step: int) -> None:
         """On resume: forget every record past the last checkpointed step, so each step appears once."""
@@ -104,7 +104,7 @@ class RunDir:
             if self.stream(name).exists():
                 kept[name] = [r for r in self.read(name) if r.get("step", -1) <= step]
         for name, records in kept.items():
-            atomic.write_text(self.stream(name), "".join(atomic.dumps(r) + "\n" for r in records))
+            atomic.write_jsonl(self.stream(name), records)
 
     # ---- files ---------------------------------------------------------------------------------------
     @property

@@ -126,7 +126,7 @@ HOMES = {
     "Meter": "console.py",
     "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py", "varying_keys": "run.py",
-    "series": "metrics.py", "group_norms": "metrics.py",
+    "series": "metrics.py", "group_norms": "metrics.py", "write_jsonl": "atomic.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -141,6 +141,7 @@ PATTERNS = {
                            r"\{s\}\.jsonl['\"]\)\.(exists|is_file)\(\) for s in STREAMS", "run.py"),
     "improved/regressed verdict": (r"\*\s*(dirn|direction)\b", "metrics.py"),
     "progress output": (r"rich\.progress\b", "console.py"),
+    "a whole jsonl file": (r"dumps\(\w+\) \+ ['\"]\\n['\"] for \w+ in", "atomic.py"),
 }
 
 
@@ -182,5 +183,6 @@ def test_inline_copies_do_not_come_back():
            "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):',
            "is a run directory": 'or (path / CALLBACK_DIR / "config.yaml").exists()',
            "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")',
-           "progress output": "from rich.progress import BarColumn, MofNCompleteColumn, Progress"}
+           "progress output": "from rich.progress import BarColumn, MofNCompleteColumn, Progress",
+           "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
