@@ -230,18 +230,11 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
 
 
 def _records(df) -> list[dict]:
-    """DataFrame -> flat JSON-ready records: pandas NA/NaN become None, numpy scalars Python numbers."""
-    out = []
-    for rec in df.to_dict("records"):
-        clean = {}
-        for k, v in rec.items():
-            if hasattr(v, "item"):
-                v = v.item()
-            if v is None or (isinstance(v, float) and not math.isfinite(v)) or str(v) == "<NA>":
-                v = None
-            clean[k] = v
-        out.append(clean)
-    return out
+    """DataFrame -> flat JSON-ready records (atomic.clean_json: NaN None, numpy scalars Python numbers; pandas NA
+    None too)."""
+    from mechdiag.atomic import clean_json
+
+    return [clean_json({k: None if str(v) == "<NA>" else v for k, v in rec.items()}) for rec in df.to_dict("records")]
 
 
 def _rows_output(fmt: str, out: str | None) -> None:
