@@ -278,7 +278,7 @@ def is_adapter(path: str | os.PathLike) -> bool:
 
 def adapter_base(path: str | os.PathLike) -> Path | None:
     """The adapter's base_model_name_or_path when it is a local folder (absolute or relative to it), else None."""
-    base = _adapter_config(Path(path)).get("base_model_name_or_path")
+    base = adapter_config(Path(path)).get("base_model_name_or_path")
     if base and Path(base).is_dir():
         return Path(base)
     if base and (Path(path) / base).is_dir():
@@ -294,7 +294,9 @@ def local_base(adapter: str | os.PathLike) -> Path:
     return base
 
 
-def _adapter_config(folder: Path) -> dict:
+def adapter_config(folder: str | os.PathLike) -> dict:
+    """An adapter folder's adapter_config.json (one clear line when it is unreadable or not JSON)."""
+    folder = Path(folder)
     try:
         return json.loads((folder / ADAPTER_CONFIG).read_text())
     except ValueError:
@@ -318,7 +320,7 @@ _ADAPTER_KEY = re.compile(r"^(?P<path>.+)\.(?P<kind>lora_A\.weight|lora_B\.weigh
 def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
     """PEFT LoRA adapter on `base`: each adapted weight is base + s * B @ A (kept as factors)."""
     folder = Path(path)
-    cfg = _adapter_config(folder)
+    cfg = adapter_config(folder)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise UserError(f"{folder}: peft_type {cfg.get('peft_type')} is not supported (LoRA adapters only)")
     if cfg.get("use_dora"):
@@ -409,7 +411,7 @@ def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike
         return open_dense(p, files)
     base_path = base or adapter_base(p) or (other if other is not None and not is_adapter(other) else None)
     if base_path is None:
-        cfg = _adapter_config(p)
+        cfg = adapter_config(p)
         raise UserError(f"{p}: adapter base {cfg.get('base_model_name_or_path')!r} is not a local folder; "
                         "pass --base BASE_DIR")
     if is_adapter(base_path):

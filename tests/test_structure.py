@@ -117,7 +117,8 @@ def test_imports_inside_functions_say_why():
 # issue 23: each duplicated idea has one home; name -> the one file that defines it (function, class or a
 # module-level constant)
 HOMES = {
-    "is_adapter": "weights.py", "adapter_base": "weights.py", "local_base": "weights.py",
+    "is_adapter": "weights.py", "adapter_config": "weights.py", "adapter_base": "weights.py",
+    "local_base": "weights.py",
     "refuse_pickle": "weights.py", "PICKLE_SUFFIXES": "weights.py", "first_line": "errors.py",
     "wdisp": "metrics.py", "DELTA_W": "metrics.py", "update_mass": "metrics.py",
     "update_mass_size_normalised": "metrics.py",
@@ -141,6 +142,7 @@ PATTERNS = {
                            r"\{s\}\.jsonl['\"]\)\.(exists|is_file)\(\) for s in STREAMS", "run.py"),
     "improved/regressed verdict": (r"\*\s*(dirn|direction)\b", "metrics.py"),
     "progress output": (r"rich\.progress\b", "console.py"),
+    "adapter detection": (r"['\"]adapter_config\.json['\"]\)?\.(is_file|exists)\(", "weights.py"),
     "a whole jsonl file": (r"dumps\(\w+\) \+ ['\"]\\n['\"] for \w+ in", "atomic.py"),
 }
 
@@ -184,5 +186,6 @@ def test_inline_copies_do_not_come_back():
            "is a run directory": 'or (path / CALLBACK_DIR / "config.yaml").exists()',
            "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")',
            "progress output": "from rich.progress import BarColumn, MofNCompleteColumn, Progress",
+           "adapter detection": 'if (folder / "adapter_config.json").is_file():',
            "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []

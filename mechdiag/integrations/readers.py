@@ -45,7 +45,7 @@ from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import Run, RunDir, callback_run, flatten_config, held, is_run_dir, load_run
 from mechdiag.tasks.rewards import weighted_total
-from mechdiag.weights import adapter_base, is_adapter
+from mechdiag.weights import ADAPTER_CONFIG, adapter_base, adapter_config, is_adapter
 
 # ---- key maps -----------------------------------------------------------------------------------------------
 TRL_TRAIN_KEYS = {
@@ -288,12 +288,9 @@ def _config_from_output_dir(output_dir: Path, prov: Provenance):
     data: dict = {}
     ckpts = list(_checkpoints(output_dir).values())
     for folder in [output_dir, *reversed(ckpts)]:
-        path = folder / "adapter_config.json"
-        if path.is_file():
-            try:
-                a = json.loads(path.read_text(encoding="utf-8"))
-            except ValueError as e:
-                raise UserError(f"corrupt {path}: {e}") from None
+        path = folder / ADAPTER_CONFIG
+        if is_adapter(folder):
+            a = adapter_config(folder)
             lora = {"r": a.get("r", 8), "alpha": a.get("lora_alpha", 8), "dropout": a.get("lora_dropout", 0.0),
                     "use_rslora": bool(a.get("use_rslora", False))}
             if isinstance(a.get("target_modules"), list) and a["target_modules"]:
