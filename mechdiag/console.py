@@ -3,8 +3,8 @@
 Tables: numbers are never cut (a numeric column is as wide as its widest number; the significant digits drop
 from 4 to 2, then trailing columns are left out, until the table fits); text columns wrap; values are shown as
 plain text, never read as rich markup ("[q_proj, v_proj]" stays as written).
-Progress (Meter, progress): a terminal gets a rich bar; a log file or pipe gets one line at most every EVERY_S
-seconds (Progress).
+Progress (and progress()): a terminal gets a rich bar; a log file or pipe gets one line at most every EVERY_S
+seconds.
 """
 
 from __future__ import annotations
@@ -111,19 +111,29 @@ def render_table(title: str | None, columns: Sequence[str], rows: Sequence[Seque
 
 
 class Progress:
-    """One line "LABEL: DONE/TOTAL (note), Ns" at most every `every_s` seconds when `stream` is not a terminal
-    (nohup, CI logs); silent on a terminal, where the commands draw their own bars."""
+    """A long job's progress, the one switch every long command and the trainer use. Not on a terminal (nohup, CI
+    logs), or with `force`: one line "LABEL: DONE/TOTAL note (Ns)" at most every `every_s` seconds. On a terminal:
+    with `bar` a rich bar (the note beside it; `bar_drawn` says so), else nothing."""
 
-    def __init__(self, label: str, total: int | None = None, every_s: float = EVERY_S, stream=None,
-                 force: bool = False):
+    def __init__(self, label: str, total: float | None = None, every_s: float = EVERY_S, stream=None,
+                 force: bool = False, bar: bool = False, done: float = 0, transient: bool = True):
         self.label, self.total, self.every_s = label, total, every_s
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = force or not _is_terminal(self.stream)
         self.t0 = time.perf_counter()
         self.last = -math.inf
+        self.bar_drawn = bar and not self.enabled
+        if self.bar_drawn:
+            self.bar = Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                           TextColumn("{task.fields[note]}"), console=Console(file=self.stream), transient=transient)
+            self.bar.start()
+            self.task = self.bar.add_task(label, total=total, completed=done, note="")
 
-    def update(self, done: int | float | None = None, note: str = "", final: bool = False) -> bool:
-        """Print a line if due (or `final`); returns whether one was printed."""
+    def update(self, done: float | None = None, note: str = "", final: bool = False) -> bool:
+        """Move the bar, or print a line if due (or `final`); returns whether a line was printed."""
+        if self.bar_drawn:
+            self.bar.update(self.task, completed=done, note=note)
+            return False
         now = time.perf_counter()
         if not self.enabled or (not final and now - self.last < self.every_s):
             return False
@@ -137,39 +147,20 @@ class Progress:
         print(" ".join(parts), file=self.stream, flush=True)
         return True
 
-
-class Meter:
-    """A long job's progress, the one switch every long command and the trainer use: a rich bar on a terminal
-    (`note` beside it), else Progress lines at most every EVERY_S seconds; `lines` says which one it is."""
-
-    def __init__(self, label: str, total: float, stream=None, done: float = 0, transient: bool = True):
-        stream = stream if stream is not None else sys.stderr
-        self.lines = None if _is_terminal(stream) else Progress(label, total=total, stream=stream)
-        if self.lines is None:
-            self.bar = Bar(TextColumn(label), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                           TextColumn("{task.fields[note]}"), console=Console(file=stream), transient=transient)
-            self.bar.start()
-            self.task = self.bar.add_task(label, total=total, completed=done, note="")
-
-    def update(self, done: float, note: str = "") -> None:
-        if self.lines is not None:
-            self.lines.update(done, note)
-        else:
-            self.bar.update(self.task, completed=done, note=note)
-
     def close(self) -> None:
-        if self.lines is None:
+        if self.bar_drawn:
             self.bar.stop()
+            self.bar_drawn = False
 
 
 @contextlib.contextmanager
 def progress(label: str, total: float, stream=None):
-    """update(done, note=""): a Meter for the block (a transient bar on a terminal, else Progress lines)."""
-    meter = Meter(label, total, stream)
+    """update(done, note=""): Progress with a transient bar on a terminal, else lines, for the block."""
+    p = Progress(label, total=total, stream=stream, bar=True)
     try:
-        yield meter.update
+        yield lambda done, note="": p.update(done, note)
     finally:
-        meter.close()
+        p.close()
 
 
 def _is_terminal(stream) -> bool:

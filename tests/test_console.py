@@ -110,7 +110,7 @@ def test_long_commands_print_progress_lines_into_a_log(tiny_run, tmp_path):
 
 
 def test_train_draws_the_one_meter_on_a_terminal(tmp_path):
-    """stderr is a terminal (a pty): train's progress is console.Meter's bar, the live note beside it, and no log
+    """stderr is a terminal (a pty): train's progress is console.Progress's bar, the live note beside it, and no log
     lines (the same switch as displacement and attribute)."""
     master, slave = pty.openpty()
     env = {**os.environ, "COLUMNS": "140", "PYTHONPATH": str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}

@@ -124,7 +124,6 @@ HOMES = {
     "update_mass_size_normalised": "metrics.py",
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
-    "Meter": "console.py",
     "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py", "varying_keys": "run.py",
     "series": "metrics.py", "group_norms": "metrics.py", "write_jsonl": "atomic.py",

@@ -16,7 +16,7 @@ import importlib
 import sys
 import time
 
-from mechdiag.console import Meter
+from mechdiag.console import Progress
 from mechdiag.errors import UserError
 
 
@@ -88,30 +88,25 @@ class Checkpointer(Hook):
 
 
 class ProgressBar(Hook):
-    """Train progress with live reward, accuracy and KL (mechdiag.console.Meter: a bar on a terminal, else a
+    """Train progress with live reward, accuracy and KL (mechdiag.console.Progress: a bar on a terminal, else a
     progress line at most every ~10 s); without a terminal each eval gets a line of its own."""
 
     def __init__(self):
-        self.meter = None
+        self.progress = None
         self.acc = float("nan")
 
     def on_train_start(self, trainer):
-        self.meter = Meter("train step", trainer.total_steps, done=trainer.step, transient=False)
+        self.progress = Progress("train step", trainer.total_steps, bar=True, done=trainer.step, transient=False)
 
     def on_step_end(self, trainer, step, metrics, rollout):
-        self.meter.update(step, f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  "
-                                f"kl {metrics.get('kl', float('nan')):.4f}")
+        self.progress.update(step, f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  "
+                                   f"kl {metrics.get('kl', float('nan')):.4f}")
 
     def on_eval(self, trainer, step, metrics):
         self.acc = metrics["accuracy"]
-        if self.meter is None or self.meter.lines is not None:
+        if self.progress is None or not self.progress.bar_drawn:
             print(f"eval step {step}: accuracy {metrics['accuracy']:.3f} eval_reward {metrics['eval_reward']:.3f}"
                   f" ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
 
     def on_train_end(self, trainer, summary):
-        self.close()
-
-    def close(self):
-        if self.meter is not None:
-            self.meter.close()
-            self.meter = None
+        self.progress.close()

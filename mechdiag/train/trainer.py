@@ -215,8 +215,8 @@ class Trainer:
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
             for h in self.hooks:
-                if isinstance(h, H.ProgressBar):
-                    h.close()
+                if isinstance(h, H.ProgressBar) and h.progress is not None:
+                    h.progress.close()
             raise
         return self.run
 
