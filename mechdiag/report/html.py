@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from mechdiag.atomic import clean_json
 from mechdiag.config import to_yaml
-from mechdiag.metrics import attribution_reference, causal_shares, change, mean_std, rank_correlation
+from mechdiag.metrics import attribution_reference, causal_shares, change, mean_std, metric_order, rank_correlation
 from mechdiag.report import figures as F
 from mechdiag.run import Group, Run, base_eval, final_eval, varying_keys
 
@@ -366,7 +366,7 @@ def section_benchmarks(groups: list[Group]) -> str:
         return _missing("No benchmark evaluation recorded (eval_benchmarks.jsonl missing or empty; "
                         "run `mechdiag eval`)")
     columns = (["base"] if "base" in columns else []) + [c for c in columns if c != "base"]
-    metrics = sorted({m for _, m in cells}, key=_metric_order)
+    metrics = sorted({m for _, m in cells}, key=metric_order)
     benches = sorted({b for b, _ in cells})
     head1 = "".join(f"<th colspan={len(columns)}>{esc(m)}</th>" for m in metrics)
     head2 = "".join(f"<th>{esc(c)}</th>" for _ in metrics for c in columns)
@@ -389,12 +389,6 @@ def section_benchmarks(groups: list[Group]) -> str:
             f"<tr>{head2}</tr>" + "".join(body) + "</table></div><p class=note>mean ± std over seeds "
             "(or the recorded std); <span class=up>green</span>: better than base, "
             "<span class=down>red</span>: worse; entropy and length are not judged.</p>")
-
-
-def _metric_order(m: str):
-    if m.startswith("pass@") and m[5:].isdigit():
-        return (0, int(m[5:]), m)
-    return (1, 0, m)
 
 
 def section_recommendations(advice) -> str:
