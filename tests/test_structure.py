@@ -126,7 +126,7 @@ HOMES = {
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
     "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py", "varying_keys": "run.py",
-    "series": "metrics.py", "group_norms": "metrics.py", "write_jsonl": "atomic.py",
+    "series": "metrics.py", "group_norms": "metrics.py", "metric_order": "metrics.py", "write_jsonl": "atomic.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
