@@ -1,7 +1,6 @@
 """Metric definitions shared by the CLI, the report and recommend: which way is better (and whether a change
-improved or regressed), display order, mean and
-std over seeds, the pass@k / maj@k estimators, update mass, and the causal share of `mechdiag attribute`
-(docs/metrics.md has the formulas)."""
+improved or regressed), display order, series over steps, mean and std over seeds, the pass@k / maj@k estimators,
+WDisp and update mass, and the causal share of `mechdiag attribute` (docs/metrics.md has the formulas)."""
 
 from __future__ import annotations
 
