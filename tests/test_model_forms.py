@@ -13,9 +13,10 @@ from click.testing import CliRunner
 from mechdiag import models
 from mechdiag.cli import main
 from mechdiag.errors import UserError
+from mechdiag.integrations.readers import is_trl_dir, locate
 from mechdiag.recommend import Signals
 from mechdiag.report.figures import _module_mass
-from mechdiag.run import load_run
+from mechdiag.run import callback_run, is_run_dir, load_run, resolve_run
 from tests.helpers import assert_bad_input
 
 
@@ -93,3 +94,26 @@ def test_report_recommend_and_displacement_agree_on_update_mass(tiny_run):
         assert report[m] == pytest.approx(raw[m], rel=1e-4), m
         assert recommend[m] == pytest.approx(normalised[m], rel=1e-4), m
     assert sum(raw.values()) == pytest.approx(1.0) and sum(recommend.values()) == pytest.approx(1.0)
+
+
+def test_one_rule_for_a_run_directory(tmp_path, tiny_run):
+    """run.is_run_dir / run.callback_run decide for run arguments (resolve_run), model arguments
+    (checkpoint_folder) and the readers (locate, is_trl_dir) alike."""
+    evals = tmp_path / "evals"  # a run holding only eval records (mechdiag eval's output) is a run directory
+    evals.mkdir()
+    (evals / "eval_benchmarks.jsonl").write_text('{"step": 0, "benchmark": "b", "metric": "accuracy"}\n')
+    assert is_run_dir(evals) and resolve_run(evals).path == evals and locate(evals) is None
+    with pytest.raises(UserError, match="neither final/ nor a complete checkpoint"):
+        models.checkpoint_folder(evals)  # a run, but no model in it: said so, not passed on as a model folder
+    out = tmp_path / "trl_out"  # a TRL output_dir whose MechdiagCallback wrote OUT/mechdiag/
+    (out / "mechdiag").mkdir(parents=True)
+    (out / "mechdiag" / "config.yaml").write_text((tiny_run / "config.yaml").read_text())
+    assert not is_run_dir(out) and callback_run(out) == out / "mechdiag"
+    assert resolve_run(out).path == out / "mechdiag" and is_trl_dir(out) and locate(out)[0] == "trl"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")  # a model folder is never a run
+    assert not is_run_dir(empty) and callback_run(empty) is None and not is_trl_dir(empty)
+    with pytest.raises(UserError, match="not a run directory"):
+        resolve_run(empty)
+    assert is_run_dir(tiny_run) and models.checkpoint_folder(tiny_run) == tiny_run / "final"
