@@ -163,10 +163,7 @@ class Attribution:
     # ---- measuring ----------------------------------------------------------------------------------------
     def eval_model(self):
         """The module the trainer evaluates: the merged sampler brought up to date with the adapter, or the model."""
-        if self._sampler is None:
-            return self.model
-        merge_into(self.model, self._sampler)
-        return self._sampler
+        return merge_into(self.model, self._sampler)
 
     def evaluate(self, kl: bool = True) -> dict:
         """The trainer's held-out eval (recorder.heldout_eval) of the current adapter state, and its output KL

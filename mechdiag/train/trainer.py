@@ -175,11 +175,7 @@ class Trainer:
 
     def sampler(self):
         """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
-        if self._sampler is None:
-            return self.model
-
-        merge_into(self.model, self._sampler)
-        return self._sampler
+        return merge_into(self.model, self._sampler)
 
     # ---- the loop -------------------------------------------------------------------------------------
     def fit(self) -> RunDir:
