@@ -17,7 +17,7 @@ from mechdiag import atomic, config
 from mechdiag import evaluate as E
 from mechdiag.errors import UserError
 from mechdiag.report import advise, write_report
-from mechdiag.run import RunDir, group_runs, load_run
+from mechdiag.run import group_runs, is_run_dir, load_run
 from mechdiag.train.trainer import train
 
 SEEDS = (42, 3407)
@@ -37,7 +37,7 @@ def demo_overrides(max_steps: int) -> list[str]:
 def _fresh(path: Path) -> Path:
     """The demo owns DIR/demo-seedN: a previous demo run there is replaced, anything else is left alone."""
     if path.exists():
-        if not path.is_dir() or not (RunDir(path).config_path.exists() or RunDir(path).stream("metrics").exists()):
+        if not is_run_dir(path):
             raise UserError(f"{path} exists and is not a previous demo run; pass --out to another folder")
         shutil.rmtree(path)
     return path
