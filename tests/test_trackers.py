@@ -274,3 +274,51 @@ def test_trl_callback_reaches_tensorboard(stories260k, tmp_path, monkeypatch):
     n_layers = len({site.split(".")[0] for _, site in disp})
     assert images[T.HEATMAP] == {s: (12 * n_layers, 12 * 2) for s in range(1, steps + 1)}
     assert not any(k.startswith("train/mechdiag/metrics/") for k in tb)  # TRL logs its metrics itself
+
+
+def test_backend_trl_reaches_every_tracker(stories260k, tmp_path, trackio_project):
+    """`mechdiag train --backend trl` with report_to all four: TRL's own callbacks write into the run directory
+    (W&B offline, MLflow's file store) and carry mechdiag's held-out eval and displacement at their steps."""
+    from click.testing import CliRunner
+    from trackio.sqlite_storage import SQLiteStorage
+
+    from mechdiag.cli import main
+    from tests.test_trl import _small
+
+    out = tmp_path / "run"
+    sets = _small(stories260k, "record.displacement_every=1", "save_every=0", "eval_every=0",
+                  "report_to=[tensorboard,wandb,mlflow,trackio]")
+    r = CliRunner().invoke(main, ["train", "--backend", "trl", "--out", str(out), "--max-steps", "2",
+                                  *[a for s in sets for a in ("--set", s)]], catch_exceptions=False)
+    assert r.exit_code == 0, r.stderr[-2000:]
+    run = RunDir(out)
+    want = {"mechdiag/eval/accuracy": {e["step"]: e["accuracy"] for e in run.read("eval")},
+            f"mechdiag/displacement/{SITE}/rel_fro": {d["step"]: d["rel_fro"] for d in run.read("displacement")
+                                                      if f"{d['layer']}.{d['module']}" == SITE}}
+    assert set(want["mechdiag/eval/accuracy"]) == {0, 2}
+    assert set(want[f"mechdiag/displacement/{SITE}/rel_fro"]) == {1, 2}
+    reward = {m["step"]: m["reward"] for m in run.read("metrics")}
+
+    tb, images = tensorboard_scalars(out / "tensorboard")
+    for key, series in want.items():
+        assert tb[f"train/{key}"] == {s: pytest.approx(v, rel=1e-6, abs=1e-30) for s, v in series.items()}, key
+    assert tb["train/reward"] == {s: pytest.approx(v, rel=1e-6) for s, v in reward.items()}
+    assert set(images[T.HEATMAP]) == {1, 2}
+
+    wb = wandb_history(out / "wandb")  # W&B's x axis here is train/global_step, the step TRL logged at
+    rows = list(wb.values())
+    for key, series in want.items():
+        got = {row["train/global_step"]: row[f"train/{key}"] for row in rows if f"train/{key}" in row}
+        assert got == series, key
+    assert {row["train/global_step"] for row in rows if T.HEATMAP in row} == {1, 2}
+
+    client, run_id = mlflow_run(out)
+    for key, series in want.items():
+        assert {m.step: m.value for m in client.get_metric_history(run_id, key)} == series, key
+    assert {m.step for m in client.get_metric_history(run_id, "reward")} == {1, 2}
+
+    (name,) = SQLiteStorage.get_runs(trackio_project)
+    logs = SQLiteStorage.get_logs(trackio_project, name)
+    for key, series in want.items():
+        got = {row["train/global_step"]: row[f"train/{key}"] for row in logs if f"train/{key}" in row}
+        assert got == series, key

@@ -211,7 +211,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
-        eval_strategy="no", report_to=list(cfg.report_to), bf16=cuda and cfg.model.dtype == "bfloat16",
+        eval_strategy="no", report_to=list(cfg.report_to), project=os.environ.get("TRACKIO_PROJECT", T.PREFIX),
+        bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
         use_cpu=not cuda,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
@@ -544,6 +545,7 @@ def _heatmap(callback, step: int, rows: list) -> None:
         import mlflow  # noqa: PLC0415 - mlflow is an optional extra
 
         if mlflow.active_run() is not None:
+            mlflow.flush_async_logging()  # transformers logs metrics asynchronously; log_table reads the run
             mlflow.log_table({c: [r[i] for r in data] for i, c in enumerate(cols)},
                              artifact_file=f"displacement/step_{step:06d}.json")
 
