@@ -123,6 +123,7 @@ HOMES = {
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
     "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
+    "TRACKERS": "config.py", "scalars": "trackers.py", "mlflow_key": "trackers.py", "heatmap_image": "trackers.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
