@@ -7,6 +7,7 @@ Biases (offline), MLflow (a local file store) and Trackio (its local store), eac
     Report                     the recorder's last signal: each event's records as scalars, handed to a sink on
                                the writer rank (native trainer: `Trackers`; TRL: its report_to callbacks)
     Trackers                   the native trainer's backends, opened on first use, in the run directory
+    ReportTo                   the TRL path's: GRPOTrainer's report_to callbacks, fed through their own on_log
     require(names)             before any heavy work: a missing library is one line naming the extra
 
 The per layer x module displacement also goes in as a heatmap image (TensorBoard) or a table (W&B, MLflow, Trackio).
@@ -15,6 +16,7 @@ The per layer x module displacement also goes in as a heatmap image (TensorBoard
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import math
 import os
@@ -328,3 +330,73 @@ class Trackers:
         for b in self.backends or ():
             b.close()
         self.backends = []
+
+
+# ---- TRL's report_to callbacks -------------------------------------------------------------------------------
+class ReportTo:
+    """The TRL path's sink for Report (MechdiagCallback.attach): mechdiag's records of step N go to each report_to
+    callback through its own on_log at step N (the call TRL's logs take; TRL logs step N before that step's
+    completions, evals and final diagnostics exist, so they are delivered at the next event, with the step they
+    belong to). The displacement heatmap goes to TensorBoard as an image, to W&B, MLflow and Trackio as a table."""
+
+    def __init__(self):
+        self.handler, self.pending = None, []
+
+    def attach(self, trainer, callback) -> None:
+        from transformers.integrations import get_reporting_integration_callbacks  # noqa: PLC0415 - transformers' list of the report_to callbacks
+
+        cbs = trainer.callback_handler.callbacks
+        if callback in cbs:
+            cbs.remove(callback)
+        kinds = tuple(get_reporting_integration_callbacks(trainer.args.report_to))
+        cbs.insert(next((i for i, c in enumerate(cbs) if kinds and isinstance(c, kinds)), len(cbs)), callback)
+        self.handler, self.kinds = trainer.callback_handler, kinds
+
+    def log(self, step, values):
+        self.pending.append((step, values, None))
+
+    def heatmap(self, step, rows):
+        self.pending.append((step, None, rows))
+
+    def close(self):
+        """The report_to callbacks close their own runs."""
+
+    def deliver(self, args, state, control) -> None:
+        if self.handler is None or not self.pending:
+            return
+        todo, self.pending = self.pending, []
+        for c in [c for c in self.handler.callbacks if self.kinds and isinstance(c, self.kinds)]:
+            for step, values, rows in todo:
+                at = copy.copy(state)
+                at.global_step = step
+                if values:
+                    c.on_log(args, at, control, logs=dict(values))
+                elif rows:
+                    _heatmap(c, step, rows)
+
+
+def _heatmap(callback, step: int, rows: list) -> None:
+    """The displacement heatmap into the run a report_to callback opened, through that tracker's own library."""
+    name = type(callback).__name__
+    if name == "TensorBoardCallback" and callback.tb_writer is not None:
+        TensorBoard(writer=callback.tb_writer).heatmap(step, rows)
+        return
+    cols, data = table_rows(rows)
+    if not data:
+        return
+    if name == "WandbCallback":
+        import wandb  # noqa: PLC0415 - wandb is an optional extra
+
+        if wandb.run is not None:
+            wandb.run.log({HEATMAP: wandb.Table(columns=cols, data=data), "train/global_step": step})
+    elif name == "TrackioCallback":
+        import trackio  # noqa: PLC0415 - trackio is an optional extra
+
+        trackio.log({HEATMAP: trackio.Table(columns=cols, data=data), "train/global_step": step})
+    elif name == "MLflowCallback":
+        import mlflow  # noqa: PLC0415 - mlflow is an optional extra
+
+        if mlflow.active_run() is not None:
+            mlflow.flush_async_logging()  # transformers logs metrics asynchronously; log_table reads the run
+            mlflow.log_table({c: [r[i] for r in data] for i, c in enumerate(cols)},
+                             artifact_file=f"displacement/step_{step:06d}.json")

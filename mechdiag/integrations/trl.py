@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import difflib
 import functools
@@ -335,7 +334,7 @@ class MechdiagCallback(TrainerCallback):
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._derived = False
-        self.report = ReportTo()
+        self.report = T.ReportTo()
 
     def attach(self, trainer):
         """Add this callback to `trainer` if it is not there, before its report_to callbacks: at each event the
@@ -479,75 +478,6 @@ class MechdiagCallback(TrainerCallback):
                 summary.update({"base_accuracy": base["accuracy"], "base_eval_reward": base.get("eval_reward"),
                                 "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
         self.run.write_summary(summary)
-
-
-class ReportTo:
-    """The TRL path's sink for trackers.Report: mechdiag's records of step N go to each report_to callback through
-    its own on_log at step N (the call TRL's logs take; TRL logs step N before that step's completions, evals and
-    final diagnostics exist, so they are delivered at the next event, with the step they belong to). The
-    displacement heatmap goes to TensorBoard as an image, to W&B, MLflow and Trackio as a table."""
-
-    def __init__(self):
-        self.handler, self.pending = None, []
-
-    def attach(self, trainer, callback) -> None:
-        from transformers.integrations import get_reporting_integration_callbacks  # noqa: PLC0415 - transformers' list of the report_to callbacks
-
-        cbs = trainer.callback_handler.callbacks
-        if callback in cbs:
-            cbs.remove(callback)
-        kinds = tuple(get_reporting_integration_callbacks(trainer.args.report_to))
-        cbs.insert(next((i for i, c in enumerate(cbs) if kinds and isinstance(c, kinds)), len(cbs)), callback)
-        self.handler, self.kinds = trainer.callback_handler, kinds
-
-    def log(self, step, values):
-        self.pending.append((step, values, None))
-
-    def heatmap(self, step, rows):
-        self.pending.append((step, None, rows))
-
-    def close(self):
-        """The report_to callbacks close their own runs."""
-
-    def deliver(self, args, state, control) -> None:
-        if self.handler is None or not self.pending:
-            return
-        todo, self.pending = self.pending, []
-        for c in [c for c in self.handler.callbacks if self.kinds and isinstance(c, self.kinds)]:
-            for step, values, rows in todo:
-                at = copy.copy(state)
-                at.global_step = step
-                if values:
-                    c.on_log(args, at, control, logs=dict(values))
-                elif rows:
-                    _heatmap(c, step, rows)
-
-
-def _heatmap(callback, step: int, rows: list) -> None:
-    """The displacement heatmap into the run a report_to callback opened, through that tracker's own library."""
-    name = type(callback).__name__
-    if name == "TensorBoardCallback" and callback.tb_writer is not None:
-        T.TensorBoard(writer=callback.tb_writer).heatmap(step, rows)
-        return
-    cols, data = T.table_rows(rows)
-    if not data:
-        return
-    if name == "WandbCallback":
-        import wandb  # noqa: PLC0415 - wandb is an optional extra
-
-        if wandb.run is not None:
-            wandb.run.log({T.HEATMAP: wandb.Table(columns=cols, data=data), "train/global_step": step})
-    elif name == "TrackioCallback":
-        import trackio  # noqa: PLC0415 - trackio is an optional extra
-
-        trackio.log({T.HEATMAP: trackio.Table(columns=cols, data=data), "train/global_step": step})
-    elif name == "MLflowCallback":
-        import mlflow  # noqa: PLC0415 - mlflow is an optional extra
-
-        if mlflow.active_run() is not None:
-            mlflow.flush_async_logging()  # transformers logs metrics asynchronously; log_table reads the run
-            mlflow.log_table({c: [r[i] for r in data] for i, c in enumerate(cols)},
-                             artifact_file=f"displacement/step_{step:06d}.json")
 
 
 class Evaluate(R.Signal):
