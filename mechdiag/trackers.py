@@ -288,12 +288,15 @@ def environment(names, path):
                    MLFLOW_EXPERIMENT_NAME=PREFIX)
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    wandb = sys.modules.get("wandb") if "wandb" in names else None
+    if wandb is not None:  # W&B reads the environment once per session: a session already set up starts anew
+        wandb.teardown()
     try:
         yield
     finally:
         if "wandb" in names and "wandb" in sys.modules:  # transformers leaves W&B's run open until exit
             with _quiet():
-                sys.modules["wandb"].finish()
+                sys.modules["wandb"].teardown()
         for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
