@@ -276,6 +276,32 @@ def test_trl_callback_reaches_tensorboard(stories260k, tmp_path, monkeypatch):
     assert not any(k.startswith("train/mechdiag/metrics/") for k in tb)  # TRL logs its metrics itself
 
 
+def test_trl_callback_without_attach_warns(stories260k, tmp_path, monkeypatch):
+    """Not attached, the callback cannot reach the report_to callbacks: it says so, and records the run
+    directory as ever; TensorBoard has TRL's own logs only."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from mechdiag.integrations.trl import MechdiagCallback
+    from tests.test_trl import _letter_a
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    tok = AutoTokenizer.from_pretrained(stories260k)
+    tok.pad_token_id = 0
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=4, logging_steps=1, save_strategy="no", bf16=False,
+                      use_cpu=True, report_to=["tensorboard"], seed=3)
+    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(stories260k), reward_funcs=[_letter_a],
+                          args=args, train_dataset=Dataset.from_list([{"prompt": "Once upon a time"}] * 4),
+                          processing_class=tok, callbacks=[MechdiagCallback(displacement_every=1)])
+    with pytest.warns(UserWarning, match=r"attach\(trainer\)"):
+        trainer.train()
+    assert [m["step"] for m in RunDir(tmp_path / "out" / "mechdiag").read("metrics")] == [1]
+    tb, _ = tensorboard_scalars(tmp_path / "tb")
+    assert "train/reward" in tb and not any("mechdiag" in k for k in tb)
+
+
 def test_backend_trl_reaches_every_tracker(stories260k, tmp_path, trackio_project):
     """`mechdiag train --backend trl` with report_to all four: TRL's own callbacks write into the run directory
     (W&B offline, MLflow's file store) and carry mechdiag's held-out eval and displacement at their steps."""
