@@ -23,8 +23,10 @@ import os
 import re
 import sys
 import time
+import uuid
 from pathlib import Path
 
+from mechdiag import atomic
 from mechdiag.config import TRACKERS
 from mechdiag.errors import UserError
 from mechdiag.recorder import Alerts, Signal
@@ -177,15 +179,20 @@ class TensorBoard:
 
 
 class Wandb:
-    """wandb in offline mode, its files in RUN/wandb (`wandb sync` uploads them later)."""
+    """wandb in offline mode, its files in RUN/wandb (`wandb sync` uploads them later); a resumed run continues
+    the W&B run of its id (RUN/wandb/mechdiag-run-id)."""
 
-    def __init__(self, path, name: str, config: dict):
+    def __init__(self, path, name: str, config: dict, resume: bool = False):
         import wandb  # noqa: PLC0415 - wandb is an optional extra
 
+        id_file = Path(path) / "wandb" / "mechdiag-run-id"
+        run_id = id_file.read_text().strip() if resume and id_file.exists() else uuid.uuid4().hex[:12]
+        id_file.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(id_file, run_id)
         self.wandb = wandb
         with _quiet():
             self.run = wandb.init(mode="offline", dir=str(path), project=os.environ.get("WANDB_PROJECT", PREFIX),
-                                  name=name, config=config, reinit="create_new",
+                                  name=name, id=run_id, resume="allow", config=config, reinit="create_new",
                                   settings=wandb.Settings(silent=True, console="off", x_disable_stats=True))
 
     def log(self, step, values):
@@ -214,9 +221,10 @@ def mlflow_key(key: str) -> str:
 
 
 class MLflow:
-    """MLflow's client on a local file store, RUN/mlruns (experiment "mechdiag")."""
+    """MLflow's client on a local file store, RUN/mlruns (experiment "mechdiag"); a resumed run continues the
+    MLflow run of its name."""
 
-    def __init__(self, path, name: str, config: dict):
+    def __init__(self, path, name: str, config: dict, resume: bool = False):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps the file store on request
         from mlflow.entities import Metric, Param  # noqa: PLC0415 - mlflow is an optional extra
         from mlflow.tracking import MlflowClient  # noqa: PLC0415 - mlflow is an optional extra
@@ -226,6 +234,12 @@ class MLflow:
         self.client = MlflowClient(tracking_uri=self.uri)
         exp = self.client.get_experiment_by_name(PREFIX)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(PREFIX)
+        earlier = self.client.search_runs([exp_id], f"attributes.run_name = '{name}'",
+                                          order_by=["attributes.start_time DESC"], max_results=1) if resume else []
+        if earlier:
+            self.run_id = earlier[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+            return
         self.run_id = self.client.create_run(exp_id, run_name=name).info.run_id
         params = [Param(k, str(v)[:6000]) for k, v in flatten_config(config).items()]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params a batch
@@ -250,13 +264,14 @@ class MLflow:
 class Trackio:
     """Trackio's local store (TRACKIO_DIR, by default ~/.cache/huggingface/trackio), project "mechdiag"."""
 
-    def __init__(self, path, name: str, config: dict):
+    def __init__(self, path, name: str, config: dict, resume: bool = False):
         import trackio  # noqa: PLC0415 - trackio is an optional extra
 
         self.trackio = trackio
         with _quiet():
             self.run = trackio.init(project=os.environ.get("TRACKIO_PROJECT", PREFIX), name=name, config=config,
-                                    auto_log_cpu=False, auto_log_gpu=False, embed=False)
+                                    resume="allow" if resume else "never", auto_log_cpu=False, auto_log_gpu=False,
+                                    embed=False)
 
     def log(self, step, values):
         self.run.log(dict(values), step=step)
@@ -304,21 +319,21 @@ def environment(names, path):
                 os.environ[k] = v
 
 
-OPEN = {"tensorboard": lambda path, name, config: TensorBoard(path), "wandb": Wandb, "mlflow": MLflow,
+OPEN = {"tensorboard": lambda path, name, config, resume: TensorBoard(path), "wandb": Wandb, "mlflow": MLflow,
         "trackio": Trackio}
 
 
 class Trackers:
     """The native trainer's sink: the backends named in report_to, opened on the first record (so only the writer
-    rank opens them), each getting every record."""
+    rank opens them), each getting every record; `resume`: continue the tracker runs of an earlier start."""
 
-    def __init__(self, names, path, config: dict):
-        self.names, self.path, self.config = list(names), Path(path), config
+    def __init__(self, names, path, config: dict, resume: bool = False):
+        self.names, self.path, self.config, self.resume = list(names), Path(path), config, resume
         self.backends: list | None = None
 
     def _open(self) -> list:
         if self.backends is None:
-            self.backends = [OPEN[n](self.path, self.path.name, self.config) for n in self.names]
+            self.backends = [OPEN[n](self.path, self.path.name, self.config, self.resume) for n in self.names]
         return self.backends
 
     def log(self, step, values):

@@ -43,16 +43,14 @@ def tensorboard_scalars(folder) -> tuple[dict[str, dict[int, float]], dict[str, 
     return scalars, images
 
 
-def wandb_history(folder) -> dict[int, dict]:
-    """{step: {key: value}} from the offline run's .wandb file: wandb's record framing (a 7-byte ":W&B" header,
-    32 KiB blocks of chunks, each with a 7-byte header) around wandb's own protobuf Record messages."""
+def wandb_records(path):
+    """The records of one offline run's .wandb file: wandb's record framing (a 7-byte ":W&B" header, 32 KiB blocks
+    of chunks, each with a 7-byte header) around wandb's own protobuf Record messages."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    (path,) = Path(folder).rglob("run-*.wandb")
-    data = path.read_bytes()
+    data = Path(path).read_bytes()
     ident, magic, _ = struct.unpack("<4sHB", data[:7])
     assert ident == b":W&B" and magic == 0xBEE1
-    out: dict[int, dict] = {}
     pos, buf, block = 7, b"", 32768
     while pos + 7 <= len(data):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
@@ -68,16 +66,29 @@ def wandb_history(folder) -> dict[int, dict]:
             rec = pb.Record()
             rec.ParseFromString(buf)
             buf = b""
+            yield rec
+
+
+def wandb_history(folder) -> dict[int, dict]:
+    """{step: {key: value}} over every offline run file under `folder` (a resumed run adds one)."""
+    out: dict[int, dict] = {}
+    for path in sorted(Path(folder).rglob("run-*.wandb")):
+        for rec in wandb_records(path):
             if rec.HasField("history"):
                 row: dict = {}
                 for i in rec.history.item:  # a media value (a table) is nested: key, then its fields
-                    *path, last = list(i.nested_key) or [i.key]
+                    *keys, last = list(i.nested_key) or [i.key]
                     node = row
-                    for p in path:
-                        node = node.setdefault(p, {})
+                    for k in keys:
+                        node = node.setdefault(k, {})
                     node[last] = json.loads(i.value_json)
                 out.setdefault(row.get("_step", rec.history.step.num), {}).update(row)
     return out
+
+
+def wandb_run_ids(folder) -> list[str]:
+    return [rec.run.run_id for path in sorted(Path(folder).rglob("run-*.wandb")) for rec in wandb_records(path)
+            if rec.HasField("run")]
 
 
 def mlflow_run(folder):
@@ -171,6 +182,29 @@ def test_native_run_reaches_every_tracker(stories260k, tmp_path, trackio_project
     for key, series in want.items():
         assert {s: tr[s][key] for s in series} == series, key
     assert T.HEATMAP in tr[2]
+
+
+def test_resumed_run_continues_its_tracker_runs(stories260k, tmp_path, trackio_project):
+    """A run stopped after step 1 and resumed: W&B continues the run of the same id, MLflow and Trackio the run of
+    the same name; together they hold every step once."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    sets = small(stories260k, "max_steps=2", "save_every=1", "warmup_ratio=0", "report_to=[wandb,mlflow,trackio]")
+    with pytest.warns(UserWarning, match="max_time_s"):
+        train(C.load(None, [*sets, "max_time_s=1e-9"]), tmp_path / "run")
+    run = train(C.load(None, sets), tmp_path / "run", resume=True)
+    reward = {m["step"]: m["reward"] for m in run.read("metrics")}
+    assert set(reward) == {1, 2}
+
+    ids = wandb_run_ids(run.path / "wandb")
+    assert len(ids) == 2 and len(set(ids)) == 1  # two offline files, one W&B run
+    wb = wandb_history(run.path / "wandb")
+    assert {s: wb[s]["mechdiag/metrics/reward"] for s in reward} == reward
+    client, run_id = mlflow_run(run.path)  # exactly one MLflow run
+    assert mlflow_series(client, run_id, "mechdiag/metrics/reward") == reward
+    assert SQLiteStorage.get_runs(trackio_project) == ["run"]
+    tr = trackio_logs(trackio_project, "run")
+    assert {s: tr[s]["mechdiag/metrics/reward"] for s in reward} == reward
 
 
 def test_alerts_reach_the_tracker(tmp_path):

@@ -165,7 +165,7 @@ class Trainer:
             H.hook_factory(spec)
         signals = R.signals(cfg, self.tokenizer, self.heldout, cfg.lora.enabled, self.forget, self.eval_prompts)
         if cfg.report_to:  # last: it reports what the others recorded
-            signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"))))
+            signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"), resume)))
         # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
         self.run = RunDir(out_dir, create=True)
         if resume:
