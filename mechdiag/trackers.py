@@ -283,7 +283,10 @@ class Trackio:
 
     def close(self):
         with _quiet():
-            self.run.finish()
+            if self.trackio.context_vars.current_run.get() is self.run:
+                self.trackio.finish()  # also forgets it: trackio's exit hook would finish it again
+            else:
+                self.run.finish()
 
 
 @contextlib.contextmanager
