@@ -91,6 +91,8 @@ class RecordConfig(_Strict):
     signals: list[str] = Field(default_factory=list)  # user signals, "package.module:Class" (mechdiag.recorder)
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # report_to's names, as TRL spells them
+
 # lr_schedule -> transformers' scheduler name (native trainer's get_scheduler, TRL's lr_scheduler_type); warmup
 # is warmup_ratio in every one
 LR_SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant_with_warmup"}
@@ -155,6 +157,15 @@ class Config(_Strict):
     device: str = "auto"  # auto (the GPU if any), cpu, cuda, cuda:N, mps; checked before the model loads
     threads: int | None = Field(None, ge=1)  # torch threads; None = the cores not already busy (2 when idle)
     hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
+    # the user's own trackers (mechdiag.trackers; the trackers extra); the TRL backend passes them to TRL's report_to
+    report_to: list[Literal[TRACKERS]] = Field(default_factory=list)
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _report_to_list(cls, v):
+        if isinstance(v, str):  # report_to: tensorboard, as TRL takes it; "none" = no tracker
+            return [] if v == "none" else [v]
+        return v
 
     @model_validator(mode="after")
     def _check(self):

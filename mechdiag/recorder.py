@@ -277,14 +277,15 @@ class Alerts(Signal):
 
     def __init__(self, cfg):
         self.watcher = Watcher(max_reward(tasks.reward_weights(cfg)))
+        self.new: list = []  # the alerts this event fired first (trackers.Report reads them)
 
     def on_start(self, rec):
         run = rec.run
         self.watcher.update(run.read("metrics"), run.read("eval"), run.read("displacement"), announce=False)
 
     def _update(self, rec):
-        self.watcher.update(rec.latest.get("metrics", ()), rec.latest.get("eval", ()),
-                            rec.latest.get("displacement", ()))
+        self.new = self.watcher.update(rec.latest.get("metrics", ()), rec.latest.get("eval", ()),
+                                       rec.latest.get("displacement", ()))
 
     def on_train(self, rec, step, metrics, rollout):
         self._update(rec)

@@ -127,6 +127,7 @@ HOMES = {
     "is_run_dir": "run.py", "callback_run": "run.py", "held": "run.py", "flatten_config": "run.py",
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py", "varying_keys": "run.py",
     "series": "metrics.py", "group_norms": "metrics.py", "metric_order": "metrics.py", "write_jsonl": "atomic.py",
+    "TRACKERS": "config.py", "scalars": "trackers.py", "mlflow_key": "trackers.py", "heatmap_image": "trackers.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {

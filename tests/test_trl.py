@@ -296,13 +296,13 @@ def test_config_round_trip(stories260k):
 
     cfg = C.load(None, _small(stories260k, "beta=0.01", "epsilon_high=0.3", "temperature=0.9", "grad_accum=2",
                               "lora.layers=first2+last2", "lora.target_modules=[v_proj,o_proj]", "max_steps=7",
-                              "lr_schedule=linear", "top_p=0.95", "save_every=3"))
+                              "lr_schedule=linear", "top_p=0.95", "save_every=3", "report_to=[tensorboard]"))
     model = AutoModelForCausalLM.from_pretrained(stories260k)
     model = get_peft_model(model, peft_lora_config(model, cfg.lora))
     back = config_from_grpo(grpo_args(cfg, "/tmp/unused"), model, ["correctness"])
     for key in ("group_size", "prompts_per_step", "grad_accum", "beta", "epsilon", "epsilon_high", "temperature",
                 "top_p", "learning_rate", "lr_schedule", "max_steps", "max_completion_tokens", "seed", "save_every",
-                "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm"):
+                "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm", "report_to"):
         assert getattr(back, key) == getattr(cfg, key), key
     assert back.lora.layers == [0, 1, 3, 4] and back.lora.target_modules == ["o_proj", "v_proj"]
     assert (back.lora.r, back.lora.alpha) == (cfg.lora.r, cfg.lora.alpha)

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from mechdiag import config as C
 from mechdiag import recorder as R
+from mechdiag import trackers as T
 from mechdiag.console import Progress
 from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
@@ -209,7 +210,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
-        eval_strategy="no", report_to=[], bf16=cuda and cfg.model.dtype == "bfloat16",
+        eval_strategy="no", report_to=list(cfg.report_to), project=os.environ.get("TRACKIO_PROJECT", T.PREFIX),
+        bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
         use_cpu=not cuda,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
@@ -302,6 +304,11 @@ class MechdiagCallback(TrainerCallback):
     `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
     Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
     the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
+
+    With GRPOConfig(report_to=[...]), the signals TRL does not log itself (displacement per layer x module, the
+    held-out eval, shift, forget_kl, user signals, alerts; mechdiag.trackers names them) reach each report_to
+    backend at their step, through its own on_log: `attach(trainer)` finds those callbacks and puts this one
+    before them (`mechdiag train --backend trl` attaches it).
     """
 
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
@@ -327,12 +334,19 @@ class MechdiagCallback(TrainerCallback):
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._derived = False
+        self.report = T.ReportTo()
+
+    def attach(self, trainer):
+        """Add this callback to `trainer` if it is not there, before its report_to callbacks: at each event the
+        signals reach them before they write, and before TensorBoard's writer closes at the end."""
+        self.report.attach(trainer, self)
+        return trainer
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _on(self, state) -> bool:
         return self.run is not None and state.is_world_process_zero
 
-    def _signals(self, cfg, tokenizer) -> list:
+    def _signals(self, cfg, tokenizer, args) -> list:
         """The recorder's signals for this run: the native trainer's set, with the callback's own arguments."""
         out = [R.TrainMetrics(), R.Samples(0), R.Displacement(self.displacement_every, cfg.record.final_geometry)]
         if self.evaluate == "heldout":
@@ -345,6 +359,11 @@ class MechdiagCallback(TrainerCallback):
             out.append(R.Forget(ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)))
         out += [R.EvalRecords(), R.Shift(self.shift_prompts, self.shift_batch_size),
                 *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals, R.Alerts(cfg)]
+        if args.report_to:  # TRL logs its own metrics; the rest goes to its report_to callbacks
+            if self.report.handler is None:
+                warnings.warn("MechdiagCallback: call callback.attach(trainer) for mechdiag's signals to reach "
+                              f"report_to {args.report_to}", stacklevel=3)
+            out.append(T.Report(self.report, skip=("metrics",)))
         return out
 
     def _flush(self, args) -> None:
@@ -391,12 +410,18 @@ class MechdiagCallback(TrainerCallback):
             names = [k for k in (self.reward_weights or {})] or None
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
-        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class))
+        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class, args))
         self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
         self.recorder.start()
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
+
+    @_timed
+    def on_step_begin(self, args, state, control, **kw):
+        if self._on(state):
+            self._flush(args)  # the last step's completions parquet is written by now
+            self.report.deliver(args, state, control)
 
     @_timed
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
@@ -413,6 +438,7 @@ class MechdiagCallback(TrainerCallback):
         self.recorder.weights(step, _peft(model), last=step >= state.max_steps or control.should_training_stop)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
+        self.report.deliver(args, state, control)
 
     @_timed
     def on_log(self, args, state, control, logs=None, **kw):
@@ -427,7 +453,9 @@ class MechdiagCallback(TrainerCallback):
     @_timed
     def on_evaluate(self, args, state, control, metrics=None, model=None, processing_class=None, **kw):
         if self._on(state):
+            self._flush(args)
             self._record_eval(state.global_step, model, processing_class, metrics)
+            self.report.deliver(args, state, control)
 
     @_timed
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kw):
@@ -438,6 +466,7 @@ class MechdiagCallback(TrainerCallback):
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
         self.recorder.end(step, _peft(model), processing_class)
+        self.report.deliver(args, state, control)
         evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
                    "recorder_s": self.recorder_s, "config_derived": self._derived}
@@ -521,6 +550,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     trainer.remove_callback(PrinterCallback)  # prints each log dict
     trainer.remove_callback(ProgressCallback)  # a tqdm bar that also writes each log dict
     trainer.add_callback(ProgressLines(args.max_steps))
+    cb.attach(trainer)
     return trainer, run, cb
 
 
@@ -532,6 +562,12 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
     run_path = Path(out_dir)
     if not resume and held(run_path):
         raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
+    T.require(cfg.report_to)
+    with T.environment(cfg.report_to, run_path):
+        return _train_trl(cfg, run_path, resume, t0, **overrides)
+
+
+def _train_trl(cfg, out_dir, resume, t0, **overrides):
     trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
     main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
     if main:

@@ -143,6 +143,7 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
         "max_steps": args.max_steps if args.max_steps and args.max_steps > 0 else None,
         "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
         else 0,
+        "report_to": [r for r in (args.report_to or []) if r in C.TRACKERS],  # the trackers mechdiag also feeds
     }
     if reward_names:
         w = args.reward_weights or [1.0] * len(reward_names)

@@ -27,6 +27,7 @@ from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks, vocab
 from mechdiag import recorder as R
+from mechdiag import trackers as T
 from mechdiag.config import LR_SCHEDULERS, Config, save
 from mechdiag.errors import UserError, first_line
 from mechdiag.generate import step_seed
@@ -106,6 +107,7 @@ def auto_threads() -> int:
 def check_data(cfg: Config) -> None:
     """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
     examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
+    T.require(cfg.report_to)
     main = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     if not main.examples(cfg.task.train_split, n=1, seed=cfg.seed):
         raise UserError(f"task {cfg.task.name} has no training examples in split {cfg.task.train_split!r}")
@@ -120,6 +122,7 @@ def check_data(cfg: Config) -> None:
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
         self.cfg = cfg
+        T.require(cfg.report_to)  # a tracker's missing library: before the model loads
         tasks.resolve_rewards(cfg)  # before config.yaml is saved: it shows the weights that ran
         # for summary.json; a code task without OS isolation stops here unless the config says sandbox: guard-only
         code = any(tasks.task_class(n).domain == "code" for n in [cfg.task.name, *(s.name for s in cfg.task.mixture)])
@@ -161,6 +164,8 @@ class Trainer:
         for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
             H.hook_factory(spec)
         signals = R.signals(cfg, self.tokenizer, self.heldout, cfg.lora.enabled, self.forget, self.eval_prompts)
+        if cfg.report_to:  # last: it reports what the others recorded
+            signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"), resume)))
         # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
         self.run = RunDir(out_dir, create=True)
         if resume:
