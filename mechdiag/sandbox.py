@@ -350,7 +350,7 @@ def _check() -> str:
         iso = isolation()
         if iso == "guard-only":
             if _MODE != "guard-only":
-                raise SandboxUnavailable(f"sandbox: {_MODE}, but {_reason('bwrap')}, nor landlock "
+                raise SandboxUnavailable(f"sandbox: {_MODE}, but {_reason('bwrap')} and landlock cannot either "
                                          f"({_reason('landlock')}), and model code does not run without OS "
                                          f"isolation; {INSTALL_HINT}, or set sandbox: guard-only to run it under "
                                          f"the in-process guard alone")
@@ -508,7 +508,8 @@ class _Charged:
 
     def __init__(self, t0: float, wall_s: float, timeout_s: float, cand: int, judge: int):
         self.t0, self.wall_s, self.cpu_s, self.cand, self.judge = t0, wall_s, timeout_s + 1, cand, judge
-        self.next, self.waited = t0 + wall_s, 0.0
+        # a pinned tree uses at most one CPU second per second: nothing to measure before either limit can pass
+        self.next, self.waited = t0 + min(wall_s, self.cpu_s), 0.0
 
     def left(self) -> float:
         """Seconds until the next check (<= 0: the run is over its deadline)."""
@@ -527,7 +528,7 @@ class _Charged:
         self.waited = min(waited + _times(self.judge)[1], elapsed)
         if cpu > self.cpu_s or elapsed - self.waited >= self.wall_s:
             return 0.0
-        self.next = now + max(0.25, self.wall_s - (elapsed - self.waited))
+        self.next = now + min(1.0, max(0.25, self.wall_s - (elapsed - self.waited)))
         return self.next - now
 
 
@@ -547,22 +548,28 @@ def _times(pid: int) -> tuple[float, float]:
 
 
 def _tree(root: int) -> list[int]:
-    """root and its live descendants (by parent pid, from /proc)."""
+    """root, its live descendants (by parent pid, from /proc) and the rest of its process group (orphans a
+    candidate left to init stay in it: the landlock mode refuses setsid and setpgid)."""
     children: dict[int, list[int]] = {}
+    group = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat", "rb") as fh:
-                    ppid = int(fh.read().rsplit(b")", 1)[1].split()[1])
+                    fields = fh.read().rsplit(b")", 1)[1].split()
+                ppid, pgrp = int(fields[1]), int(fields[2])
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(name))
-    out, todo = [], [root]
+            if pgrp == root:
+                group.append(int(name))
+    out, todo = set(), [root, *group]
     while todo:
         pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, ()))
-    return out
+        if pid not in out:
+            out.add(pid)
+            todo.extend(children.get(pid, ()))
+    return sorted(out)
 
 
 def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int):
