@@ -286,13 +286,14 @@ def _probe_landlock() -> str | None:
     return f"the confined interpreter cannot start ({last[:200]})"
 
 
-def _confinement(private: str, uid: str) -> landlock.Confinement:
-    """The landlock mode's kernel objects for one run whose private folder is `private`."""
+def _confinement(private: str, uid: str, with_landlock: bool = True) -> landlock.Confinement:
+    """The kernel objects for one run whose private folder is `private`: the uid drop (as root), the seccomp
+    filter and landlock; with_landlock=False (guard-only): no landlock, and the filter only where pyseccomp is."""
     folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
     prog = landlock.seccomp_program(SECCOMP_DENIED)
-    assert prog is not None  # the probe refused the mode without it
+    assert prog is not None or not with_landlock  # the probe refused the landlock mode without it
     u = None if uid == "-" else int(uid)
-    return landlock.Confinement(landlock.abi(), folders, files, private, u, prog,
+    return landlock.Confinement(landlock.abi() if with_landlock else 0, folders, files, private, u, prog or b"",
                                 u is not None and _needs_read_cap(tuple(folders)))
 
 
@@ -395,8 +396,9 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     python = _python()
     programs = PROGRAMS_INSIDE if iso == "bwrap" else PROGRAMS
     conf = None
-    if iso == "landlock":  # the uid drop happens between fork and exec, with the rest of the confinement
-        conf = _confinement(cand_dir, uid)
+    if iso in ("landlock", "guard-only"):
+        # the uid drop happens between fork and exec, with the seccomp filter (and landlock in its mode)
+        conf = _confinement(cand_dir, uid, iso == "landlock")
         uid = "-"
     cand_cmd = [python, "-I", "-S", programs + "/candidate.py", str(req_r), str(resp_w), "guard" if guard else "none",
                 uid]

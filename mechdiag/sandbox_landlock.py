@@ -119,10 +119,19 @@ def _readable_by_others(path: str) -> bool:
 
 class Confinement:
     """The kernel objects of one run: its landlock ruleset (the private folder is the run's own) and the
-    uid and capability plan; `preexec` applies them in the child; `close` after the child has started."""
+    uid and capability plan; `preexec` applies them in the child; `close` after the child has started.
+    version 0: the uid and capability plan alone (sandbox: guard-only as root)."""
 
     def __init__(self, version: int, read_only: list[str], files: dict[str, int], private: str, uid: int | None,
                  seccomp: bytes, keep_read_cap: bool):
+        self.uid, self.keep_read_cap, self.ruleset = uid, keep_read_cap, -1
+        self._cap_hdr = _CapHeader(_CAP_V3, 0)
+        keep = 1 << CAP_DAC_READ_SEARCH if keep_read_cap else 0
+        self._caps = (_CapData * 2)(_CapData(keep, keep, keep), _CapData(0, 0, 0))
+        self._prog = ctypes.create_string_buffer(seccomp, max(1, len(seccomp)))
+        self._fprog = _SockFprog(len(seccomp) // 8, ctypes.cast(self._prog, ctypes.c_void_p))
+        if version == 0:
+            return
         handled = _handled_fs(version)
         attr = _RulesetAttr(handled, _NET_TCP if version >= 4 else 0, _SCOPES if version >= 6 else 0)
         size = 24 if version >= 6 else (16 if version >= 4 else 8)
@@ -138,12 +147,6 @@ class Confinement:
         except BaseException:
             os.close(self.ruleset)
             raise
-        self.uid, self.keep_read_cap = uid, keep_read_cap
-        self._prog = ctypes.create_string_buffer(seccomp, len(seccomp))
-        self._fprog = _SockFprog(len(seccomp) // 8, ctypes.cast(self._prog, ctypes.c_void_p))
-        self._cap_hdr = _CapHeader(_CAP_V3, 0)
-        keep = 1 << CAP_DAC_READ_SEARCH if keep_read_cap else 0
-        self._caps = (_CapData * 2)(_CapData(keep, keep, keep), _CapData(0, 0, 0))
 
     def _allow(self, path: str, access: int) -> None:
         try:
@@ -177,13 +180,16 @@ class Confinement:
                     _check(_libc.capset(ctypes.byref(self._cap_hdr), self._caps))
                     _check(_prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0))
             _check(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
-            _check(_syscall(_RESTRICT, ctypes.c_int(self.ruleset), ctypes.c_uint32(0)))
-            _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self._fprog), 0, 0))
+            if self.ruleset >= 0:
+                _check(_syscall(_RESTRICT, ctypes.c_int(self.ruleset), ctypes.c_uint32(0)))
+            if self._fprog.len:
+                _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self._fprog), 0, 0))
         except BaseException:
             os._exit(125)
 
     def close(self) -> None:
-        os.close(self.ruleset)
+        if self.ruleset >= 0:
+            os.close(self.ruleset)
 
 
 def _check(rc: int) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,21 +67,21 @@ print(os.getuid(), json.dumps(fig))
 """
 
 
-def test_as_a_user_bwrap_and_landlock_contain_the_escapes(tmp_path):
+def test_as_a_user_bwrap_and_landlock_contain_the_escapes():
     # an unprivileged user (uid 65534; setpriv from root here) with the guard off: the user's own files (outside,
     # owned by that user) stay intact, the user's host processes live
-    outside = tmp_path / "outside"
-    outside.mkdir()
-    os.chown(outside, USER, USER)
-    os.chmod(tmp_path, 0o755)
     names = [n for n in CORPUS if n in OS_FAMILIES]
     for iso in ("bwrap", "landlock"):
-        cmd = as_user(USER_CORPUS)
-        assert cmd is not None  # this machine runs the suite as root with setpriv and a system Python
-        p = subprocess.run(cmd[:-1] + [cmd[-1], str(outside), iso], capture_output=True, text=True, timeout=600,
-                           cwd="/tmp")
-        assert p.returncode == 0, p.stderr[-2000:]
-        uid, text = p.stdout.strip().splitlines()[-1].split(" ", 1)
+        outside = Path(tempfile.mkdtemp(prefix="mechdiag-user-outside-"))  # pytest's tmp_path is root's, 0700
+        try:
+            os.chown(outside, USER, USER)
+            cmd = as_user(USER_CORPUS)
+            assert cmd is not None  # this machine runs the suite as root with setpriv and a system Python
+            p = subprocess.run(cmd + [str(outside), iso], capture_output=True, text=True, timeout=600, cwd="/tmp")
+            assert p.returncode == 0, p.stderr[-2000:]
+            uid, text = p.stdout.strip().splitlines()[-1].split(" ", 1)
+        finally:
+            shutil.rmtree(outside, ignore_errors=True)
         fig = json.loads(text)
         assert uid == str(USER) and {r["isolation"] for r in fig["by"].values()} == {iso}
         _contained(fig, len(names))

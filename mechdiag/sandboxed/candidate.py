@@ -160,11 +160,12 @@ def _make_hook(root, state):
         ctypes.call_function sys.settrace sys.setprofile sys._current_frames gc.get_objects gc.get_referrers
         gc.get_referents resource.setrlimit resource.prlimit os.chroot os.setuid os.setgid os.symlink os.link
         os.chown os.posix_fadvise os.mknod os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
-    # audit hooks are per interpreter: a subinterpreter (or _testcapi's run_in_subinterp) would run without this one
+    # audit hooks are per interpreter: a subinterpreter (or _testcapi's run_in_subinterp) would run without this one;
     BLOCK_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend", "multiprocessing",
                               "_multiprocessing", "pty", "_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
                               "_interpchannels", "_interpqueues", "_testcapi", "_testinternalcapi",
-                              "_testmultiphase", "_testsinglephase", "_testclinic", "_testimportmultiple"})
+                              "_testmultiphase", "_testsinglephase", "_testclinic", "_testimportmultiple",
+                              "_posixshmem"})  # POSIX shared memory: host RAM outside RLIMIT_AS, no audit event
     FRAME_ATTRS = frozenset({"tb_frame", "gi_frame", "cr_frame", "ag_frame"})
     PATH_EVENTS = {"os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
                    "os.rename": ((0, 1), (2, 3)), "os.chmod": ((0,), (2,)), "os.truncate": ((0,), ()),
