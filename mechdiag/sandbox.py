@@ -1,22 +1,27 @@
 """Run model-written code against trusted tests: the candidate runs isolated, the verdict comes from a judge.
 
-Two processes per run, both started by the caller (the host):
-- the candidate: `python -I -S sandboxed/candidate.py` inside bubblewrap (new user, pid, net, ipc, uts namespaces; the
-  interpreter's prefix, /usr and /etc/localtime read-only; a private tmpfs as its work folder; no home, /root,
-  host /tmp or project; --die-with-parent, --new-session), under rlimits, with the in-process guard (an audit
-  hook) as a second layer. It executes the solution, then serves calls: it never sees the tests.
-- the judge: a clean `python -I -S sandboxed/judge.py` (outside bubblewrap: it runs only trusted code on plain data;
-  see docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
+Two processes per run, both started by the caller (the host); the programs are files in mechdiag/sandboxed/:
+- the candidate: `python -I -S candidate.py`, isolated by one of (isolation()):
+  bwrap: bubblewrap (new pid, net, ipc, uts namespaces, a user namespace when not root; the interpreter's prefix,
+  /usr, the programs and /etc/localtime read-only; a private 64 MiB tmpfs as its work folder; /proc read-only;
+  no home, /root, host /tmp or project; --die-with-parent, --new-session) and its seccomp filter;
+  landlock: no namespaces (containers without user namespaces): an unprivileged uid, no_new_privs, a landlock
+  domain and a wider seccomp filter, set between fork and exec (mechdiag/sandbox_landlock.py);
+  guard-only (named by the user): the uid drop and the seccomp filter alone;
+  always under rlimits and with the in-process guard (an audit hook) as a second layer. It executes the
+  solution, then serves calls: it never sees the tests.
+- the judge: a clean `python -I -S judge.py` (unconfined: it runs only trusted code on plain data; see
+  docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
   call sends its arguments to the candidate and only plain data comes back (None, bool, int, float, complex,
-  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type. Anything else
-  comes back as an opaque reference the tests may only pass back, call, or get/set attributes of; using it as
-  data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
+  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type.
+  Anything else comes back as an opaque reference the tests may only pass back, call, or get/set attributes of;
+  using it as data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
 A pass is the judge's `pass` line on a pipe only the judge holds, and the judge's exit status 0.
 
-Limits: CPU seconds (RLIMIT_CPU, the primary limit: a verdict does not depend on machine load), address space,
-processes, file size, open files, no core; a wall-clock backstop WALL_FACTOR times longer (sleeping code).
-Without a usable bwrap, code does not run (SandboxUnavailable) unless the user set sandbox: guard-only: then the
-candidate runs under the guard alone (isolation() == "guard-only"), with a warning printed once per process.
+Deadlines: CPU seconds (RLIMIT_CPU per process, and timeout_s + 1 for the candidate's whole tree), so a verdict
+does not depend on machine load; a wall-clock backstop WALL_FACTOR times longer, for sleepers: time the run
+spends waiting for a CPU is not charged to it. run_many gives each run one core (candidate and judge pinned).
+sandbox: auto takes bwrap, else landlock, else refuses (SandboxUnavailable); see `use`.
 """
 
 from __future__ import annotations
@@ -512,6 +517,7 @@ class _Charged:
         self.t0, self.wall_s, self.cpu_s, self.cand, self.judge = t0, wall_s, timeout_s + 1, cand, judge
         # a pinned tree uses at most one CPU second per second: nothing to measure before either limit can pass
         self.next, self.waited = t0 + min(wall_s, self.cpu_s), 0.0
+        self.host0 = _own_wait()  # the host thread driving this run may be starved too (it reads and kills)
 
     def left(self) -> float:
         """Seconds until the next check (<= 0: the run is over its deadline)."""
@@ -527,7 +533,7 @@ class _Charged:
             used, wait = _times(pid)
             cpu += used
             waited = max(waited, wait)  # the tree's processes wait side by side: its most starved one
-        self.waited = min(waited + _times(self.judge)[1], elapsed)
+        self.waited = min(waited + _times(self.judge)[1] + _own_wait() - self.host0, elapsed)
         if cpu > self.cpu_s or elapsed - self.waited >= self.wall_s:
             return 0.0
         self.next = now + min(1.0, max(0.25, self.wall_s - (elapsed - self.waited)))
@@ -547,6 +553,15 @@ def _times(pid: int) -> tuple[float, float]:
     except (OSError, IndexError, ValueError):
         return 0.0, 0.0
     return sum(int(x) for x in fields[11:15]) / _TICK, wait
+
+
+def _own_wait() -> float:
+    """Seconds the calling thread has waited on a run queue."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as fh:
+            return int(fh.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _tree(root: int) -> list[int]:
