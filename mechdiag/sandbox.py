@@ -72,9 +72,25 @@ class SandboxUnavailable(UserError):
     """sandbox: strict, and no OS isolation here."""
 
 
-# the two programs (candidate, judge) and their codec: real files, run as scripts; bwrap binds the folder here
+# the two programs (candidate, judge) and their codec: real modules; bwrap binds the folder here
 PROGRAMS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandboxed")
 PROGRAMS_INSIDE = "/sandbox"
+
+
+def launch(name: str, folder: str) -> list[str]:
+    """The interpreter's arguments that run program `name` ('candidate' or 'judge') from `folder`: imported (its
+    bytecode cached beside it: no compile per run), the folder on the path only while it loads."""
+    _compiled()
+    return ["-I", "-S", "-c", f"import sys; sys.path.insert(0, {folder!r}); import {name}; del sys.path[0]; "
+                              f"{name}.main()"]
+
+
+@functools.lru_cache(maxsize=1)
+def _compiled() -> bool:
+    """Write the programs' bytecode once (pip writes it at install; a source checkout here), where writable."""
+    import compileall  # noqa: PLC0415 - once per process, on the first run
+
+    return bool(compileall.compile_dir(PROGRAMS, quiet=2, force=False))
 
 
 def _limits(timeout_s: float, memory_mb: int, max_procs: int, max_file_mb: int) -> list[tuple[int, int, int]]:
@@ -249,7 +265,7 @@ def _probe_bwrap() -> str | None:
     args = _bwrap_args(bwrap)
     fd = _seccomp_fd(args)
     try:
-        probe = subprocess.run(args + [_python(), "-I", "-S", PROGRAMS_INSIDE + "/candidate.py", "probe", "-", "-",
+        probe = subprocess.run(args + [_python(), *launch("candidate", PROGRAMS_INSIDE), "probe", "-", "-",
                                        _candidate_uid()], capture_output=True, text=True, timeout=30,
                                stdin=subprocess.DEVNULL, cwd="/", pass_fds=() if fd is None else (fd,))
     except (OSError, subprocess.SubprocessError) as e:
@@ -276,7 +292,7 @@ def _probe_landlock() -> str | None:
             os.chown(private, int(uid), int(uid))
         conf = _confinement(private, uid)
         try:
-            probe = subprocess.run([_python(), "-I", "-S", PROGRAMS + "/candidate.py", "probe", "-", "-", "-"],
+            probe = subprocess.run([_python(), *launch("candidate", PROGRAMS), "probe", "-", "-", "-"],
                                    capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
                                    cwd=private, env={"PATH": "/usr/bin:/bin"}, preexec_fn=conf.preexec)
         finally:
@@ -405,8 +421,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         # the uid drop happens between fork and exec, with the seccomp filter (and landlock in its mode)
         conf = _confinement(cand_dir, uid, iso == "landlock")
         uid = "-"
-    cand_cmd = [python, "-I", "-S", programs + "/candidate.py", str(req_r), str(resp_w), "guard" if guard else "none",
-                uid]
+    cand_cmd = [python, *launch("candidate", programs), str(req_r), str(resp_w), "guard" if guard else "none", uid]
     filter_fd = None
     if iso == "bwrap":
         args = _bwrap_args(shutil.which("bwrap") or "bwrap")
@@ -423,7 +438,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
                 start_new_session=True, preexec_fn=_make_preexec(limits, cpu, conf and conf.preexec))
             procs.append(cand)
             judge = subprocess.Popen(
-                [python, "-I", "-S", PROGRAMS + "/judge.py", str(req_w), str(resp_r), str(res_w), str(MAX_MESSAGE),
+                [python, *launch("judge", PROGRAMS), str(req_w), str(resp_r), str(res_w), str(MAX_MESSAGE),
                  ",".join(entry)], cwd=judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
                 env=dict(env, HOME=judge_dir, TMPDIR=judge_dir), pass_fds=(req_w, resp_r, res_w),
                 start_new_session=True, preexec_fn=_make_preexec([lim for lim in limits

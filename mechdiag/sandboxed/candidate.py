@@ -1,23 +1,21 @@
-"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `python -I -S candidate.py REQ RESP GUARD UID`
+"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP GUARD UID,
 drops to UID, reads the solution on stdin, executes it once, then serves the judge's requests (names, call,
 getattr, setattr) on the REQ/RESP pipes. It never sees the tests. With GUARD == "guard", an audit hook (the
 in-process guard) refuses operations outside the work folder, process creation, signals and introspection.
-`candidate.py probe - - UID` drops and prints ok (the host's probe of an isolation mode).
+Arguments `probe - - UID`: drop and print ok (the host's probe of an isolation mode).
 
-Runs as a file inside the sandbox (stdlib only; codec.py from its own folder, taken off the path again).
+Imported inside the sandbox from its own folder (mechdiag.sandbox.launch: the folder is on the path only while
+it and codec.py load; their bytecode is cached beside them); stdlib only.
 """
 
+import builtins
 import collections  # imported before the hook
 import marshal
 import os
 import sys
 import types  # imported before the hook (types reads a traceback frame on import)
 
-# codec.py sits beside this file; the folder leaves the path again before any solution code runs
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from codec import dumps, enc, nan_of, read_frame  # noqa: E402
-
-del sys.path[0]
+from codec import dumps, enc, nan_of, read_frame
 
 
 # the first statement (and the probe's): a root start drops every uid, gid and group, which clears all
@@ -46,7 +44,7 @@ def _main():
     req, resp = int(sys.argv[1]), int(sys.argv[2])
     root = os.getcwd()
     state = {"blocked": False}
-    _builtins, _dict_items = dict(vars(__builtins__) if type(__builtins__) is dict else vars(__builtins__)), dict.items
+    _builtins, _dict_items = dict(vars(builtins)), dict.items
     # exact stdlib dicts travel as the plain dict they hold (read with dict's own C iteration): compared with a
     # dict they are equal exactly when that dict is, so the verdict is the same and no method of theirs runs
     as_dict = (collections.Counter, collections.OrderedDict, collections.defaultdict)
@@ -79,7 +77,7 @@ def _main():
             return nan_of(tag, rest)
         return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](dec(v) for v in rest)
 
-    g = {"__name__": "__main__", "__builtins__": __builtins__}
+    g = {"__name__": "__main__", "__builtins__": builtins}
     load_error = None
     try:
         exec(compile(code, "solution.py", "exec"), g)
@@ -243,7 +241,7 @@ def _make_hook(root, state):
             deny("frame access")
     return hook
 
-if __name__ == "__main__":
+def main():
     if sys.argv[1] == "probe":
         _drop(sys.argv[4])
         print("ok")

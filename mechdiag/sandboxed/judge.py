@@ -1,9 +1,9 @@
-"""The sandbox's judge (trusted side; see mechdiag/sandbox.py): `python -I -S judge.py REQ RESP RES MAX ENTRY`
-reads the tests on stdin and executes them; every name they take from the solution is a proxy that reaches the
+"""The sandbox's judge (trusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP RES MAX ENTRY, reads
+the tests on stdin and executes them; every name they take from the solution is a proxy that reaches the
 candidate over the REQ/RESP pipes, and only plain data comes back. Its last word, on the RES pipe only it holds,
 is `pass` or `fail KIND` (and `blocked` when the guard refused something).
 
-Runs as a file (stdlib only; codec.py from its own folder, taken off the path again).
+Imported from its own folder as candidate.py is (mechdiag.sandbox.launch); stdlib only.
 """
 
 import builtins
@@ -11,11 +11,7 @@ import marshal
 import os
 import sys
 
-# codec.py sits beside this file; the folder leaves the path again before any solution code runs
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from codec import dumps, enc, nan_of, read_frame  # noqa: E402
-
-del sys.path[0]
+from codec import dumps, enc, nan_of, read_frame
 
 
 class CandidateGone(BaseException):
@@ -230,6 +226,3 @@ def main():
         stream.flush()
     os.write(res, (outcome + (" blocked" if BLOCKED else "") + "\n").encode())
     os._exit(0)
-
-if __name__ == "__main__":
-    main()
