@@ -584,7 +584,11 @@ def _tree(root: int) -> list[int]:
     candidate left to init stay in it: the landlock mode refuses setsid and setpgid)."""
     children: dict[int, list[int]] = {}
     group = []
-    for name in os.listdir("/proc"):
+    try:
+        names = os.listdir("/proc")
+    except OSError:  # no procfs (macOS): the root alone, measured as zeros
+        names = []
+    for name in names:
         if name.isdigit():
             try:
                 with open(f"/proc/{name}/stat", "rb") as fh:

@@ -47,10 +47,12 @@ OTHER_PROCESS = (("setpriority", 1), ("sched_setscheduler", 0), ("sched_setparam
                  ("prlimit64", 0), ("ioprio_set", 1))
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_syscall = _libc.syscall
-_syscall.restype = ctypes.c_long
-_prctl = _libc.prctl
-_prctl.restype = ctypes.c_int
+_syscall = getattr(_libc, "syscall", None)  # both absent off Linux (macOS has no prctl): abi() is then 0
+_prctl = getattr(_libc, "prctl", None)
+if _syscall is not None:
+    _syscall.restype = ctypes.c_long
+if _prctl is not None:
+    _prctl.restype = ctypes.c_int
 
 
 class _RulesetAttr(ctypes.Structure):
@@ -77,7 +79,7 @@ class _CapData(ctypes.Structure):
 
 def abi() -> int:
     """The kernel's landlock ABI version; 0 where landlock is missing or disabled (no lsm=landlock)."""
-    if not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or _syscall is None or _prctl is None:
         return 0
     v = _syscall(_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
     return int(v) if v > 0 else 0
