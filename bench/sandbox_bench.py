@@ -1,6 +1,7 @@
-"""Sandbox figures: hostile-corpus containment (cases tried / contained / wrong verdicts, worst wall time; each case
-driven by its own host process) and the cost per MBPP gold program: bubblewrap + judge (what runs) against the
-guard-only fallback and a bare interpreter spawn (the floor), in alternating rounds; run_many 2 workers vs 1.
+"""Sandbox figures: hostile-corpus containment per isolation mode (cases tried / contained / wrong verdicts, worst
+charged wall time; each case driven by its own host process) and the cost per MBPP gold program: each mode +
+judge on one worker against a bare interpreter spawn (the floor), and run_many's programs per second at 1, 2 and
+all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
     MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
         [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
@@ -15,21 +16,29 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag import sandbox  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
-from tests.test_sandbox import CORPUS, OS_FAMILIES, WALL, corpus_figures  # noqa: E402
+from tests.test_sandbox import CORPUS, GUARD_ONLY_GAPS, OS_FAMILIES, WALL, corpus_figures  # noqa: E402
 
 
 def corpus() -> None:
-    for label, names, guard in (("bwrap + guard", list(CORPUS), True), ("bwrap alone (guard off)", OS_FAMILIES, False)):
-        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), names, guard=guard)
+    runs = [(f"{iso} + guard", list(CORPUS), True, iso) for iso in ("bwrap", "landlock")]
+    runs += [(f"{iso} alone (guard off)", OS_FAMILIES, False, iso) for iso in ("bwrap", "landlock")]
+    runs.append(("guard-only (root)", [n for n in CORPUS if n not in GUARD_ONLY_GAPS], True, "guard-only"))
+    for label, names, guard, iso in runs:
+        if iso != "guard-only" and sandbox._reason(iso) is not None:
+            print(f"{label}: not available here ({sandbox._reason(iso)})")
+            continue
+        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), names, guard=guard, iso=iso)
         print(f"{label}: cases tried {fig['tried']}, contained {fig['contained']}, wrong verdicts "
               f"{len(fig['wrong'])}, host killed {len(fig['host_dead'])}, secret leaks {len(fig['leaks'])}, "
-              f"outside intact {fig['intact']}, worst wall {fig['worst_wall_s']:.2f} s (wall deadline {WALL} s)")
+              f"left behind {len(fig['left_behind'])}, outside intact {fig['intact']}, worst charged wall "
+              f"{fig['worst_wall_s']:.2f} s (wall deadline {WALL} s)")
 
 
 def _per_run(fn, jobs) -> float:
@@ -38,38 +47,54 @@ def _per_run(fn, jobs) -> float:
     return (time.monotonic() - t0) / len(jobs) * 1e3
 
 
+def _floor(js, workers: int) -> None:
+    def spawn(_):
+        subprocess.run([sandbox._python(), "-I", "-S", "-c", "pass"], check=True)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(spawn, js))
+
+
 def throughput(n: int, rounds: int) -> None:
+    """ms per MBPP gold program, one worker, per isolation mode against the bare spawn; then programs per second
+    of run_many at 1, 2 and all cores against the bare-spawn floor at as many workers."""
     exs = get_task("mbpp").examples("test", n)
     jobs = [(e.meta["gold_code"], e.answer, tuple(e.meta["entry_points"])) for e in exs]
-    iso = sandbox.isolation()
     args = (5.0, 512, 16, 8, sandbox.MAX_OUTPUT, 20.0)
+    modes = [m for m in ("bwrap", "landlock") if sandbox._reason(m) is None] + ["guard-only"]
+    cores = sandbox.cores()
+    widths = sorted({1, min(2, len(cores)), len(cores)})
 
-    def floor(js):
-        for _ in js:
-            subprocess.run([sandbox._python(), "-I", "-S", "-c", "pass"], check=True)
+    def mode(iso):
+        def go(js):
+            assert all(sandbox._run(c, t, *args, e, iso, cpu=cores[0]).passed for c, t, e in js)
+        return go
 
-    def guard(js):
-        assert all(sandbox._run(c, t, *args, e, "guard-only").passed for c, t, e in js)
+    def many(w):
+        def go(js):
+            assert all(r.passed for r in sandbox.run_many(js, workers=w))
+        return go
 
-    def bwrap(js):
-        assert all(sandbox._run(c, t, *args, e, iso).passed for c, t, e in js)
+    def floor(w):
+        return lambda js: _floor(js, w)
 
-    def many2(js):
-        assert all(r.passed for r in sandbox.run_many(js, workers=2))
-
-    cols = {"floor": floor, "guard": guard, iso: bwrap, "run_many x2": many2}
+    cols = {"floor": floor(1), **{m: mode(m) for m in modes}}
+    cols.update({f"floor x{w}": floor(w) for w in widths})
+    cols.update({f"run_many x{w}": many(w) for w in widths})
     got = {k: [] for k in cols}
     for _ in range(rounds):  # alternating rounds: load changes hit every column alike
         for k, fn in cols.items():
             got[k].append(_per_run(fn, jobs))
     med = {k: statistics.median(v) for k, v in got.items()}
-    print(f"MBPP gold x{n}, median of {rounds} alternating rounds (ms per program):")
-    print(f"  bare interpreter spawn (floor)  {med['floor']:6.0f}")
-    print(f"  guard only (fallback), 1 worker {med['guard']:6.0f}  ({med['guard'] / med['floor']:.2f}x floor)")
-    print(f"  {iso} + judge, 1 worker        {med[iso]:6.0f}  ({med[iso] / med['floor']:.2f}x floor, "
-          f"{med[iso] / med['guard']:.2f}x guard only)")
-    print(f"  {iso} + judge, run_many 2 workers {med['run_many x2']:6.0f}  "
-          f"({med[iso] / med['run_many x2']:.2f}x faster than 1 worker)")
+    print(f"MBPP gold x{n}, median of {rounds} alternating rounds, {len(cores)} cores (os.sched_getaffinity):")
+    print(f"  bare interpreter spawn (floor), 1 worker  {med['floor']:6.1f} ms per program")
+    for m in modes:
+        print(f"  {m:10s} + judge, 1 worker            {med[m]:6.1f} ms per program  ({med[m] / med['floor']:.2f}x "
+              f"floor)")
+    for w in widths:
+        fl, rm = 1e3 / med[f"floor x{w}"], 1e3 / med[f"run_many x{w}"]
+        print(f"  run_many x{w} ({sandbox.isolation()}): {rm:6.1f} programs/s; bare-spawn floor x{w}: {fl:6.1f}/s "
+              f"({rm / fl:.3f} of the floor; {rm / (1e3 / med['run_many x1']):.2f}x one worker)")
 
 
 PEER = """

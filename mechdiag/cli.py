@@ -562,9 +562,10 @@ def _ints(text: str, flag: str) -> list[int]:
 @click.option("--threads", type=int, help="torch threads.")
 @click.option("--device", default="auto", show_default=True, help="auto (the GPU if any), cpu, cuda, cuda:N, mps.")
 @click.option("--out", type=click.Path(file_okay=False), help="Run directory to write (default runs/eval-<time>).")
-@click.option("--sandbox", "sandbox_mode", type=click.Choice(["auto", "strict", "guard-only"]), default="auto",
-              show_default=True, help="Code benchmarks: auto/strict need bubblewrap (else refused); guard-only runs "
-                                      "model code under the in-process guard alone.")
+@click.option("--sandbox", "sandbox_mode", type=click.Choice(["auto", "strict", "landlock", "guard-only"]),
+              default="auto", show_default=True,
+              help="Code benchmarks: auto needs bubblewrap or landlock, strict bubblewrap, landlock landlock (else "
+                   "refused); guard-only allows model code under the in-process guard alone.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json", "csv"]), default="table", show_default=True)
 def eval_cmd(model, adapters, group, task_specs, splits, path, task_options, n, ks, samples, temperature, top_p,
              max_new_tokens, max_prompt_tokens, batch_size, seed, dtype, threads, device, out, sandbox_mode, fmt):

@@ -132,9 +132,10 @@ class Config(_Strict):
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
-    # model-written code: auto/strict refuse to run it without OS isolation (bubblewrap); guard-only (named by the
-    # user) runs it under the in-process guard alone; see mechdiag.sandbox
-    sandbox: Literal["auto", "strict", "guard-only"] = "auto"
+    # model-written code: auto runs it under bubblewrap, else landlock, else refuses; strict: bubblewrap only;
+    # landlock: the no-namespace mode; guard-only (named by the user) allows the in-process guard alone; see
+    # mechdiag.sandbox
+    sandbox: Literal["auto", "strict", "landlock", "guard-only"] = "auto"
 
     # schedule
     seed: int = 42

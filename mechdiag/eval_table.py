@@ -73,7 +73,7 @@ def render_table(rows: list[dict], color: bool = False, width: int | None = None
 
 
 def sandbox_line(rows: list[dict]) -> str:
-    """The sandbox mode each benchmark's code ran under (bwrap, guard-only; none: no model code ran)."""
+    """The sandbox mode each benchmark's code ran under (bwrap, landlock, guard-only; none: no model code ran)."""
     modes: dict[str, list[str]] = {}
     for b, m in dict.fromkeys((r["benchmark"], r["sandbox"]) for r in rows if "sandbox" in r):
         modes.setdefault(m, []).append(b)

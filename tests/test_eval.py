@@ -26,6 +26,7 @@ from mechdiag.metrics import change
 from mechdiag.report.html import _delta_class
 from mechdiag.tasks import REGISTRY, get_task
 from tests.helpers import assert_bad_input
+from tests.sandbox_conditions import without_landlock
 
 torch.set_num_threads(1)
 
@@ -406,9 +407,11 @@ def test_sandbox_mode_in_every_eval_table_and_the_report(stories260k, tmp_path):
     from mechdiag.run import load_run
 
     def ev(out, *extra, env=None):
-        return subprocess.run([sys.executable, "-m", "mechdiag", "eval", str(stories260k), "--task", "mbpp,arith",
-                               "--n", "1", "--k", "1", "--samples", "1", "--max-new-tokens", "6", "--out", str(out),
-                               "--format", "json", *extra], capture_output=True, text=True, timeout=300,
+        # env given: no bwrap on PATH and a kernel without landlock (tests/sandbox_conditions.py)
+        args = ["-m", "mechdiag", "eval", str(stories260k), "--task", "mbpp,arith", "--n", "1", "--k", "1",
+                "--samples", "1", "--max-new-tokens", "6", "--out", str(out), "--format", "json", *extra]
+        return subprocess.run(without_landlock(args) if env else [sys.executable, *args], capture_output=True,
+                              text=True, timeout=300,
                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
                                        **(env or {})))
 
@@ -427,6 +430,7 @@ def test_sandbox_mode_in_every_eval_table_and_the_report(stories260k, tmp_path):
     p = ev(tmp_path / "refused", env=nobw)
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert p.returncode == 2 and len(lines) == 1 and "sandbox: auto, but bubblewrap cannot be used" in lines[0], p
+    assert "and landlock cannot either" in lines[0]
     assert not (tmp_path / "refused").exists()
     p = ev(tmp_path / "guard", "--sandbox", "guard-only", env=nobw)
     assert p.returncode == 0, p.stderr

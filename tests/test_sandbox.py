@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from mechdiag.sandbox import isolation, run_many, run_tests
+from tests.sandbox_conditions import env_without_bwrap, without_landlock
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 1.0  # CPU seconds
@@ -23,6 +24,10 @@ SLACK = 0.5  # seconds past the wall deadline a run may take to be killed and cl
 SECRET = "hunter2-do-not-leak"
 
 ALIVE = "f()\nassert False, 'host still alive'\n"  # signal cases: what counts is the host's life
+# the judge's pid, found from the candidate (a child of the same host)
+JUDGE_PID = ("import os\ndef judge():\n    for p in os.listdir('/proc'):\n        try:\n"
+             "            if p.isdigit() and b'judge.py' in open('/proc/' + p + '/cmdline', 'rb').read():\n"
+             "                return int(p)\n        except OSError:\n            pass\n    return None\n")
 # name -> (code, tests). {outside}: a folder outside holding keep.txt ("precious"); {host}: the host's pid.
 CORPUS = {
     # time, processes, memory, output
@@ -229,6 +234,53 @@ CORPUS = {
                                 "assert f() == [float('nan')]\n"),
     "judge_test_nan_as_fresh": ("def f(x):\n    return [x]\n",
                                 "nan = float('nan')\nassert f(nan) == [float('nan')]\n"),
+    # issue 27, the second family (written here): the guard's own interpreter, the judge's process, the host's
+    # scheduling and sockets, processes that outlive the verdict
+    "subinterp_bypass": ("import _xxsubinterpreters as si\ndef f():\n    i = si.create()\n"
+                         "    si.run_string(i, \"open('{outside}/subinterp', 'w').write('x')\")\n    return 1\n",
+                         "import os\nf()\nassert os.path.exists('{outside}/subinterp')\n"),
+    "testcapi_subinterp": ("import _testcapi\ndef f():\n"
+                           "    return _testcapi.run_in_subinterp(\"open('{outside}/capi', 'w').write('x')\")\n",
+                           "import os\nf()\nassert os.path.exists('{outside}/capi')\n"),
+    # a fake pass: `pass` written into the verdict pipe through the judge's /proc/PID/fd
+    "judge_fd_forge": (JUDGE_PID + "def f():\n    pid = judge()\n    if pid is None:\n        return False\n"
+                       "    argv = open('/proc/%d/cmdline' % pid, 'rb').read().split(b'\\0')\n"
+                       "    with open('/proc/%d/fd/%s' % (pid, argv[argv.index(next(a for a in argv if "
+                       "a.endswith(b'judge.py'))) + 3].decode()), 'w') as fh:\n        fh.write('pass\\n')\n"
+                       "    return True\n", "f()\nassert False\n"),
+    # the expected answer, read from the judge's memory
+    "judge_memory_read": (JUDGE_PID + "import re\ndef f():\n    pid = judge()\n    found = []\n"
+                          "    for line in open('/proc/%d/maps' % pid):\n        a, b = (int(x, 16) for x in "
+                          "line.split()[0].split('-'))\n        if 'rw' in line.split()[1]:\n"
+                          "            try:\n                with open('/proc/%d/mem' % pid, 'rb') as m:\n"
+                          "                    m.seek(a)\n                    found += re.findall(rb'zq-(7\\d{3})', "
+                          "m.read(min(b - a, 1 << 24)))\n            except OSError:\n                pass\n"
+                          "    return found[0].decode() if found else ''\n",
+                          "EXPECTED = 'zq-' + str(7000 + 471)\nassert 'zq-' + f() == EXPECTED\n"),
+    "judge_process_vm_read": (JUDGE_PID + "import ctypes\ndef f():\n    pid = judge()\n"
+                              "    libc = ctypes.CDLL(None, use_errno=True)\n    buf = ctypes.create_string_buffer(8)\n"
+                              "    local = (ctypes.c_void_p * 2)(ctypes.cast(buf, ctypes.c_void_p), 8)\n"
+                              "    remote = (ctypes.c_void_p * 2)(0x400000, 8)\n"
+                              "    return pid is not None and libc.process_vm_readv(pid, local, 1, remote, 1, 0) > 0\n",
+                              "assert f()\n"),
+    "sigstop_host": ("import os, signal\ndef f():\n    os.kill({host}, signal.SIGSTOP)\n    return 1\n", ALIVE),
+    "renice_host": ("import os\ndef f():\n    os.setpriority(os.PRIO_PROCESS, {host}, 19)\n"
+                    "    return os.getpriority(os.PRIO_PROCESS, {host}) == 19\n", "assert f()\n"),
+    "affinity_host": ("import os\ndef f():\n    os.sched_setaffinity({host}, [0])\n"
+                      "    return os.sched_getaffinity({host}) == {0}\n", "assert f()\n"),
+    "affinity_self_widen": ("import os\ndef f():\n    os.sched_setaffinity(0, range(os.cpu_count()))\n"
+                            "    return len(os.sched_getaffinity(0)) > 1 or os.cpu_count() == 1\n",
+                            "assert f()\n"),
+    # the host listens on an abstract unix socket and on 127.0.0.1 (HOST): reaching either is an escape
+    "host_abstract_socket": ("import socket\ndef f():\n    s = socket.socket(socket.AF_UNIX)\n"
+                             "    s.connect('\\0mechdiag-host-{host}')\n    return 1\n", "assert f() == 1\n"),
+    "host_tcp_socket": ("import socket\ndef f():\n    s = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+                        "    return 1\n", "assert f() == 1\n"),
+    # a grandchild in a session of its own, marked by nice 17, still alive after the verdict (HOST looks)
+    "linger_after_verdict": ("import os, time\ndef f():\n    if os.fork() == 0:\n        try:\n"
+                             "            os.setsid()\n        except OSError:\n            pass\n"
+                             "        if os.fork() == 0:\n            os.nice(17)\n            time.sleep(30)\n"
+                             "        os._exit(0)\n    time.sleep(0.3)\n    return 1\n", "f()\nassert False\n"),
     # controls
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
@@ -242,19 +294,41 @@ OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "wri
                                                   "delete", "rename", "mknod", "mkfifo", "setxattr", "chmod",
                                                   "list_", "scandir", "glob", "walk", "socket", "subprocess",
                                                   "os_system", "pickle", "os_exit", "exit_", "forge", "root_",
-                                                  "seccomp_"))]
+                                                  "seccomp_", "subinterp", "testcapi", "judge_fd", "judge_memory",
+                                                  "judge_process", "sigstop", "renice", "affinity", "host_",
+                                                  "linger"))]
+# guard-only holds no core: a candidate may widen its own CPU affinity there (fairness, not containment)
+GUARD_ONLY_GAPS = {"affinity_self_widen"}
 
 HOST = """
-import json, os, sys, time
+import json, os, socket, sys, time
 from mechdiag import sandbox
 job = json.loads(sys.stdin.read())
-code, tests = job["code"].replace("{host}", str(os.getpid())), job["tests"].replace("{host}", str(os.getpid()))
+# sockets of the host's own, on its side of every boundary
+unix = socket.socket(socket.AF_UNIX)
+unix.bind("\\0mechdiag-host-%d" % os.getpid())
+unix.listen()
+tcp = socket.create_server(("127.0.0.1", 0))
+fill = {"{host}": str(os.getpid()), "{port}": str(tcp.getsockname()[1])}
+code, tests = job["code"], job["tests"]
+for k, v in fill.items():
+    code, tests = code.replace(k, v), tests.replace(k, v)
 iso = job["iso"] or sandbox.isolation()
 args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
 r = sandbox._run(*args, iso, guard=job["guard"])
-time.sleep(0.2)  # a signal sent to the host arrives before it reports
+time.sleep(0.3)  # a signal sent to the host arrives before it reports; a killed process is gone
+lingering = 0  # processes of this run alive after the verdict: the case linger_after_verdict marks its own
+for p in os.listdir("/proc"):
+    try:
+        st = open("/proc/%s/stat" % p).read().rsplit(")", 1)[1].split()
+        if p.isdigit() and int(st[16]) == 17 and b"candidate.py" in open("/proc/%s/cmdline" % p, "rb").read():
+            lingering += 1
+            os.kill(int(p), 9)
+    except (OSError, IndexError, ValueError):
+        pass
 print(json.dumps({"passed": r.passed, "status": r.status, "duration_s": r.duration_s, "detail": r.detail,
-                  "blocked": r.blocked, "isolation": r.isolation}))
+                  "blocked": r.blocked, "isolation": r.isolation, "waited_s": r.waited_s,
+                  "lingering": lingering}))
 """
 
 
@@ -273,12 +347,19 @@ def _fill(text: str, outside: Path) -> str:
 def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
              iso: str = "") -> dict:
     """One run, driven by a fresh host process; rc is the host's exit status."""
-    env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", HOST], input=json.dumps(
-        {"code": code, "tests": tests, "guard": guard, "timeout": timeout, "wall": wall, "iso": iso}),
-        capture_output=True, text=True, env=env, timeout=60)
-    out = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 and p.stdout.strip() else {}
-    return {"rc": p.returncode, "stderr": p.stderr[-500:], **out}
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=os.pathsep.join(path))
+    proc = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(json.dumps({"code": code, "tests": tests, "guard": guard,
+                                                      "timeout": timeout, "wall": wall, "iso": iso}), timeout=60)
+    except subprocess.TimeoutExpired:  # a stopped or hung host
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        return {"rc": -999, "stderr": stderr[-500:]}
+    out = json.loads(stdout.strip().splitlines()[-1]) if proc.returncode == 0 and stdout.strip() else {}
+    return {"rc": proc.returncode, "stderr": stderr[-500:], **out}
 
 
 def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2, iso: str = "") -> dict:
@@ -293,9 +374,12 @@ def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers:
     wrong = [n for n, r in by.items() if r.get("passed") is not False]
     dead = [n for n, r in by.items() if r["rc"] != 0]
     leaks = [n for n, r in by.items() if SECRET in r.get("detail", "")]
-    contained = [n for n in names if n not in wrong and n not in dead and n not in leaks] if intact else []
+    left = [n for n, r in by.items() if r.get("lingering", 0)]
+    contained = [n for n in names if n not in wrong + dead + leaks + left] if intact else []
+    # a run's wall time less the time it waited for a CPU (what the backstop is charged)
+    charged = [r.get("duration_s", 99.0) - r.get("waited_s", 0.0) for r in runs]
     return {"tried": len(names), "contained": len(contained), "wrong": wrong, "host_dead": dead, "leaks": leaks,
-            "intact": intact, "worst_wall_s": max(r.get("duration_s", 99.0) for r in runs), "by": by}
+            "left_behind": left, "intact": intact, "worst_wall_s": max(charged), "by": by}
 
 
 def test_isolation_is_bwrap():
@@ -307,8 +391,8 @@ def test_hostile_corpus_contained(tmp_path):
     fig = corpus_figures(tmp_path, list(CORPUS))
     by = fig["by"]
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
-    assert fig["contained"] == fig["tried"] == len(CORPUS)
-    assert fig["worst_wall_s"] <= WALL + SLACK, {n: r["duration_s"] for n, r in by.items()}
+    assert fig["contained"] == fig["tried"] == len(CORPUS) and fig["left_behind"] == []
+    assert fig["worst_wall_s"] <= WALL + SLACK, {n: (r["duration_s"], r["waited_s"]) for n, r in by.items()}
     assert all(r["isolation"] == "bwrap" for r in by.values())
     assert by["infinite_loop"]["status"] == "timeout" and by["sleep_forever"]["status"] == "timeout"
     assert by["ignore_sigxcpu"]["status"] == "timeout" and by["sleep_in_call"]["status"] == "timeout"
@@ -370,9 +454,10 @@ def test_bwrap_without_libseccomp_warns_once(tmp_path):
 def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
     # sandbox: guard-only (no bwrap): the guard, rlimits and, as root, the candidate's own uid (no signals to the
     # host, no /proc/<judge>, RLIMIT_NPROC enforced) hold every case
-    fig = corpus_figures(tmp_path, list(CORPUS), iso="guard-only")
+    names = [n for n in CORPUS if n not in GUARD_ONLY_GAPS]
+    fig = corpus_figures(tmp_path, names, iso="guard-only")
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
-    assert fig["contained"] == fig["tried"] == len(CORPUS)
+    assert fig["contained"] == fig["tried"] == len(names) and fig["left_behind"] == []
     assert all(r["isolation"] == "guard-only" for r in fig["by"].values())
 
 
@@ -495,45 +580,62 @@ def test_run_many_keeps_order_and_mixes_outcomes():
 FALLBACK = """
 import sys
 from mechdiag import sandbox
-try:
-    sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
-except sandbox.SandboxUnavailable as e:
-    print("auto:", e)
-try:
-    sandbox.use("strict")
-except sandbox.SandboxUnavailable as e:
-    print("strict:", e)
+for mode in ("auto", "strict", "landlock"):
+    try:
+        sandbox.use(mode)
+        print(mode, "taken")
+    except sandbox.SandboxUnavailable as e:
+        print(e)
 print(sandbox.use("guard-only"))
 r1 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 1\\n", timeout_s=5)
 r2 = sandbox.run_tests("def f():\\n    return 1\\n", "assert f() == 2\\n", timeout_s=5)
 print(sandbox.isolation(), r1.isolation, r1.passed, r2.passed)
 """
-REFUSAL = ("but bubblewrap cannot be used here, and model code does not run without OS isolation; install "
-           "bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code, or set "
-           "sandbox: guard-only to run it under the in-process guard alone")
+NO_BWRAP = "bubblewrap cannot be used here (bwrap is not on PATH)"
+NO_LANDLOCK = "this kernel has no landlock (Linux 5.13+ built with CONFIG_SECURITY_LANDLOCK and landlock in lsm=)"
+HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code"
+REFUSED = {"auto": f"sandbox: auto, but {NO_BWRAP} and landlock cannot either ({NO_LANDLOCK}), and model code "
+                   f"does not run without OS isolation; {HINT}, or set sandbox: guard-only to run it under the "
+                   f"in-process guard alone",
+           "strict": f"sandbox: strict, but {NO_BWRAP}, and strict runs model code only under bubblewrap; {HINT}, "
+                     f"or set sandbox: auto",
+           "landlock": f"sandbox: landlock, but {NO_LANDLOCK}"}
 
 
-def test_without_bwrap_code_runs_only_in_the_mode_named_guard_only(tmp_path):
-    # no bwrap on PATH: auto and strict refuse (fail closed); guard-only runs, names itself, warns once
-    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True, env=env, timeout=60)
+def test_without_bwrap_or_landlock_code_runs_only_in_the_mode_named_guard_only(tmp_path):
+    # no bwrap on PATH and a kernel without landlock: auto, strict and landlock refuse (fail closed); guard-only
+    # runs, names itself, warns once
+    p = subprocess.run(without_landlock(["-c", FALLBACK]), capture_output=True, text=True,
+                       env=env_without_bwrap(tmp_path), timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
-    assert lines[0] == "auto: sandbox: auto, " + REFUSAL and lines[1] == "strict: sandbox: strict, " + REFUSAL
-    assert lines[2:] == ["guard-only", "guard-only guard-only True False"]
+    assert lines[:3] == [REFUSED["auto"], REFUSED["strict"], REFUSED["landlock"]]
+    assert lines[3:] == ["guard-only", "guard-only guard-only True False"]
     warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
     assert len(warns) == 1 and "guard-only" in warns[0] and "apt-get install bubblewrap" in warns[0]
 
 
-@pytest.mark.parametrize("mode", ["auto", "strict"])
-def test_code_training_refused_without_bwrap(tmp_path, mode):
-    # a code task with no bwrap on PATH: one error line, exit 2, before the model loads; no run folder
-    env = dict(os.environ, PATH=str(tmp_path), PYTHONPATH=str(ROOT))
+def test_without_bwrap_auto_takes_landlock(tmp_path):
+    # no bwrap on PATH, a kernel with landlock: auto and guard-only take landlock (one warning), strict refuses
+    p = subprocess.run([sys.executable, "-c", FALLBACK], capture_output=True, text=True,
+                       env=env_without_bwrap(tmp_path), timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["auto taken", REFUSED["strict"], "landlock taken", "landlock",
+                                     "landlock landlock True False"]
+    warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
+    assert warns == [f"mechdiag: warning: sandbox: auto: {NO_BWRAP}; model code runs under landlock, seccomp and "
+                     f"an unprivileged uid, without namespaces"], p.stderr
+
+
+@pytest.mark.parametrize("mode", ["auto", "strict", "landlock"])
+def test_code_training_refused_without_isolation(tmp_path, mode):
+    # a code task, no bwrap on PATH, no landlock: one error line, exit 2, before the model loads; no run folder
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "mechdiag", "train", "--set", f"sandbox={mode}", "--set",
-                        "task.name=mbpp", "--out", str(out)], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run(without_landlock(["-m", "mechdiag", "train", "--set", f"sandbox={mode}", "--set",
+                                         "task.name=mbpp", "--out", str(out)]), capture_output=True, text=True,
+                       env=env_without_bwrap(tmp_path), timeout=120)
     assert p.returncode == 2 and not out.exists(), p.stderr
-    assert p.stderr.splitlines() == [f"mechdiag: error: sandbox: {mode}, " + REFUSAL]
+    assert p.stderr.splitlines() == [f"mechdiag: error: {REFUSED[mode]}"]
 
 
 def test_strict_with_bwrap_runs():
@@ -585,18 +687,23 @@ def test_gold_verdicts_do_not_depend_on_load():
 
 
 @pytest.mark.slow
-def test_all_gold_solutions_pass_under_load():
-    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs
+@pytest.mark.parametrize("mode", ["strict", "landlock"])
+def test_all_gold_solutions_pass_under_load(mode):
+    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs, under bwrap and under landlock
+    from mechdiag import sandbox
+
     ids, jobs = _gold_jobs(None)
     hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
     try:
+        iso = sandbox.use(mode)
         t0 = time.monotonic()
         results = run_many(jobs, workers=2, timeout_s=5.0)
         wall = time.monotonic() - t0
     finally:
+        sandbox.use("auto")
         for h in hogs:
             h.kill()
             h.wait()
     failed = [(x, r.status) for x, r in zip(ids, results, strict=True) if not r.passed]
     assert failed == [], failed
-    assert wall < 600
+    assert {r.isolation for r in results} == {iso} and wall < 900

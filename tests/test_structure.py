@@ -189,3 +189,24 @@ def test_inline_copies_do_not_come_back():
            "adapter detection": 'if (folder / "adapter_config.json").is_file():',
            "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
+
+
+def _program_strings(tree: ast.Module) -> list[tuple[int, int]]:
+    """(line, lines) of each string constant of 10 lines or more that is not a docstring."""
+    docs = {id(b.body[0].value) for b in ast.walk(tree)
+            if isinstance(b, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and b.body
+            and isinstance(b.body[0], ast.Expr) and isinstance(b.body[0].value, ast.Constant)}
+    return [(n.lineno, n.value.count("\n")) for n in ast.walk(tree) if isinstance(n, ast.Constant)
+            and isinstance(n.value, str) and id(n) not in docs and n.value.count("\n") >= 10]
+
+
+def test_sandbox_programs_are_modules_not_strings():
+    # the programs the sandbox starts (candidate, judge, their codec) are files ruff checks, run as scripts
+    found = {path: _program_strings(tree) for path, tree in _sources().items()
+             if path.startswith(("mechdiag/sandbox", "mechdiag/sandboxed/"))}
+    assert {p: f for p, f in found.items() if f} == {}
+    assert {"mechdiag/sandboxed/candidate.py", "mechdiag/sandboxed/judge.py", "mechdiag/sandboxed/codec.py",
+            "mechdiag/sandbox.py", "mechdiag/sandbox_landlock.py"} <= set(found)
+    # the guard sees what it guards: the old embedded candidate, a 200-line string
+    old = ast.parse("CANDIDATE = r'''\n" + (REPO_ROOT / "mechdiag/sandboxed/candidate.py").read_text() + "'''\n")
+    assert _program_strings(old) and _program_strings(old)[0][1] > 200

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import os
 import re
 import warnings
 from collections import OrderedDict
@@ -192,7 +191,7 @@ class CodeTask(FileTask):
         super().__init__(path, **options)
         self.timeout_s = float(options.get("timeout_s", self.timeout_s))
         self.memory_mb = int(options.get("memory_mb", self.memory_mb))
-        self.workers = int(options.get("workers", self.workers)) or os.cpu_count() or 1
+        self.workers = int(options.get("workers", self.workers))  # 0: run_many's one per core
         self._results: OrderedDict[str, SandboxResult] = OrderedDict()  # a group often repeats a completion
 
     def program(self, code: str, example: Example) -> str:

@@ -1,0 +1,240 @@
+"""The sandbox's mode for containers without user namespaces (`sandbox: landlock`): the candidate is confined by
+the kernel between fork and exec, with no namespace and no mount: an unprivileged uid (as root), no new
+privileges, a landlock domain (read-only system and interpreter folders, one writable private folder, no
+/proc, /sys, /dev/shm or host tmp; no TCP; signals and abstract unix sockets scoped to the domain) and a seccomp
+filter (the bwrap list plus sockets, sessions, memfd, chmod/chown/xattr/utime, and scheduling or limits of
+other processes). rlimits are set by the caller as for bwrap.
+
+Everything a child needs is prepared in the host (`prepare`): the child only makes system calls through ctypes
+functions looked up beforehand (no import, no allocation beyond ctypes' own call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import sys
+import tempfile
+import threading
+
+# syscall numbers of the landlock ABI: the same on every architecture (asm-generic numbering)
+_CREATE, _ADD_RULE, _RESTRICT = 444, 445, 446
+_VERSION = 1  # LANDLOCK_CREATE_RULESET_VERSION
+_PATH_BENEATH = 1
+# access rights by the ABI version that added them
+_FS = {1: (1 << 13) - 1, 2: 1 << 13, 3: 1 << 14, 5: 1 << 15}  # 1: execute .. make_sym; 2 refer; 3 truncate; 5 ioctl
+EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
+MAKE_CHAR, MAKE_BLOCK = 1 << 6, 1 << 11
+TRUNCATE, IOCTL_DEV = 1 << 14, 1 << 15
+FILE_ONLY = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV  # the rights a rule on a file may carry
+_NET_TCP = 3  # bind_tcp | connect_tcp (ABI 4)
+_SCOPES = 3  # abstract unix sockets | signals (ABI 6)
+SIGNAL_SCOPE_ABI = 6  # as a user (same uid as the host), signals to the host are stopped by the domain alone
+
+PR_SET_KEEPCAPS, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAP_AMBIENT = 8, 24, 38, 22, 47
+PR_CAP_AMBIENT_RAISE, SECCOMP_MODE_FILTER = 2, 2
+CAP_DAC_READ_SEARCH = 2
+_CAP_V3 = 0x20080522
+
+# syscalls refused (EPERM) in this mode on top of the bwrap list: no namespace hides the host here
+EXTRA_DENIED = ("socket", "setsid", "setpgid", "memfd_create", "chmod", "fchmod", "fchmodat", "chown", "fchown",
+                "lchown", "fchownat", "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr",
+                "fremovexattr", "utime", "utimes", "utimensat", "futimesat")
+# (syscall, argument index): refused when that argument (a pid, or `who`) is not 0, i.e. another process
+OTHER_PROCESS = (("setpriority", 1), ("sched_setscheduler", 0), ("sched_setparam", 0), ("sched_setattr", 0),
+                 ("prlimit64", 0), ("ioprio_set", 1))
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = getattr(_libc, "syscall", None)  # both absent off Linux (macOS has no prctl): abi() is then 0
+_prctl = getattr(_libc, "prctl", None)
+if _syscall is not None:
+    _syscall.restype = ctypes.c_long
+if _prctl is not None:
+    _prctl.restype = ctypes.c_int
+
+
+class _RulesetAttr(ctypes.Structure):
+    _fields_ = [("handled_access_fs", ctypes.c_uint64), ("handled_access_net", ctypes.c_uint64),
+                ("scoped", ctypes.c_uint64)]
+
+
+class _PathBeneath(ctypes.Structure):
+    _pack_ = 1
+    _fields_ = [("allowed_access", ctypes.c_uint64), ("parent_fd", ctypes.c_int32)]
+
+
+class _SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
+
+
+def abi() -> int:
+    """The kernel's landlock ABI version; 0 where landlock is missing or disabled (no lsm=landlock)."""
+    if not sys.platform.startswith("linux") or _syscall is None or _prctl is None:
+        return 0
+    v = _syscall(_CREATE, None, ctypes.c_size_t(0), ctypes.c_uint32(_VERSION))
+    return int(v) if v > 0 else 0
+
+
+def refusal(version: int, root: bool) -> str | None:
+    """Why this mode cannot hold here (one line), or None."""
+    if version < 1:
+        return ("this kernel has no landlock (Linux 5.13+ built with CONFIG_SECURITY_LANDLOCK and landlock in "
+                "lsm=)")
+    if version < 3:
+        return f"landlock ABI {version} cannot stop truncating files outside (ABI 3, Linux 6.2+, needed)"
+    if not root and version < SIGNAL_SCOPE_ABI:
+        return (f"landlock ABI {version} cannot stop signals to the host's processes of the same user (ABI "
+                f"{SIGNAL_SCOPE_ABI}, Linux 6.12+, needed when not run as root)")
+    return None
+
+
+def _handled_fs(version: int) -> int:
+    return sum(bits for v, bits in _FS.items() if v <= version)
+
+
+def _readable_by_others(path: str) -> bool:
+    """Whether a uid with no relation to the owners can reach and read `path` (o+x on each folder above it)."""
+    p = os.path.realpath(path)
+    parts = p.strip("/").split("/")
+    for i in range(len(parts)):
+        try:
+            st = os.stat("/" + "/".join(parts[:i]))
+        except OSError:
+            return False
+        if not st.st_mode & stat.S_IXOTH:
+            return False
+    try:
+        return bool(os.stat(p).st_mode & stat.S_IROTH)
+    except OSError:
+        return False
+
+
+class Confinement:
+    """The kernel objects of one run: its landlock ruleset (the private folder is the run's own) and the
+    uid and capability plan; `preexec` applies them in the child; `close` after the child has started.
+    version 0: the uid and capability plan alone (sandbox: guard-only as root)."""
+
+    def __init__(self, version: int, read_only: list[str], files: dict[str, int], private: str, uid: int | None,
+                 seccomp: bytes, keep_read_cap: bool):
+        self.uid, self.keep_read_cap, self.ruleset = uid, keep_read_cap, -1
+        self._cap_hdr = _CapHeader(_CAP_V3, 0)
+        keep = 1 << CAP_DAC_READ_SEARCH if keep_read_cap else 0
+        self._caps = (_CapData * 2)(_CapData(keep, keep, keep), _CapData(0, 0, 0))
+        self._prog = ctypes.create_string_buffer(seccomp, max(1, len(seccomp)))
+        self._fprog = _SockFprog(len(seccomp) // 8, ctypes.cast(self._prog, ctypes.c_void_p))
+        if version == 0:
+            return
+        handled = _handled_fs(version)
+        attr = _RulesetAttr(handled, _NET_TCP if version >= 4 else 0, _SCOPES if version >= 6 else 0)
+        size = 24 if version >= 6 else (16 if version >= 4 else 8)
+        fd = _syscall(_CREATE, ctypes.byref(attr), ctypes.c_size_t(size), ctypes.c_uint32(0))
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "landlock_create_ruleset: " + os.strerror(ctypes.get_errno()))
+        self.ruleset = int(fd)
+        try:
+            rules = [(p, (EXECUTE | READ_FILE | READ_DIR)) for p in read_only] + list(files.items()) + [
+                (private, handled & ~(MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV))]
+            for path, access in rules:
+                self._allow(path, access & handled)
+        except BaseException:
+            os.close(self.ruleset)
+            raise
+
+    def _allow(self, path: str, access: int) -> None:
+        try:
+            pfd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        except OSError:
+            return  # a path this system lacks (no /lib64): nothing to allow
+        try:
+            if not stat.S_ISDIR(os.fstat(pfd).st_mode):
+                access &= FILE_ONLY
+            rule = _PathBeneath(access, pfd)
+            if _syscall(_ADD_RULE, ctypes.c_int(self.ruleset), ctypes.c_int(_PATH_BENEATH), ctypes.byref(rule),
+                        ctypes.c_uint32(0)) != 0:
+                raise OSError(ctypes.get_errno(), f"landlock_add_rule {path}: " + os.strerror(ctypes.get_errno()))
+        finally:
+            os.close(pfd)
+
+    def preexec(self) -> None:
+        """In the child, between fork and exec (after the rlimits): uid, capabilities, no_new_privs, landlock,
+        seccomp. Any failure ends the child with status 125 before model code exists."""
+        try:
+            if self.uid is not None:
+                if self.keep_read_cap:  # the interpreter sits in a folder only root may enter (/root/.pyenv)
+                    for cap in range(64):
+                        if cap != CAP_DAC_READ_SEARCH:
+                            _prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+                    _check(_prctl(PR_SET_KEEPCAPS, 1, 0, 0, 0))
+                os.setgroups([])
+                os.setresgid(self.uid, self.uid, self.uid)
+                os.setresuid(self.uid, self.uid, self.uid)
+                if self.keep_read_cap:
+                    _check(_libc.capset(ctypes.byref(self._cap_hdr), self._caps))
+                    _check(_prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0))
+            _check(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+            if self.ruleset >= 0:
+                _check(_syscall(_RESTRICT, ctypes.c_int(self.ruleset), ctypes.c_uint32(0)))
+            if self._fprog.len:
+                _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self._fprog), 0, 0))
+        except BaseException:
+            os._exit(125)
+
+    def close(self) -> None:
+        if self.ruleset >= 0:
+            os.close(self.ruleset)
+
+
+def _check(rc: int) -> None:
+    if rc != 0:
+        raise OSError(ctypes.get_errno(), "confinement")
+
+
+_PROG: list[bytes | None] = []
+_LOCK = threading.Lock()
+
+
+def seccomp_program(base: tuple[str, ...]) -> bytes | None:
+    """This mode's filter: `base` (the bwrap list) and EXTRA_DENIED refused, OTHER_PROCESS refused for another
+    process; None without pyseccomp."""
+    with _LOCK:
+        if not _PROG:
+            try:
+                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra)
+            except (ImportError, OSError):
+                _PROG.append(None)
+                return None
+            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+            for name in base + EXTRA_DENIED:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+            for name, arg in OTHER_PROCESS:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name, pyseccomp.Arg(arg, pyseccomp.NE, 0))
+            with tempfile.TemporaryFile() as fh:
+                f.export_bpf(fh)
+                fh.seek(0)
+                _PROG.append(fh.read())
+        return _PROG[0]
+
+
+def system_paths(prefixes: set[str], programs: str) -> tuple[list[str], dict[str, int]]:
+    """(folders readable, files with their rights) for the candidate: the interpreter, system libraries, the
+    sandbox's programs, a few devices."""
+    folders = sorted({os.path.realpath(p) for p in ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/sbin")
+                      if os.path.exists(p)} | prefixes | {os.path.realpath(programs)})
+    files = {"/etc/ld.so.cache": READ_FILE, "/etc/localtime": READ_FILE, "/dev/null": READ_FILE | WRITE_FILE,
+             "/dev/zero": READ_FILE, "/dev/urandom": READ_FILE}
+    return folders, files
+
+
+def needs_read_cap(paths: list[str]) -> bool:
+    """Whether the dropped uid needs CAP_DAC_READ_SEARCH to reach these (landlock still bounds what it reads)."""
+    return not all(_readable_by_others(p) for p in paths)
