@@ -446,8 +446,9 @@ def recommend(runs, out, fmt):
             check_output(sidecars[sfx], f"--out (its {sfx} beside it)")
     loaded = load_runs(runs, read_any_run)
     rec = run_recommend(loaded)
-    trainer = next(((r.provenance or {}).get("trainer") for r in loaded if r.provenance), None)
-    snippet = own_terms_text(trainer, rec.changes, rec.base_cfg)
+    prov = next((r.provenance for r in loaded if r.provenance), None) or {}
+    trainer = prov.get("trainer")
+    snippet = own_terms_text(trainer, rec.changes, rec.base_cfg, prov.get("fields"))
     own_out = sidecars.get(OWN_TERMS_SUFFIX.get(trainer, ""))
     if out:
         configlib.save(rec.cfg, out, rec.header)

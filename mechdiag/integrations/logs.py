@@ -118,7 +118,7 @@ def _flat_numbers(rec: dict) -> dict:
     for k, v in rec.items():
         if not isinstance(k, str) or k.endswith(("__MIN", "__MAX")):
             continue
-        k = k.split(" - ", 1)[1] if " - " in k else k
+        k = k.rsplit(" - ", 1)[1] if " - " in k else k
         if k in STEP_KEYS or k.startswith("_"):  # W&B's _runtime, _timestamp
             continue
         if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
@@ -170,7 +170,7 @@ def _row_step(r: dict):
     """The step of a row; a W&B chart export names its columns "RUN - key"."""
     got = _step_of(r)
     if got is None:
-        got = _step_of({k.split(" - ", 1)[1]: v for k, v in r.items() if isinstance(k, str) and " - " in k})
+        got = _step_of({k.rsplit(" - ", 1)[1]: v for k, v in r.items() if isinstance(k, str) and " - " in k})
     return got
 
 

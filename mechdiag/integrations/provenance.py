@@ -121,12 +121,12 @@ def observed_max_reward(metrics: list[dict], weights: dict[str, float] | None, b
     return 1.0, "no positive reward logged: 1.0"
 
 
-def openrlhf_args(changes) -> str:
+def openrlhf_args(changes, fields: dict | None = None) -> str:
     """The refined settings as OpenRLHF command-line arguments (train_ppo_ray's --flags), for the changes it has
     an argument for."""
     lines = ["# mechdiag recommend: the refined settings as OpenRLHF arguments (only what changes)"]
     for c in changes:
-        name = OPENRLHF_FIELDS.get(c.key)
+        name = {**OPENRLHF_FIELDS, **(fields or {})}.get(c.key)
         lines.append(f"{name} {c.new}" if name else f"# {c.key}: {c.old!r} -> {c.new!r} has no OpenRLHF argument")
     return "\n".join(lines) + "\n"
 
@@ -136,21 +136,22 @@ OWN_TERMS_SUFFIX = {"trl": ".trl.py", "unsloth": ".trl.py", "verl": ".verl.txt",
 OWN_TERMS_NAME = {"trl": "TRL", "unsloth": "TRL", "verl": "verl", "openrlhf": "OpenRLHF"}
 
 
-def own_terms_text(trainer: str | None, changes, cfg) -> str | None:
-    """The refined settings as the trainer that wrote the run takes them; None for a custom loop or mechdiag."""
+def own_terms_text(trainer: str | None, changes, cfg, fields: dict | None = None) -> str | None:
+    """The refined settings as the trainer that wrote the run takes them (`fields`: the run's own names, its
+    provenance); None for a custom loop or mechdiag."""
     if trainer in ("trl", "unsloth"):
         return trl_snippet(changes, cfg)
     if trainer == "verl":
-        return verl_overrides(changes)
+        return verl_overrides(changes, fields)
     if trainer == "openrlhf":
-        return openrlhf_args(changes)
+        return openrlhf_args(changes, fields)
     return None
 
 
-def verl_overrides(changes) -> str:
+def verl_overrides(changes, fields: dict | None = None) -> str:
     """The refined settings as verl command-line overrides (key=value), for the changes verl has a key for."""
     lines = ["# mechdiag recommend: the refined settings as verl overrides (only what changes)"]
     for c in changes:
-        name = VERL_FIELDS.get(c.key)
+        name = {**VERL_FIELDS, **(fields or {})}.get(c.key)
         lines.append(f"{name}={c.new}" if name else f"# {c.key}: {c.old!r} -> {c.new!r} has no verl key")
     return "\n".join(lines) + "\n"

@@ -80,7 +80,8 @@ VERL_TRAIN_KEYS = {
     "reward_with_kl": ("critic/rewards/mean",),
     "entropy": ("actor/entropy", "actor/entropy_loss"),
     "kl": ("actor/kl_loss", "actor/reward_kl_penalty", "critic/kl"),  # critic/kl: Dec-2024 PPO logs
-    "kl_coef": ("critic/kl_coeff", "actor/reward_kl_penalty_coeff"),
+    "kl_coef": ("critic/kl_coeff", "actor/reward_kl_penalty_coeff"),  # the in-reward penalty (algorithm.kl_ctrl)
+    "kl_loss_coef": ("actor/kl_coef",),  # use_kl_loss: actor_rollout_ref.actor.kl_loss_coef
     "policy_clip_fraction": ("actor/pg_clipfrac",),
     "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
@@ -448,6 +449,8 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     if not evals:
         evals = [{"step": int(h["step"]), **map_trl_log(h, eval_=True)} for h in history
                  if is_eval_log(h) and "step" in h]
+    if cb is None and not metrics and not evals:
+        raise UserError(f"{output_dir}: trainer_state.json's log_history holds no train or eval records")
     rd.append("eval", evals)
     rd.append("samples", samples)
 
@@ -713,9 +716,12 @@ def _write_foreign(into, by_step: dict, trainer: str, fields: dict, path: Path, 
             prov.read(k, v, "the config given")
         header = f"read from {trainer} log {path}; the design is the config given"
     else:
-        coefs = [m["kl_coef"] for m in metrics if "kl_coef" in m]
+        which = "kl_loss_coef" if any("kl_loss_coef" in m for m in metrics) else "kl_coef"
+        coefs = [m[which] for m in metrics if which in m]
         if coefs:
             prov.read("beta", coefs[-1], "the logged kl coefficient (last step)")
+            if trainer == "verl" and which == "kl_coef":  # PPO's KL in the reward, not the actor's KL loss
+                prov.fields["beta"] = "algorithm.kl_ctrl.kl_coef"
         cfg = _with_logged(C.from_dict({"beta": coefs[-1]} if coefs and 0 <= coefs[-1] else {}), prov, metrics,
                            length_name, lr_name)
         header = (f"read from {trainer} log {path}; the log holds no config: inferred and unknown values in "
