@@ -226,3 +226,49 @@ def test_user_error_not_traceback_for_non_dict_history(tmp_path):
     (tmp_path / "trainer_state.json").write_text(json.dumps({"log_history": [[1, 2], None]}))
     with pytest.raises(UserError):
         recommend([read_any_run(tmp_path)])
+
+
+# ---- signals used where they decide -----------------------------------------------------------------------
+def _alerts(run):
+    from mechdiag import alerts
+
+    return {a.alert: a for a in alerts.check(run.metrics, run.eval, run.displacement,
+                                            run.provenance["max_reward"]["value"])}
+
+
+def test_grad_norm_zero_feeds_no_update(tmp_path):
+    def hist(zero):
+        return [{**h, "grad_norm": 0.0 if zero(h["step"]) else 0.4} for h in
+                S.trl_history("0.23", STEPS, FUNCS) if "loss" in h]
+    stuck = read_any_run(S.write_trl_state(tmp_path / "stuck", hist(lambda s: s > 5)))
+    fine = read_any_run(S.write_trl_state(tmp_path / "fine", hist(lambda s: s % 4 == 0)))  # scattered zeros
+    assert "grad_norm exactly 0 on 10 logged steps" in _alerts(stuck)["no_update"].evidence
+    assert "no_update" not in _alerts(fine)
+
+
+def test_terminated_length_and_max_length_feed_truncation(tmp_path):
+    def hist(ended):  # a TRL log without clipped_ratio: a step whose completions all hit the cap ends none
+        return [{k: v for k, v in {**h, "completions/mean_terminated_length": ended(h["step"])}.items()
+                 if k != "completions/clipped_ratio"} for h in S.trl_history("0.23", STEPS, FUNCS) if "loss" in h]
+    cut = read_any_run(S.write_trl_state(tmp_path / "cut", hist(lambda s: 0.0 if s > 8 else 50.0)))
+    ok = read_any_run(S.write_trl_state(tmp_path / "ok", hist(lambda s: 50.0)))
+    ev = _alerts(cut)["truncation"].evidence
+    assert "the longest completion is 256 tokens" in ev and "those that ended average 0" in ev
+    assert "truncation" not in _alerts(ok)
+    assert cut.provenance["keys"]["max_completion_tokens"]["value"] == 256  # the cap the advice names
+
+
+def test_per_function_std_names_the_reward_with_the_signal(tmp_path):
+    def hist(with_std):
+        out = []
+        for h in S.trl_history("0.23", STEPS, {"judge": (lambda s: 0.1 + 0.2 * (s % 2), lambda s: 0.05),
+                                               "fmt": (lambda s: 0.3 - 0.2 * (s % 2), lambda s: 0.0)}):
+            if "loss" in h:
+                h = {**h, "frac_reward_zero_std": 0.8}
+                out.append(h if with_std else {k: v for k, v in h.items() if not k.endswith("/std")})
+        return out
+    signal = recommend([read_any_run(S.write_trl_state(tmp_path / "std", hist(True)))])
+    plain = recommend([read_any_run(S.write_trl_state(tmp_path / "nostd", hist(False)))])
+    low = {f.rule: f for f in signal.findings}["low_diversity"]
+    assert "the signal left is in judge (std 0.05, tail)" in low.evidence
+    assert "signal left" not in {f.rule: f for f in plain.findings}["low_diversity"].evidence
