@@ -272,3 +272,12 @@ def test_per_function_std_names_the_reward_with_the_signal(tmp_path):
     low = {f.rule: f for f in signal.findings}["low_diversity"]
     assert "the signal left is in judge (std 0.05, tail)" in low.evidence
     assert "signal left" not in {f.rule: f for f in plain.findings}["low_diversity"].evidence
+
+
+def test_report_shows_a_foreign_runs_refined_settings_in_its_own_names(data_dir, tmp_path):
+    out = tmp_path / "r.html"
+    res = CliRunner().invoke(main, ["report", str(data_dir / "reallogs" / "aaipl-minesweeper"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    page = out.read_text()
+    assert "max_completion_length: 128 -&gt; 192" in page  # GRPOConfig's name, from the run's own 128
+    assert "name_or_path" not in page and "bundled" not in page  # none of mechdiag's placeholders
