@@ -281,3 +281,22 @@ def test_report_shows_a_foreign_runs_refined_settings_in_its_own_names(data_dir,
     page = out.read_text()
     assert "max_completion_length: 128 -&gt; 192" in page  # GRPOConfig's name, from the run's own 128
     assert "name_or_path" not in page and "bundled" not in page  # none of mechdiag's placeholders
+
+
+def test_tensorboard_events_of_a_trl_run(tmp_path):
+    """HF's TensorBoardCallback under output_dir/runs/DATE: train/<TRL key>, eval/<key>, and the run summary
+    (train/train_runtime) at the last step; the output_dir is read before its first checkpoint."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    hist = S.trl_history("0.23", STEPS, FUNCS, eval_every=5)
+    w = SummaryWriter(log_dir=str(tmp_path / "out" / "runs" / "Jun01_host"))
+    for h in hist:
+        for k, v in h.items():
+            if k not in ("step", "epoch") and isinstance(v, float):
+                w.add_scalar(f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}", v, h["step"])
+    w.close()
+    run = read_any_run(tmp_path / "out")
+    assert run.provenance["trainer"] == "trl" and (len(run.metrics), len(run.eval)) == (20, 4)
+    m = _by_step(run)[20]
+    assert m["reward"] == pytest.approx(1.0) and m["reward/correct"] == pytest.approx(0.5)  # float32 in events
+    assert m["completion_length"] == pytest.approx(120.0) and "trl/train_runtime" not in m

@@ -650,6 +650,7 @@ def table_flavour(records: list[tuple[int, dict]]) -> str:
 def _trl_row(data: dict) -> tuple[dict, dict]:
     """A row of HF's W&B/TensorBoard log (train/<key>, eval/<key>) -> (train record, eval record)."""
     raw = {("eval_" + k[5:] if k.startswith("eval/") else k.removeprefix("train/")): v for k, v in data.items()}
+    raw = {k: v for k, v in raw.items() if k not in _TRL_SKIP}  # TensorBoard puts train_runtime at the last step
     tr = map_trl_log(raw) if is_train_log(raw) else {}
     return tr, map_trl_log(raw, eval_=True) if is_eval_log(raw) else {}
 
