@@ -74,6 +74,9 @@ def test_wandb_export_of_a_trl_run(tmp_path, version):
         assert (m["reward"], m["reward/correct"], m["completion_length"], m["kl"]) == (0.75, 0.25, 110.0, 0.01)
         assert not any(k.startswith(("trl/", "_")) for k in m)  # W&B's _runtime/_timestamp are not metrics
     assert len(api.eval) == 4 and api.eval[0]["eval_reward"] == 0.55
+    bom = tmp_path / "excel.csv"  # re-saved by a spreadsheet: a byte-order mark before the header
+    bom.write_bytes(b"\xef\xbb\xbf" + (tmp_path / "history.csv").read_bytes().replace(b"\n", b"\r\n"))
+    assert len(read_any_run(bom).metrics) == 20
 
 
 @pytest.mark.parametrize("style", ["pformat", "3f", "fmv"])

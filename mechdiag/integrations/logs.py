@@ -36,7 +36,7 @@ def read_text(path: Path) -> str:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")  # a spreadsheet's byte-order mark
     except (OSError, EOFError, gzip.BadGzipFile) as e:
         raise UserError(f"cannot read {path}: {e}") from None
 
@@ -48,7 +48,7 @@ def _head(path: Path) -> str:
         if raw[:2] == b"\x1f\x8b":
             with gzip.open(path, "rb") as f:
                 raw = f.read(SNIFF_BYTES * 16)
-        return raw.decode("utf-8", errors="replace")
+        return raw.decode("utf-8", errors="replace").removeprefix("\ufeff")
     except (OSError, EOFError, gzip.BadGzipFile):
         return ""
 
