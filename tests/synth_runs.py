@@ -223,7 +223,7 @@ def wandb_csv(path: Path, rows: list[dict], step_key: str = "_step", run_name: s
         else:
             cols = [k for k in keys if k != step_key]
             w.writerow(["Step", *(f"{run_name} - {k}{sfx}" for k in cols for sfx in ("", "__MIN", "__MAX"))])
-            for r in rows:
+            for r in (r for r in rows if step_key in r):  # a chart plots one step axis
                 w.writerow([r[step_key], *(("" if r.get(k) is None else r[k]) for k in cols for _ in range(3))])
     return path
 

@@ -303,3 +303,20 @@ def test_tensorboard_events_of_a_trl_run(tmp_path):
     m = _by_step(run)[20]
     assert m["reward"] == pytest.approx(1.0) and m["reward/correct"] == pytest.approx(0.5)  # float32 in events
     assert m["completion_length"] == pytest.approx(120.0) and "trl/train_runtime" not in m
+
+
+def test_every_form_through_recommend_report_watch(tmp_path):
+    forms = [S.write_trl_state(tmp_path / "gz", S.trl_history("0.14", STEPS, FUNCS), gz=True),
+             S.wandb_csv(tmp_path / "trl.csv", S.wandb_trl_rows(S.trl_history("1.16", STEPS, FUNCS, eval_every=5)),
+                         "train/global_step"),
+             S.write_verl_console(tmp_path / "v.log.gz", STEPS, "3f", crlf=True, torn=True, gz=True, val_every=5),
+             S.wandb_csv(tmp_path / "orl.csv", S.openrlhf_rows(STEPS, eval_every=5), "train/global_step",
+                         run_name="orl"),
+             S.write_openrlhf_tensorboard(tmp_path / "tb", STEPS, ppo=True, eval_every=5)]
+    runner = CliRunner()
+    for i, form in enumerate(forms):
+        for cmd in (["recommend", str(form), "--out", str(tmp_path / f"r{i}.yaml")], ["watch", str(form), "--once"],
+                    ["report", str(form), "--out", str(tmp_path / f"r{i}.html")]):
+            res = runner.invoke(main, cmd)
+            assert res.exit_code == 0, (cmd, res.output)
+        assert (tmp_path / f"r{i}.html").stat().st_size > 0
