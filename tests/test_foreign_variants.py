@@ -320,3 +320,12 @@ def test_every_form_through_recommend_report_watch(tmp_path):
             res = runner.invoke(main, cmd)
             assert res.exit_code == 0, (cmd, res.output)
         assert (tmp_path / f"r{i}.html").stat().st_size > 0
+
+
+def test_console_log_with_a_long_preamble(tmp_path):
+    """Ray/vLLM start-up and the config dump before step 1 (verl-gui-cursor's first step line is 225 kB in)."""
+    log = tmp_path / "train.log"
+    text = "".join(f"(TaskRunner pid=7) config line {i}: " + "x" * 200 + "\n" for i in range(5000))  # ~1.1 MB
+    log.write_text(text + "".join(S.verl_console_line(s, S.verl_data(s)) + "\n" for s in STEPS))
+    assert len(read_any_run(log).metrics) == 20
+    assert len(read_any_run(tmp_path).metrics) == 20  # found in its folder too

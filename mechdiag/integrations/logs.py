@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.weights import PICKLE_SUFFIXES
 
 _CONSOLE_STEP = re.compile(r"(?:^|[\s)\]:|])step(?::(\d+)| (\d+):) - ")  # "step:N - ", a fork's "step N: - "
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -29,6 +30,7 @@ _NP = re.compile(r"^np\.\w+\((.*)\)$")
 STEP_KEYS = ("train/global_step", "trainer/global_step", "global_step", "step", "Step", "_step")
 TB_EXTRA = "reading TensorBoard event files needs the tensorboard package: pip install 'mechdiag[trackers]'"
 SNIFF_BYTES = 1 << 16
+CONSOLE_SNIFF = 64 << 20  # how far into a file the first console line is looked for
 
 
 def read_text(path: Path) -> str:
@@ -82,8 +84,37 @@ def console_record(line: str) -> tuple[int, dict] | None:
     return int(m.group(1) or m.group(2)), data
 
 
+def _lines(path: Path, limit: int):
+    """The text lines of the first `limit` bytes of a file (gunzipped), read a chunk at a time."""
+    with path.open("rb") as f:
+        opener = gzip.open if f.read(2) == b"\x1f\x8b" else open
+    rest = ""
+    with opener(path, "rb") as f:
+        done = 0
+        while done < limit:
+            chunk = f.read(1 << 20)
+            if not chunk:
+                break
+            done += len(chunk)
+            lines = (rest + chunk.decode("utf-8", errors="replace")).split("\n")
+            rest = lines.pop()
+            yield from lines
+    if rest:
+        yield rest
+
+
 def is_console_log(path: Path) -> bool:
-    return path.is_file() and any(console_record(line) for line in _head(path).splitlines()[:2000])
+    """A text file with a verl console line in its first CONSOLE_SNIFF bytes (Ray and vLLM start-up, the config
+    dump and the first validation's generations can fill hundreds of kB before step 1)."""
+    if not path.is_file() or path.suffix.lower() in (*PICKLE_SUFFIXES, ".safetensors", ".parquet", ".arrow"):
+        return False
+    head = _head(path)
+    if not head or "\x00" in head[:8192]:  # binary
+        return False
+    try:
+        return any(console_record(line) for line in _lines(path, CONSOLE_SNIFF))
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return False
 
 
 def _drop_torn(text: str, out: list[tuple[int, dict]]) -> list[tuple[int, dict]]:
