@@ -429,25 +429,27 @@ def recommend(runs, out, fmt):
     from mechdiag import atomic
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
+    from mechdiag.integrations.provenance import OWN_TERMS_NAME, OWN_TERMS_SUFFIX, own_terms_text
     from mechdiag.integrations.readers import foreign_kind, read_any_run
     from mechdiag.recommend import recommend as run_recommend
     from mechdiag.run import load_runs
 
     check_output(out, "--out")
-    trl_out = None
-    if any(foreign_kind(r) == "trl" for r in runs):  # a TRL user also gets GRPOConfig/LoraConfig fields
-        trl_out = None if out is None else str(Path(out).with_suffix("")) + ".trl.py"
-        check_output(trl_out, "--out (its .trl.py beside it)")
-    rec = run_recommend(load_runs(runs, read_any_run))
+    sidecars = {}  # a foreign run's user also gets the settings in the trainer's own terms, beside --out
+    if out is not None and any(foreign_kind(r) is not None for r in runs):
+        for sfx in dict.fromkeys(OWN_TERMS_SUFFIX.values()):
+            sidecars[sfx] = str(Path(out).with_suffix("")) + sfx
+            check_output(sidecars[sfx], f"--out (its {sfx} beside it)")
+    loaded = load_runs(runs, read_any_run)
+    rec = run_recommend(loaded)
+    prov = next((r.provenance for r in loaded if r.provenance), None) or {}
+    trainer = prov.get("trainer")
+    snippet = own_terms_text(trainer, rec.changes, rec.base_cfg, prov.get("fields"))
+    own_out = sidecars.get(OWN_TERMS_SUFFIX.get(trainer, ""))
     if out:
         configlib.save(rec.cfg, out, rec.header)
-    snippet = None
-    if trl_out is not None or any(foreign_kind(r) == "trl" for r in runs):
-        from mechdiag.integrations.trl_args import trl_snippet
-
-        snippet = trl_snippet(rec.changes, rec.base_cfg)
-        if trl_out is not None:
-            atomic.write_text(trl_out, snippet)
+        if snippet is not None and own_out:
+            atomic.write_text(own_out, snippet)
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
@@ -474,11 +476,8 @@ def recommend(runs, out, fmt):
     elif out:
         click.echo(f"refined config with {len(rec.changes)} change(s) written to {out}")
     if snippet is not None and rec.changes:
-        click.echo("as TRL settings" + (f" (also in {trl_out})" if trl_out else "") + ":\n" + snippet, nl=False)
-    if rec.changes and any(foreign_kind(r) == "verl" for r in runs):
-        from mechdiag.integrations.provenance import verl_overrides
-
-        click.echo("as verl settings:\n" + verl_overrides(rec.changes), nl=False)
+        also = f" (also in {own_out})" if own_out else ""
+        click.echo(f"as {OWN_TERMS_NAME[trainer]} settings{also}:\n{snippet}", nl=False)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------

@@ -805,6 +805,7 @@ class Recommendation:
     findings: list[Finding]
     runs: list[str]
     comparison: list[dict]
+    provenance: dict | None = None  # a foreign run's account of its config (Signals.provenance)
 
     @property
     def changes(self) -> list[Change]:
@@ -830,4 +831,5 @@ def recommend(runs: list[Run]) -> Recommendation:
     signals = Signals.from_runs(best.runs)
     findings = diagnose(signals)
     own_terms(signals, findings)
-    return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison)
+    return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison,
+                          signals.provenance)

@@ -138,3 +138,210 @@ def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> Run
                              "module": m, "ref_fro": 4.0, "delta_fro": delta, "rel_fro": delta / 4.0})
     run.append("displacement", rows)
     return run
+
+
+# ---- foreign logs: each trainer's documented formats, for the readers (tests/test_foreign_variants.py) ---------
+# TRL log_history key spellings by version (trl/trainer/grpo_trainer.py `_metrics`): < 0.16 completion_length and
+# rewards/<f>; 0.16 completions/* and rewards/<f>/mean|std, clip_ratio; 0.17+ clip_ratio/low_mean.., frac_reward_
+# zero_std; 0.19+ entropy. HF Trainer adds loss, grad_norm, learning_rate, epoch, step and a last summary record.
+TRL_VERSIONS = ("0.14", "0.16", "0.23", "1.16")
+
+
+def trl_history(version: str, steps: list[int], funcs: dict, eval_every: int = 0, nan_at: int | None = None,
+                kl: bool = True) -> list[dict]:
+    """log_history as TRL `version` writes it; funcs: reward name -> (mean(step), std(step))."""
+    old = version == "0.14"
+    out = []
+    for s in steps:
+        means = {f: m(s) for f, (m, _) in funcs.items()}
+        rec = {"loss": 0.01 * s, "grad_norm": 0.0 if s % 4 == 0 else 0.5 + 0.01 * s,
+               "learning_rate": 1e-5 * s / steps[-1], "epoch": s / steps[-1], "step": s,
+               "reward": sum(means.values()), "reward_std": 0.3}
+        if kl:
+            rec["kl"] = 0.001 * s
+        if old:
+            rec["completion_length"] = 100.0 + s
+            rec.update({f"rewards/{f}": v for f, v in means.items()})
+        else:
+            rec.update({"completions/mean_length": 100.0 + s, "completions/min_length": 5.0,
+                        "completions/max_length": 256.0, "completions/clipped_ratio": 0.1,
+                        "completions/mean_terminated_length": 90.0 + s, "completions/min_terminated_length": 5.0,
+                        "completions/max_terminated_length": 250.0})
+            for f, (m, sd) in funcs.items():
+                rec[f"rewards/{f}/mean"], rec[f"rewards/{f}/std"] = m(s), sd(s)
+            if version == "0.16":
+                rec["clip_ratio"] = 0.0
+            else:
+                rec.update({"clip_ratio/low_mean": 0.0, "clip_ratio/low_min": 0.0, "clip_ratio/high_mean": 0.0,
+                            "clip_ratio/high_max": 0.0, "clip_ratio/region_mean": 0.0, "frac_reward_zero_std": 0.25,
+                            "num_tokens": 1000.0 * s, "entropy": 0.8 - 0.001 * s})
+        if s == nan_at:
+            rec["grad_norm"] = math.nan
+            rec["loss"] = math.inf
+        out.append(rec)
+        if eval_every and s % eval_every == 0:
+            ev = {"eval_loss": 0.02, "eval_reward": 0.5 + 0.01 * s, "eval_runtime": 3.0,
+                  "eval_samples_per_second": 10.0, "epoch": s / steps[-1], "step": s}
+            if not old:
+                ev["eval_completions/mean_length"] = 80.0
+                ev.update({f"eval_rewards/{f}/mean": m(s) for f, (m, _) in funcs.items()})
+            out.append(ev)
+    out.append({"train_runtime": 100.0, "train_samples_per_second": 1.0, "train_steps_per_second": 0.1,
+                "total_flos": 0.0, "train_loss": 0.1, "epoch": 1.0, "step": steps[-1]})
+    return out
+
+
+def write_trl_state(folder: Path, history: list[dict], crlf: bool = False, gz: bool = False) -> Path:
+    """trainer_state.json as HF Trainer.save_state writes it (json.dumps allows NaN/Infinity literals)."""
+    import gzip
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    steps = [h["step"] for h in history if "step" in h]
+    text = json.dumps({"best_metric": None, "epoch": 1.0, "global_step": max(steps), "is_world_process_zero": True,
+                       "log_history": history, "logging_steps": 1, "max_steps": max(steps)}, indent=2)
+    if crlf:
+        text = text.replace("\n", "\r\n")
+    path = folder / ("trainer_state.json.gz" if gz else "trainer_state.json")
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    return path
+
+
+def wandb_csv(path: Path, rows: list[dict], step_key: str = "_step", run_name: str | None = None) -> Path:
+    """A W&B export: the API history (`run.history().to_csv`: _step, _runtime, _timestamp, the logged keys, blank
+    where a row did not log a key) or, with run_name, the UI chart export ("Step", "RUN - key", __MIN/__MAX)."""
+    import csv
+
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        if run_name is None:
+            w.writerow(["_step", "_runtime", "_timestamp", *keys])
+            for i, r in enumerate(rows):
+                w.writerow([r.get(step_key, i), 1.5 * i, 1.7e9 + i, *("" if r.get(k) is None else r[k]
+                                                                      for k in keys)])
+        else:
+            cols = [k for k in keys if k != step_key]
+            w.writerow(["Step", *(f"{run_name} - {k}{sfx}" for k in cols for sfx in ("", "__MIN", "__MAX"))])
+            for r in (r for r in rows if step_key in r):  # a chart plots one step axis
+                w.writerow([r[step_key], *(("" if r.get(k) is None else r[k]) for k in cols for _ in range(3))])
+    return path
+
+
+def wandb_trl_rows(history: list[dict]) -> list[dict]:
+    """HF's WandbCallback: train keys under train/, eval_x as eval/x, the step as train/global_step."""
+    out = []
+    for h in history:
+        if "train_runtime" in h:
+            continue
+        row = {"train/global_step": h["step"]}
+        for k, v in h.items():
+            if k == "step":
+                continue
+            row[f"eval/{k[5:]}" if k.startswith("eval_") else f"train/{k}"] = v
+        out.append(row)
+    return out
+
+
+# verl (verl/trainer/ppo/ray_trainer.py, metric_utils.compute_data_metrics): critic/score/*, critic/rewards/*,
+# actor/*, response_length/*, val-core/<ds>/<var>/mean@N, reward_extra_info/<f>; dynamic sampling's rollout/*
+def verl_data(s: int, ppo: bool = False, funcs: tuple[str, ...] = ("acc", "format"), val: bool = False) -> dict:
+    d = {"critic/score/mean": 0.1 + 0.01 * s, "critic/score/max": 1.0, "critic/score/min": 0.0,
+         "critic/rewards/mean": 0.1 + 0.01 * s, "actor/entropy": 0.9 - 0.005 * s, "actor/pg_loss": -0.01,
+         "actor/grad_norm": 0.0 if s % 5 == 0 else 0.3, "actor/lr": 1e-6, "actor/pg_clipfrac": 0.002,
+         "actor/ppo_kl": 0.0001, "response_length/mean": 300.0 + s, "response_length/max": 1024.0,
+         "response_length/min": 20.0, "response_length/clip_ratio": 0.05, "timing_s/step": 30.0,
+         "training/global_step": s, "training/epoch": 0}
+    if ppo:
+        d.update({"critic/kl": 0.002, "critic/kl_coeff": 0.001, "critic/vf_loss": 0.5})
+    else:
+        d.update({"actor/kl_loss": 0.001 * s, "actor/kl_coef": 0.001,
+                  "rollout/too_bad_sample_ratio": 0.2, "rollout/too_good_sample_ratio": 0.1})
+    d.update({f"reward_extra_info/{f}": 0.05 * (i + 1) + 0.001 * s for i, f in enumerate(funcs)})
+    if val:
+        d.update({"val-core/openai/gsm8k/acc/mean@1": 0.3 + 0.01 * s, "val-core/openai/gsm8k/reward/mean@1":
+                  0.3 + 0.01 * s, "val-aux/openai/gsm8k/score/mean@1": 0.3 + 0.01 * s})
+    return d
+
+
+def verl_console_line(step: int, data: dict, style: str = "pformat") -> str:
+    """One line of verl's console logger (tracking.py concat_dict_to_str): values as pprint.pformat of numpy
+    scalars (np.float64(0.5), nan), as f"{v:.3f}" (older verl) or as format_metric_value (5.000000e-07)."""
+    def fmt(v):
+        if style == "pformat":
+            return f"np.float64({v!r})" if isinstance(v, float) else f"np.int64({v})"
+        if style == "3f":
+            return f"{v:.3f}"
+        return f"{v:.6e}" if v and (abs(v) < 1e-3 or abs(v) >= 1e4) else f"{v:.8f}".rstrip("0").rstrip(".") or "0"
+    return f"step:{step} - " + " - ".join(f"{k}:{fmt(v)}" for k, v in data.items())
+
+
+def write_verl_console(path: Path, steps: list[int], style: str = "pformat", prefix: str = "(TaskRunner pid=7) ",
+                       crlf: bool = False, torn: bool = False, gz: bool = False, nan_at: int | None = None,
+                       val_every: int = 0, ppo: bool = False) -> Path:
+    import gzip
+
+    lines = ["2025-06-01 INFO Ray started", "(TaskRunner pid=7) Training Progress:  10%|#         | 1/10"]
+    if val_every:  # verl validates the base first: a step-0 line with validation keys only
+        lines.append(prefix + verl_console_line(0, {k: v for k, v in verl_data(0, ppo, val=True).items()
+                                                    if k.startswith("val")}, style))
+    for s in steps:
+        d = verl_data(s, ppo, val=bool(val_every) and s % val_every == 0)
+        if s == nan_at:
+            d["actor/grad_norm"] = math.nan
+        lines.append(prefix + verl_console_line(s, d, style))
+    text = ("\r\n" if crlf else "\n").join(lines) + "\n"
+    if torn:
+        text += prefix + verl_console_line(steps[-1] + 1, verl_data(steps[-1] + 1, ppo), style)[:60]
+    path.write_bytes(gzip.compress(text.encode()) if gz else text.encode())
+    return path
+
+
+def write_verl_jsonl(path: Path, steps: list[int], torn: bool = False, val_every: int = 0) -> Path:
+    import json
+
+    text = "".join(json.dumps({"step": s, "data": verl_data(s, val=bool(val_every) and s % val_every == 0)}) + "\n"
+                   for s in steps)
+    if torn:
+        text += json.dumps({"step": steps[-1] + 1, "data": verl_data(steps[-1] + 1)})[:50]
+    path.write_text(text)
+    return path
+
+
+# OpenRLHF (openrlhf/trainer/ppo_utils/loggers.py; ppo_actor / experience_maker status keys): train/<k> with
+# train/global_step, eval/<k> with eval/epoch; GRPO runs log no critic keys
+def openrlhf_status(s: int, ppo: bool = False) -> dict:
+    d = {"policy_loss": -0.02, "actor_lr": 5e-7, "kl": 0.001 * s, "reward": 0.2 + 0.02 * s, "score": 0.2 + 0.02 * s,
+         "return": 0.2, "response_length": 400.0 + s, "total_length": 600.0 + s, "response_clip_ratio": 0.05,
+         "ppo_clip_ratio": 0.01, "ppo_kl": 0.0002, "entropy_loss": 0.7 - 0.005 * s}
+    if ppo:
+        d.update({"critic_loss": 0.4, "values": 0.1, "critic_lr": 9e-6})
+    return d
+
+
+def openrlhf_rows(steps: list[int], ppo: bool = False, eval_every: int = 0) -> list[dict]:
+    rows = []
+    for s in steps:
+        rows.append({"train/global_step": s, **{f"train/{k}": v for k, v in openrlhf_status(s, ppo).items()}})
+        if eval_every and s % eval_every == 0:
+            rows.append({"eval/epoch": s, "eval/reward_mean": 0.3 + 0.01 * s, "eval/pass1": 0.3 + 0.01 * s,
+                         "eval/math_pass1": 0.3 + 0.01 * s, "eval/response_length_mean": 380.0})
+    return rows
+
+
+def write_openrlhf_tensorboard(folder: Path, steps: list[int], ppo: bool = False, eval_every: int = 0) -> Path:
+    """Event files as OpenRLHF's TensorboardLogger writes them (torch.utils.tensorboard.SummaryWriter at
+    use_tensorboard/run_name, add_scalar("train/<k>", v, global_step))."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    run = folder / "grpo_run"
+    w = SummaryWriter(log_dir=str(run))
+    for s in steps:
+        for k, v in openrlhf_status(s, ppo).items():
+            w.add_scalar(f"train/{k}", v, s)
+        if eval_every and s % eval_every == 0:
+            w.add_scalar("eval/pass1", 0.3 + 0.01 * s, s)
+            w.add_scalar("eval/reward_mean", 0.3 + 0.01 * s, s)
+        w.add_text("train/generated_samples", "Sample: 1+1=2", s)
+    w.close()
+    return run

@@ -128,6 +128,8 @@ HOMES = {
     "WHOLE_KEYS": "config.py", "change": "metrics.py", "SAME": "metrics.py", "varying_keys": "run.py",
     "series": "metrics.py", "group_norms": "metrics.py", "metric_order": "metrics.py", "write_jsonl": "atomic.py",
     "TRACKERS": "config.py", "scalars": "trackers.py", "mlflow_key": "trackers.py", "heatmap_image": "trackers.py",
+    "tensorboard_records": "integrations/logs.py", "STEP_KEYS": "integrations/logs.py",
+    "table_flavour": "integrations/readers.py", "own_terms_text": "integrations/provenance.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {

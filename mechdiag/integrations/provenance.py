@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from mechdiag.integrations.trl_args import trl_snippet
 from mechdiag.metrics import is_number
 
 READ, INFERRED = "read", "inferred"
@@ -120,10 +121,37 @@ def observed_max_reward(metrics: list[dict], weights: dict[str, float] | None, b
     return 1.0, "no positive reward logged: 1.0"
 
 
-def verl_overrides(changes) -> str:
+def openrlhf_args(changes, fields: dict | None = None) -> str:
+    """The refined settings as OpenRLHF command-line arguments (train_ppo_ray's --flags), for the changes it has
+    an argument for."""
+    lines = ["# mechdiag recommend: the refined settings as OpenRLHF arguments (only what changes)"]
+    for c in changes:
+        name = {**OPENRLHF_FIELDS, **(fields or {})}.get(c.key)
+        lines.append(f"{name} {c.new}" if name else f"# {c.key}: {c.old!r} -> {c.new!r} has no OpenRLHF argument")
+    return "\n".join(lines) + "\n"
+
+
+# the file beside recommend's --out that holds the refined settings in the trainer's own terms
+OWN_TERMS_SUFFIX = {"trl": ".trl.py", "unsloth": ".trl.py", "verl": ".verl.txt", "openrlhf": ".openrlhf.txt"}
+OWN_TERMS_NAME = {"trl": "TRL", "unsloth": "TRL", "verl": "verl", "openrlhf": "OpenRLHF"}
+
+
+def own_terms_text(trainer: str | None, changes, cfg, fields: dict | None = None) -> str | None:
+    """The refined settings as the trainer that wrote the run takes them (`fields`: the run's own names, its
+    provenance); None for a custom loop or mechdiag."""
+    if trainer in ("trl", "unsloth"):
+        return trl_snippet(changes, cfg)
+    if trainer == "verl":
+        return verl_overrides(changes, fields)
+    if trainer == "openrlhf":
+        return openrlhf_args(changes, fields)
+    return None
+
+
+def verl_overrides(changes, fields: dict | None = None) -> str:
     """The refined settings as verl command-line overrides (key=value), for the changes verl has a key for."""
     lines = ["# mechdiag recommend: the refined settings as verl overrides (only what changes)"]
     for c in changes:
-        name = VERL_FIELDS.get(c.key)
+        name = {**VERL_FIELDS, **(fields or {})}.get(c.key)
         lines.append(f"{name}={c.new}" if name else f"# {c.key}: {c.old!r} -> {c.new!r} has no verl key")
     return "\n".join(lines) + "\n"

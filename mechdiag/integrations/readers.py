@@ -59,6 +59,7 @@ TRL_TRAIN_KEYS = {
     "clip_ratio": "policy_clip_fraction",  # 0.15-0.17 spelling
     "clip_ratio/region_mean": "policy_clip_fraction",
     "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
+    "clip_ratio/low_min": "clip_fraction_low_min", "clip_ratio/high_max": "clip_fraction_high_max",
     "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
     **{k: k for k in OUTCOME_KEYS},  # GroupCV's log
@@ -70,7 +71,7 @@ TRL_EVAL_KEYS = {
 }
 _TRL_REWARD = re.compile(r"^rewards/(?P<name>.+?)(?:/(?P<stat>mean|std))?$")  # no /mean: TRL < 0.16
 _TRL_SKIP = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos", "train_loss",
-             "step", "eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+             "step", "runtime", "samples_per_second", "steps_per_second", "global_step")
 
 # verl: canonical key <- first key present (older verl names after newer ones)
 VERL_TRAIN_KEYS = {
@@ -79,7 +80,8 @@ VERL_TRAIN_KEYS = {
     "reward_with_kl": ("critic/rewards/mean",),
     "entropy": ("actor/entropy", "actor/entropy_loss"),
     "kl": ("actor/kl_loss", "actor/reward_kl_penalty", "critic/kl"),  # critic/kl: Dec-2024 PPO logs
-    "kl_coef": ("critic/kl_coeff", "actor/reward_kl_penalty_coeff"),
+    "kl_coef": ("critic/kl_coeff", "actor/reward_kl_penalty_coeff"),  # the in-reward penalty (algorithm.kl_ctrl)
+    "kl_loss_coef": ("actor/kl_coef",),  # use_kl_loss: actor_rollout_ref.actor.kl_loss_coef
     "policy_clip_fraction": ("actor/pg_clipfrac",),
     "clip_fraction_low": ("actor/pg_clipfrac_lower",),
     "loss": ("actor/pg_loss",),
@@ -97,7 +99,9 @@ VERL_TRAIN_KEYS = {
 }
 _VERL_SCALED = re.compile(r"^(?P<key>.+)\((?P<scale>[0-9.eE+-]+)\)$")  # "actor/lr(1e-4)": value in units of 1e-4
 _VERL_REWARD_FN = "reward_extra_info/"  # verl's per-function reward means
-_VERL_VAL = re.compile(r"^val-(?:core|aux)/(?P<ds>[^/]+)/(?P<var>[^/]+)/(?P<stat>.+)$")
+# val-core/<data source>/<variable>/<stat>: a data source may hold slashes (openai/gsm8k)
+_VERL_VAL = re.compile(r"^val-(?:core|aux)/(?P<ds>.+?)/(?P<var>[^/]+)/"
+                       r"(?P<stat>(?:mean|std|best|worst|maj)@\d+(?:/\w+)?)$")
 _VERL_OLD_VAL = re.compile(r"^val/test_score/(?P<ds>.+)$")
 _MEAN_AT = re.compile(r"^mean@(\d+)$")
 _BEST_AT = re.compile(r"^best@(\d+)/mean$")
@@ -236,6 +240,11 @@ def _none_nan(v):
 
 
 # ---- TRL output_dir -----------------------------------------------------------------------------------------
+TRL_FIELDS = {**GRPO_FIELDS, **LORA_FIELDS, "prompts_per_step": "per_device_train_batch_size",
+              "rewards.weights": "reward_weights", "warmup_ratio": "warmup_ratio"}
+STATE_FILES = ("trainer_state.json", "trainer_state.json.gz")
+
+
 def _checkpoints(output_dir: Path) -> dict[int, Path]:
     out = {}
     for p in output_dir.glob("checkpoint-*"):
@@ -247,27 +256,34 @@ def _checkpoints(output_dir: Path) -> dict[int, Path]:
 
 def trainer_state(output_dir: Path) -> dict:
     """trainer_state.json of the output_dir (written by trainer.save_state()), else of its latest checkpoint."""
-    candidates = [output_dir / "trainer_state.json"] + [c / "trainer_state.json"
-                                                         for c in reversed(_checkpoints(output_dir).values())]
+    candidates = [d / name for d in [output_dir, *reversed(_checkpoints(output_dir).values())]
+                  for name in STATE_FILES]
     best = None
     for path in candidates:
         if path.is_file():
             try:
-                state = json.loads(path.read_text(encoding="utf-8"))
-            except (ValueError, UnicodeDecodeError) as e:
+                state = json.loads(logs.read_text(path))
+            except ValueError as e:
                 raise UserError(f"corrupt {path}: {e}") from None
             if not isinstance(state, dict) or not isinstance(state.get("log_history", []), list):
                 raise UserError(f"corrupt {path}: no log_history list")
-            if best is None or state.get("global_step", 0) > best.get("global_step", 0):
+            # records as HF writes them: dicts with a numeric step (anything else is not a logging record)
+            state["log_history"] = [h for h in state.get("log_history", []) if isinstance(h, dict)
+                                    and _num(h.get("step", 0))]
+            if best is None or _gstep(state) > _gstep(best):
                 best = state
     return best or {}
+
+
+def _gstep(state: dict) -> float:
+    return state["global_step"] if _num(state.get("global_step")) else 0
 
 
 def is_trl_dir(path: str | Path) -> bool:
     path = Path(path)
     if not path.is_dir() or is_run_dir(path):
         return False
-    return (path / "trainer_state.json").exists() or any(path.glob("checkpoint-*/trainer_state.json")) \
+    return any((path / n).exists() or any(path.glob(f"checkpoint-*/{n}")) for n in STATE_FILES) \
         or callback_run(path) is not None
 
 
@@ -388,8 +404,7 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
         raise UserError(f"{output_dir} has no trainer_state.json (nor checkpoint-N/trainer_state.json): "
                         "not a TRL output directory")
     rd = _fresh(into)
-    prov = Provenance("trl", {**GRPO_FIELDS, **LORA_FIELDS, "prompts_per_step": "per_device_train_batch_size",
-                              "rewards.weights": "reward_weights", "warmup_ratio": "warmup_ratio"})
+    prov = Provenance("trl", TRL_FIELDS)
     cfg = C.load(cb.config_path) if cb is not None else _config_from_output_dir(output_dir, prov)
     history = state.get("log_history", [])
     # metrics: the callback's records, else log_history; reward_cv from the wrapper's log or the parquet
@@ -426,6 +441,8 @@ def read_trl_run(output_dir, into, reward_weights: dict[str, float] | None = Non
     if not evals:
         evals = [{"step": int(h["step"]), **map_trl_log(h, eval_=True)} for h in history
                  if is_eval_log(h) and "step" in h]
+    if cb is None and not metrics and not evals:
+        raise UserError(f"{output_dir}: trainer_state.json's log_history holds no train or eval records")
     rd.append("eval", evals)
     rd.append("samples", samples)
 
@@ -591,12 +608,43 @@ TABLE_TRAIN_KEYS = {
     "grad_norm": ("train/actor_grad_norm", "train/raw_grad_norm", "grad_norm"),
     "lr": ("train/actor_lr", "train/policy_lr", "lr", "learning_rate"),
     "completion_length": ("train/response_length", "completion_tokens", "completion_length", "response_length"),
+    "completion_clipped_ratio": ("train/response_clip_ratio", "train/truncated", "clipped_ratio"),
     "policy_clip_fraction": ("train/ppo_clip_ratio", "clip_fraction"),
     "value_loss": ("train/critic_loss",),
     "kl_coef": ("train/kl_coef", "kl_coef"),
 }
-TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward"), "accuracy": ("eval_accuracy", "eval/accuracy"),
-                   "completion_length": ("eval_completion_tokens", "eval/response_length")}
+TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward", "eval/reward_mean"),
+                   "accuracy": ("eval_accuracy", "eval/accuracy", "eval/pass1"),
+                   "completion_length": ("eval_completion_tokens", "eval/response_length",
+                                         "eval/response_length_mean"),
+                   "completion_clipped_ratio": ("eval/truncated_rate",)}
+# which trainer wrote a tabular log (a W&B export, TensorBoard events, a JSON-lines file), by its keys
+_OPENRLHF_SIGN = {"policy_loss", "actor_lr", "ppo_clip_ratio", "return", "total_length", "critic_loss",
+                  "response_clip_ratio", "entropy_loss", "ppo_kl"}
+_VERL_SIGN = ("critic/score/", "actor/pg_loss", "actor/entropy", "response_length/", "val-core/", "val-aux/")
+_TRL_SIGN = ("completions/", "rewards/", "clip_ratio/", "frac_reward_zero_std", "completion_length", "num_tokens")
+
+
+def table_flavour(records: list[tuple[int, dict]]) -> str:
+    """"trl" (HF's W&B/TensorBoard callbacks: train/<TRL key>, eval/<key>), "verl" (its metric names),
+    "openrlhf" (train/<its status keys>) or "custom"."""
+    keys = {k for _, d in records for k in d}
+    if any(k.startswith(_VERL_SIGN) for k in keys):
+        return "verl"
+    bare = {k.removeprefix("train/") for k in keys if k.startswith("train/")}
+    if bare & _OPENRLHF_SIGN:
+        return "openrlhf"
+    if any(k.startswith(_TRL_SIGN) for k in bare) or "learning_rate" in bare:
+        return "trl"
+    return "openrlhf" if bare else "custom"  # train/reward alone (one chart exported): OpenRLHF's spelling
+
+
+def _trl_row(data: dict) -> tuple[dict, dict]:
+    """A row of HF's W&B/TensorBoard log (train/<key>, eval/<key>) -> (train record, eval record)."""
+    raw = {("eval_" + k[5:] if k.startswith("eval/") else k.removeprefix("train/")): v for k, v in data.items()}
+    raw = {k: v for k, v in raw.items() if k not in _TRL_SKIP}  # TensorBoard puts train_runtime at the last step
+    tr = map_trl_log(raw) if is_train_log(raw) else {}
+    return tr, map_trl_log(raw, eval_=True) if is_eval_log(raw) else {}
 
 
 def _pick(data: dict, table: dict) -> dict:
@@ -610,11 +658,22 @@ def _pick(data: dict, table: dict) -> dict:
 
 
 def read_table_run(path, into, config=None) -> RunDir:
-    """An OpenRLHF or custom-loop log (JSON lines, a JSON list or a W&B CSV export; logs.table_records)."""
+    """A tabular log (JSON lines, a JSON list, a W&B CSV export, TensorBoard events; logs.table_records) of a TRL,
+    verl, OpenRLHF or custom run, mapped by the keys of the trainer that wrote it (table_flavour)."""
     path = Path(path)
     records = logs.table_records(path)
-    trainer = "openrlhf" if any(k.startswith("train/") for _, d in records for k in d) else "custom"
+    trainer = table_flavour(records)
     by_step: dict[int, tuple[dict, dict]] = {}
+    if trainer in ("trl", "verl"):
+        for step, data in records:
+            tr, ev = by_step.get(step, ({}, {}))
+            new_tr, new_ev = _trl_row(data) if trainer == "trl" else map_verl(data)
+            by_step[step] = ({**tr, **new_tr}, {**ev, **new_ev})
+        if trainer == "trl":
+            return _write_foreign(into, by_step, "trl", TRL_FIELDS, path, config, {}, "completions/max_length",
+                                  "learning_rate", None)
+        return _write_foreign(into, by_step, "verl", VERL_FIELDS, path, config, {}, "response_length/max",
+                              "actor/lr", "reward_max_batch")
     for step, data in records:
         tr, ev = by_step.get(step, ({}, {}))
         ev = {**ev, **_pick(data, TABLE_EVAL_KEYS)}
@@ -650,9 +709,12 @@ def _write_foreign(into, by_step: dict, trainer: str, fields: dict, path: Path, 
             prov.read(k, v, "the config given")
         header = f"read from {trainer} log {path}; the design is the config given"
     else:
-        coefs = [m["kl_coef"] for m in metrics if "kl_coef" in m]
+        which = "kl_loss_coef" if any("kl_loss_coef" in m for m in metrics) else "kl_coef"
+        coefs = [m[which] for m in metrics if which in m]
         if coefs:
             prov.read("beta", coefs[-1], "the logged kl coefficient (last step)")
+            if trainer == "verl" and which == "kl_coef":  # PPO's KL in the reward, not the actor's KL loss
+                prov.fields["beta"] = "algorithm.kl_ctrl.kl_coef"
         cfg = _with_logged(C.from_dict({"beta": coefs[-1]} if coefs and 0 <= coefs[-1] else {}), prov, metrics,
                            length_name, lr_name)
         header = (f"read from {trainer} log {path}; the log holds no config: inferred and unknown values in "
@@ -675,8 +737,10 @@ SEARCH_DEPTH = 3  # a folder the user names may hold the run this many levels do
 
 def _own_kind(path: Path) -> str | None:
     if path.is_file():
-        if path.name == "trainer_state.json":
+        if path.name in STATE_FILES:
             return "trl"
+        if logs.is_tensorboard(path):
+            return "table"
         if is_verl_file(path) or logs.is_console_log(path):
             return "verl"
         return "table" if logs.is_table_log(path) else None
@@ -685,13 +749,15 @@ def _own_kind(path: Path) -> str | None:
     if (path / "metrics.jsonl").is_file() and not (path / "config.yaml").exists() and \
             logs.is_table_log(path / "metrics.jsonl"):  # metrics.jsonl without config.yaml: another loop's log
         return "table"
+    if path.is_dir() and logs.is_tensorboard(path) and not (path / "config.yaml").exists():
+        return "table"  # a SummaryWriter log_dir
     return None
 
 
 def _target(kind: str, path: Path) -> Path:
     if kind == "trl" and path.is_file():
         return path.parent
-    return path / "metrics.jsonl" if kind == "table" and path.is_dir() else path
+    return path / "metrics.jsonl" if kind == "table" and path.is_dir() and not logs.is_tensorboard(path) else path
 
 
 def locate(path) -> tuple[str, Path] | None:
@@ -721,7 +787,7 @@ def locate(path) -> tuple[str, Path] | None:
     found = list(dict.fromkeys(found))
     if len(found) > 1:
         raise UserError(f"{path} holds {len(found)} runs ({', '.join(str(p) for _, p in found[:4])}); name one")
-    if not found and any(path.glob("checkpoint-*/trainer_state.json")):
+    if not found and any(any(path.glob(f"checkpoint-*/{n}")) for n in STATE_FILES):
         return "trl", path
     return found[0] if found else None
 

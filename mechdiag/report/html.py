@@ -47,6 +47,7 @@ class Advice:
     findings: list[Shown] = field(default_factory=list)
     note: str = ""  # shown where there is no finding
     refined_yaml: str | None = None  # the refined config, when the recommender returns one
+    refined_label: str = "refined config.yaml (train it with <code>mechdiag train refined.yaml</code>)"
 
 
 def _shown(f) -> Shown:
@@ -64,9 +65,21 @@ def advice_from(result) -> Advice:
     findings = getattr(result, "findings", result)
     advice = Advice([_shown(f) for f in findings or []], "No recommendation: no rule fired on these runs.")
     cfg = getattr(result, "cfg", None)
-    if cfg is not None and hasattr(cfg, "model_dump"):
+    prov = getattr(result, "provenance", None)
+    if isinstance(prov, dict):  # a foreign run: only the settings that change, in its trainer's names
+        fields = prov.get("fields") or {}
+        lines = [f"{fields.get(c.key, c.key)}: {_show_value(c.old)} -> {_show_value(c.new)}"
+                 for c in getattr(result, "changes", [])]
+        advice.refined_yaml = "\n".join(lines) or None
+        advice.refined_label = (f"refined settings, in {esc(prov.get('trainer', 'the trainer'))}'s own names "
+                                "(<code>mechdiag recommend RUN --out refined.yaml</code> writes them beside it)")
+    elif cfg is not None and hasattr(cfg, "model_dump"):
         advice.refined_yaml = to_yaml(cfg, getattr(result, "header", "") or "")
     return advice
+
+
+def _show_value(v) -> str:
+    return ",".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -405,8 +418,8 @@ def section_recommendations(advice) -> str:
         out = ("<table class=recs><tr><th>rule</th><th>symptom</th><th>evidence</th><th>change</th>"
                "<th>confidence</th></tr>" + "".join(rows) + "</table>")
     if advice.refined_yaml and advice.findings:
-        out += ("<details><summary>refined config.yaml (train it with <code>mechdiag train refined.yaml</code>)"
-                f"</summary><pre class=completion>{esc(advice.refined_yaml)}</pre></details>")
+        out += (f"<details><summary>{advice.refined_label}</summary>"
+                f"<pre class=completion>{esc(advice.refined_yaml)}</pre></details>")
     return out
 
 
