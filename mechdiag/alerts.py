@@ -12,7 +12,7 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, wdisp
+from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, is_part, wdisp
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -211,7 +211,8 @@ def _per_step(rows) -> list[dict]:
     a long run's history stays a row per recorded step."""
     sums: dict[int, list[float]] = {}
     for r in rows:
-        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None:
+        if isinstance(r.get("step"), int) and r.get("delta_fro") is not None and r.get("ref_fro") is not None \
+                and not is_part(r):
             d = sums.setdefault(r["step"], [0.0, 0.0])
             d[0] += float(r["delta_fro"]) ** 2
             d[1] += float(r["ref_fro"]) ** 2

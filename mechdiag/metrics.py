@@ -141,25 +141,38 @@ def wdisp(delta_sq, ref_sq, delta_w: float = DELTA_W):
     return delta_sq ** 0.5 / (ref_sq + delta_w) ** 0.5
 
 
-def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False) -> dict:
+def is_part(row: dict) -> bool:
+    """A row of a fused tensor's logical part (qkv_proj.v; mechdiag.parts): sums over whole tensors skip it."""
+    return bool(row.get("part_of"))
+
+
+def update_mass(rows: Iterable[dict], by: str = "module", size_normalised: bool = False,
+                parts: bool = False) -> dict:
     """Each group's share of the squared displacement: ||dW_g||^2 / sum_h ||dW_h||^2, summed over the rows
     (tensors) of a group keyed by row[by] as weights.py names it (GPT-2's attn.c_proj and mlp.c_proj stay apart).
 
     size_normalised: each group's ||dW_g||^2 is first divided by its ||W_g||^2 (its WDisp^2), so a module does not
     carry "the update" just for being a bigger matrix. Rows without finite norms are left out; {} when nothing
-    moved (or, size-normalised, when a group has no reference norm)."""
+    moved (or, size-normalised, when a group has no reference norm).
+    parts: also the fused tensors' parts (qkv_proj.v) as groups, each a share of the same whole-tensor total (the
+    parts of qkv_proj sum to its share); else part rows are left out."""
     mass: dict = {}
     ref: dict = {}
+    part_keys = set()
     for r in rows:
         if is_number(r.get("delta_fro")) and r.get(by) is not None and not r.get("nonfinite"):
+            if is_part(r) and not parts:
+                continue
             key = r[by]
+            if is_part(r):
+                part_keys.add(key)
             mass[key] = mass.get(key, 0.0) + float(r["delta_fro"]) ** 2
             ref[key] = ref.get(key, 0.0) + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0)
     if size_normalised:
         if any(ref[k] <= 0 for k in mass):
             return {}
         mass = {k: v / ref[k] for k, v in mass.items()}
-    total = math.fsum(mass.values())
+    total = math.fsum(v for k, v in mass.items() if k not in part_keys)
     return {k: v / total for k, v in mass.items()} if total > 0 else {}
 
 

@@ -53,7 +53,7 @@ def test_family_lora_merge_lens_and_displacement(family):
         assert torch.allclose(plain(ids).logits, want, atol=1e-5)
 
     # displacement from the factors vs a dense float64 (W + s B A) - W
-    rows = {r["name"]: r for r in lora_rows(peft_model)}
+    rows = {r["name"]: r for r in lora_rows(peft_model) if not r.get("part_of")}  # parts: tests/test_parts.py
     assert len(rows) == len(mods)
     for name, mod in peft_model.named_modules():
         if hasattr(mod, "lora_A") and hasattr(mod, "get_base_layer") and "default" in mod.lora_A:

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from mechdiag.config import ALL_MODULES
-from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, last_step, update_mass, wdisp
+from mechdiag.metrics import EVAL_SIGNALS, TRAIN_SIGNALS, is_part, last_step, update_mass, wdisp
 from mechdiag.run import STREAMS, Group
 
 PALETTE = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf",
@@ -261,6 +261,8 @@ def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
     for run in group.runs:
         num, den = defaultdict(float), defaultdict(float)
         for rec in run.read("displacement"):
+            if is_part(rec):  # a fused tensor's part: its whole tensor is counted already
+                continue
             step, layer = _num(rec.get("step")), _num(rec.get("layer"))
             ref, delta = _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
             if None in (step, layer, ref, delta):
@@ -377,7 +379,7 @@ def _wdisp_by_step(run) -> dict[float, float]:
     num, den = defaultdict(float), defaultdict(float)
     for rec in run.read("displacement"):
         step, ref, delta = _num(rec.get("step")), _num(rec.get("ref_fro")), _num(rec.get("delta_fro"))
-        if step is None or ref is None or delta is None:
+        if step is None or ref is None or delta is None or is_part(rec):
             continue
         num[step] += delta * delta
         den[step] += ref * ref
@@ -386,7 +388,7 @@ def _wdisp_by_step(run) -> dict[float, float]:
 
 def _module_mass(run) -> dict[str, float]:
     """Update mass per module type at the last recorded step (mechdiag.metrics.update_mass)."""
-    return update_mass(last_step(run.read("displacement")), "module")
+    return update_mass(last_step(run.read("displacement")), "module", parts=True)
 
 
 def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
