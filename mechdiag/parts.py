@@ -20,9 +20,9 @@ ROLES = {
     "k_proj": ("k_proj", "qkv_proj.k", "query_key_value.k", "c_attn.k"),
     "v_proj": ("v_proj", "qkv_proj.v", "query_key_value.v", "c_attn.v"),
     "o_proj": ("o_proj", "dense", "attn.c_proj", "out_proj"),
-    "gate_proj": ("gate_proj", "gate_up_proj.gate", "experts.gate_proj"),
-    "up_proj": ("up_proj", "gate_up_proj.up", "dense_h_to_4h", "c_fc", "experts.up_proj"),
-    "down_proj": ("down_proj", "dense_4h_to_h", "mlp.c_proj", "experts.down_proj"),
+    "gate_proj": ("gate_proj", "gate_up_proj.gate", "experts.gate_proj", "experts.w1"),  # Mixtral: w1, w3, w2
+    "up_proj": ("up_proj", "gate_up_proj.up", "dense_h_to_4h", "c_fc", "experts.up_proj", "experts.w3"),
+    "down_proj": ("down_proj", "dense_4h_to_h", "mlp.c_proj", "experts.down_proj", "experts.w2"),
 }
 
 

@@ -10,6 +10,7 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "neox")
 # the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Nemotron (no gate_proj), Mistral,
 # OLMo-2 and one mixture-of-experts model (Qwen3-MoE: fused 3-D experts, a Linear router)
 MATRIX = (*FAMILIES, "gemma2", "nemotron", "mistral", "olmo2", "qwen3_moe")
+MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtral names them w1/w2/w3
 N_LAYERS = 2
 
 
@@ -42,6 +43,13 @@ def family_config(family: str):
     if family == "qwen3_moe":
         return T.Qwen3MoeConfig(num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                 num_experts_per_tok=2, **common)
+    if family == "olmoe":
+        return T.OlmoeConfig(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, **common)
+    if family == "mixtral":
+        return T.MixtralConfig(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **common)
+    if family == "qwen2_moe":
+        return T.Qwen2MoeConfig(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                shared_expert_intermediate_size=8, **common)
     if family == "neox":
         return T.GPTNeoXConfig(**common)
     raise ValueError(family)
