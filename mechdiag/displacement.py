@@ -550,11 +550,12 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
     return g.drop(columns=["ref_sq", "delta_sq", "is_part"])
 
 
-def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False) -> pd.DataFrame:
-    """Python API: a DataFrame of per-tensor rows (by="tensor") or grouped WDisp (by="module"|"layer"|"all")."""
+def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False, experts: bool = False) -> pd.DataFrame:
+    """Python API: a DataFrame of per-tensor rows (by="tensor") or grouped WDisp (by="module"|"layer"|"all");
+    experts: a mixture-of-experts' expert modules one per expert."""
     if by not in ("tensor", "module", "layer", "all"):
         raise UserError(f"by must be tensor, module, layer or all, not {by!r}")
-    df = rows_frame(compare(a, b, base=base, spectral=spectral), spectral)
+    df = rows_frame(compare(a, b, base=base, spectral=spectral, experts=experts), spectral)
     return df if by == "tensor" else group_wdisp(df, by=by)
 
 

@@ -15,6 +15,7 @@ from mechdiag import recommend as R
 from mechdiag.config import LoraConfig
 from mechdiag.displacement import compare, group_wdisp, lora_rows, rows_frame
 from mechdiag.metrics import update_mass
+from mechdiag.report.heatmap import displacement_grid
 from mechdiag.run import RunDir, load_runs
 from mechdiag.train.lora import apply_lora
 from tests.synth import write_run
@@ -168,3 +169,15 @@ def test_recommend_speaks_the_family_names_of_fused_parts(tmp_path):
     f = next(f for f in r.findings if f.rule == "reduced_modules")
     assert "study: qkv_proj.v + o_proj" in f.reason and " v_proj" not in f.reason
     assert sorted(next(c.new for c in r.changes if c.key == "lora.target_modules")) == ["o_proj", "qkv_proj"]
+
+
+def test_heatmap_has_a_column_per_part(tmp_path):
+    base = save(build("phi3"), tmp_path / "base")
+    peft_model = _tuned("phi3")
+    peft_model.save_pretrained(tmp_path / "adapter")
+    df = rows_frame(compare(base, tmp_path / "adapter"))
+    grid = displacement_grid(df)
+    assert {"qkv_proj", "qkv_proj.q", "qkv_proj.k", "qkv_proj.v", "gate_up_proj.gate", "gate_up_proj.up"} <= \
+        set(grid.columns)
+    row = df[(df["module"] == "qkv_proj.v") & (df["layer"] == 1)].iloc[0]
+    assert grid.loc["1", "qkv_proj.v"] == pytest.approx(row["delta_fro"] / row["ref_fro"], rel=1e-12)
