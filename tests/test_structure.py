@@ -123,6 +123,8 @@ HOMES = {
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
     "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
+    "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
+    "tensor_site": "weights.py", "expert_index": "weights.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
