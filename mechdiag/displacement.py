@@ -571,15 +571,16 @@ class _Term:
         self.scale, self.B, self.A = scale, B, A
 
 
-def _base_sumsq(w: torch.Tensor, part: str = "", idx: torch.Tensor | None = None, axis: int = 0) -> float:
-    """||W||^2 of a frozen base weight (or of its part idx on axis), cached while the weight is unchanged."""
-    key = (id(w), part)
-    hit = _REF_SQ_CACHE.get(key)
+def _base_sumsq(w: torch.Tensor, key: str = "", get=None) -> float:
+    """||W||^2 of a frozen base weight, or of the slice of it get() returns (a part, one expert) named `key`,
+    cached while the weight is unchanged."""
+    cache = (id(w), key)
+    hit = _REF_SQ_CACHE.get(cache)
     if hit is not None and hit[0]() is w and hit[1] == w._version:
         return hit[2]
-    x = w.detach() if idx is None else w.detach().index_select(axis, idx.to(w.device))
+    x = (w if get is None else get()).detach()
     value = _sumsq(x.to(torch.float32))  # the checkpoint path's arithmetic, so both give the same numbers
-    _REF_SQ_CACHE[key] = (weakref.ref(w, lambda _, k=key: _REF_SQ_CACHE.pop(k, None)), w._version, value)
+    _REF_SQ_CACHE[cache] = (weakref.ref(w, lambda _, k=cache: _REF_SQ_CACHE.pop(k, None)), w._version, value)
     return value
 
 
@@ -601,6 +602,9 @@ def _lora_rows(model, geometry: bool) -> list[dict]:
             continue
         if getattr(mod, "merged", False):
             raise ValueError(f"{path}: adapter is merged into the base weight; unmerge before lora_rows")
+        if hasattr(mod, "get_param") and hasattr(mod, "num_experts"):  # peft target_parameters (MoE experts)
+            rows.extend(_expert_rows(path, mod, config, geometry))
+            continue
         base_w = mod.get_base_layer().weight
         transposed = bool(getattr(mod, "fan_in_fan_out", False))
         terms = []
@@ -621,23 +625,63 @@ def _lora_rows(model, geometry: bool) -> list[dict]:
         rows.append(_lora_row(name, layer, module, base_w, terms, geometry))
         axis = output_axis(config, base_w.ndim)
         for part, idx in output_parts(module, base_w.shape[axis], config):
-            row = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", base_w,
-                            restrict(terms, idx.to(base_w.device), axis), geometry, (part, idx, axis))
+            idx = idx.to(base_w.device)
+            row = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", base_w, restrict(terms, idx, axis),
+                            geometry, part, lambda w=base_w, i=idx, a=axis: w.index_select(a, i))
             rows.append({**row, "part_of": module})
     return rows
 
 
-def _lora_row(name, layer, module, base_w, terms, geometry, part=None) -> dict:
-    """One row of lora_rows: the whole weight, or with part = (name, idx, axis) its part from restricted terms."""
+def _lora_row(name, layer, module, base_w, terms, geometry, key: str = "", get=None) -> dict:
+    """One row of lora_rows: the weight base_w, or the slice get() returns (a part, an expert; `key` names it for
+    the norm's cache), its update from the (restricted) terms."""
     B, A = lowrank_factors(terms)
-    ref_sq = _base_sumsq(base_w) if part is None else _base_sumsq(base_w, *part)
+    ref_sq = _base_sumsq(base_w, key, get)
     delta_sq = lowrank_sumsq(B, A)
     ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
     row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
            "rel_fro": rel_fro(delta_fro, ref_fro)}
     if geometry:
         nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
-        w = base_w if part is None else base_w.index_select(part[2], part[1].to(base_w.device))
+        w = base_w if get is None else get()
         row.update(_geometry(lambda start, stop, w=w: w[start:stop].to("cpu"), None, tuple(w.shape),
                              None, (B.cpu(), A.cpu()), max(delta_sq, 0.0), nonfinite, None))
     return row
+
+
+def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
+    """Rows of a LoRA on a parameter (peft's ParamWrapper, target_parameters): one per expert of a 3-D expert
+    stack [E, ., .], named as transformers saves the experts (mlp.experts.5.gate_up_proj.weight), with the fused
+    parts of each. peft's layout: lora_A (E*r, in) -> A_e (r, in); lora_B (out, r*E) -> B_e = B[:, :, e] after
+    (out, r, E); the stored [E, in, out] is (B_e A_e)^T (A_e^T, B_e^T as factors), a stack peft swapped to
+    [E, out, in] is B_e A_e."""
+    param = mod.get_param()
+    stack = param if param.ndim == 3 else param[None]
+    E = stack.shape[0]
+    swapped = bool(getattr(mod, "_did_swap_in_out_features", False)) or param.ndim == 2
+    per_expert: list[list[_Term]] = [[] for _ in range(E)]
+    for name in mod.active_adapters:
+        if name not in mod.lora_A:
+            continue
+        A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
+        A3 = A.reshape(E, -1, A.shape[-1])  # (E, r, in)
+        B3 = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
+        for e in range(E):
+            f = (B3[e], A3[e]) if swapped else (A3[e].T, B3[e].T)
+            per_expert[e].append(_Term(float(mod.scaling[name]), *f))
+    prefix = path.removeprefix("base_model.model.")
+    rows = []
+    for e, terms in enumerate(per_expert):
+        if not terms:
+            continue
+        name = f"{prefix}.{e}.{mod.parameter_name}.weight" if param.ndim == 3 else f"{prefix}.{mod.parameter_name}"
+        layer, module = tensor_site(name)
+        expert = e if param.ndim == 3 else None
+        row = _lora_row(name, layer, module, param, terms, geometry, f"expert{e}", lambda e=e: stack[e])
+        rows.append({**row, "expert": expert})
+        for part, idx in output_parts(module.rsplit(".", 1)[-1], stack.shape[1], config):
+            idx = idx.to(param.device)
+            sub = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", param, restrict(terms, idx, 0), geometry,
+                            f"expert{e}.{part}", lambda e=e, i=idx: stack[e].index_select(0, i))
+            rows.append({**sub, "part_of": module, "expert": expert})
+    return rows

@@ -27,7 +27,7 @@ from tests.tiny_models import MATRIX, family_folder
 torch.set_num_threads(1)
 F64 = torch.float64
 SMALL = ["task.name=tests.toy:Toy", "group_size=2", "prompts_per_step=2", "max_completion_tokens=6",
-         "max_prompt_tokens=32", "eval_n=3", "threads=1", "learning_rate=0.02", "record.shift_n=2", "save_every=2",
+         "max_prompt_tokens=64", "eval_n=3", "threads=1", "learning_rate=0.02", "record.shift_n=2", "save_every=2",
          "eval_every=2", "record.displacement_every=1", "lora.r=2", "lora.alpha=4", "max_time_s=null"]
 PROMPTS = ["Once upon a time, a cat", "Tell a story number 3.", "a b"]
 

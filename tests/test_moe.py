@@ -10,6 +10,7 @@ import math
 import re
 from collections import defaultdict
 
+import pandas as pd
 import pytest
 import torch
 from click.testing import CliRunner
@@ -104,3 +105,54 @@ def test_moe_spectral_and_layers(moe_pair):
         keys = [k for k in sd if f"layers.{layer}." in k]
         d = math.fsum(float(torch.linalg.vector_norm((tuned[k] - sd[k]).double())) ** 2 for k in keys)
         assert by_layer[layer]["delta_fro"] == pytest.approx(math.sqrt(d), rel=1e-9)
+
+
+def test_lora_on_expert_parameters_is_reported_per_expert_exactly():
+    """peft's target_parameters puts LoRA on the 3-D expert stacks (Qwen3MoeExperts.gate_up_proj [E, 2I, H]):
+    lora_rows gives each expert's update from the factors, equal to peft's own dense get_delta_weight, named as
+    transformers saves experts, with gate/up halves, all aggregated as experts.gate_up_proj."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - peft's own config, not mechdiag's
+
+    from mechdiag.displacement import group_wdisp, lora_rows  # noqa: PLC0415
+
+    torch.manual_seed(0)
+    model = get_peft_model(build("qwen3_moe"), LoraConfig(r=2, lora_alpha=4, target_modules=[],
+                                                          target_parameters=["experts.gate_up_proj",
+                                                                             "experts.down_proj"],
+                                                          init_lora_weights=False))
+    rows = lora_rows(model, geometry=True)
+    by_name = {r["name"]: r for r in rows}
+    checked = 0
+    for path, mod in model.named_modules():
+        if not hasattr(mod, "get_delta_weight") or not hasattr(mod, "num_experts"):
+            continue
+        with torch.no_grad():
+            peft_delta = mod.get_delta_weight("default").double()  # peft's own, in float32: [E, ...] as stored
+            param = mod.get_param().double()
+            E = param.shape[0]
+            A = mod.lora_A["default"].weight.double().reshape(E, -1, param.shape[-1] if mod._did_swap_in_out_features
+                                                               else param.shape[-2])
+            B = mod.lora_B["default"].weight.double()
+            B = B.reshape(B.shape[0], -1, E)
+            spec = "o r e, e r i -> e o i" if mod._did_swap_in_out_features else "o r e, e r i -> e i o"
+            delta = torch.einsum(spec, B, A) * mod.scaling["default"]  # the same product in float64
+        assert delta.shape == param.shape
+        assert torch.allclose(delta, peft_delta, rtol=1e-5, atol=1e-7)
+        prefix = path.removeprefix("base_model.model.")
+        for e in range(param.shape[0]):
+            r = by_name[f"{prefix}.{e}.{mod.parameter_name}.weight"]
+            assert r["module"] == f"experts.{mod.parameter_name}" and r["expert"] == e and r["layer"] in (0, 1)
+            assert r["delta_fro"] == pytest.approx(float(delta[e].norm()), rel=1e-9)
+            assert r["ref_fro"] == pytest.approx(float(param[e].norm()), rel=1e-6)
+            assert 0 <= r["subspace_overlap"] <= 1
+            if mod.parameter_name == "gate_up_proj":  # Qwen3MoeExperts: gate, up = linear(x, W[e]).chunk(2, -1)
+                for part, half in zip(("gate", "up"), delta[e].chunk(2, dim=0), strict=True):
+                    p = by_name[f"{prefix}.{e}.gate_up_proj.weight[{part}]"]
+                    assert p["delta_fro"] == pytest.approx(float(half.norm()), rel=1e-9)
+                    assert p["part_of"] == "experts.gate_up_proj"
+            checked += 1
+    assert checked == 2 * 2 * 4  # layers x stacks x experts
+    g = group_wdisp(pd.DataFrame(rows), "module").set_index("module")
+    want = math.sqrt(math.fsum(r["delta_fro"] ** 2 for r in rows if r["module"] == "experts.down_proj"))
+    assert g.loc["experts.down_proj", "delta_fro"] == pytest.approx(want, rel=1e-12)
+    assert g.loc["experts.down_proj", "n_tensors"] == 8
