@@ -669,7 +669,7 @@ def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
         for e in range(E):
             f = (B3[e], A3[e]) if swapped else (A3[e].T, B3[e].T)
             per_expert[e].append(_Term(float(mod.scaling[name]), *f))
-    prefix = path.removeprefix("base_model.model.")
+    prefix = path.removeprefix("base_model.model.").replace(".base_layer", "")  # peft nests one wrapper per parameter
     rows = []
     for e, terms in enumerate(per_expert):
         if not terms:

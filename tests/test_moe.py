@@ -138,7 +138,7 @@ def test_lora_on_expert_parameters_is_reported_per_expert_exactly():
             delta = torch.einsum(spec, B, A) * mod.scaling["default"]  # the same product in float64
         assert delta.shape == param.shape
         assert torch.allclose(delta, peft_delta, rtol=1e-5, atol=1e-7)
-        prefix = path.removeprefix("base_model.model.")
+        prefix = path.removeprefix("base_model.model.").replace(".base_layer", "")  # peft nests the wrappers
         for e in range(param.shape[0]):
             r = by_name[f"{prefix}.{e}.{mod.parameter_name}.weight"]
             assert r["module"] == f"experts.{mod.parameter_name}" and r["expert"] == e and r["layer"] in (0, 1)
@@ -152,6 +152,7 @@ def test_lora_on_expert_parameters_is_reported_per_expert_exactly():
                     assert p["part_of"] == "experts.gate_up_proj"
             checked += 1
     assert checked == 2 * 2 * 4  # layers x stacks x experts
+    assert not [r["name"] for r in rows if "base_layer" in r["name"]]  # named as transformers saves experts
     g = group_wdisp(pd.DataFrame(rows), "module").set_index("module")
     want = math.sqrt(math.fsum(r["delta_fro"] ** 2 for r in rows if r["module"] == "experts.down_proj"))
     assert g.loc["experts.down_proj", "delta_fro"] == pytest.approx(want, rel=1e-12)
