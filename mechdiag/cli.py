@@ -299,12 +299,15 @@ def _rows_options(f):
 @click.option("--spectral", is_flag=True, help="Also sigma_1, stable / effective rank of each delta and its geometry "
               "(subspace_overlap, intruders; docs/metrics.md).")
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
-def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
+@click.option("--experts", is_flag=True, help="Mixture-of-experts: each expert its own module (experts.5.up_proj) "
+              "instead of aggregated over the experts (experts.up_proj).")
+def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts):
     """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
     a PEFT adapter folder or a run directory).
 
     Per tensor: ref_fro = ||W_A||_F, delta_fro = ||W_B - W_A||_F, rel_fro; grouped (--by module|layer|all): the
-    study's WDisp and each group's update mass.
+    study's WDisp and each group's update mass. A fused tensor (qkv_proj, query_key_value, c_attn, gate_up_proj)
+    is followed by its parts (qkv_proj.q, .k, .v; part_of names the tensor), which layers and totals skip.
 
     \b
     Example:
@@ -319,7 +322,7 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html):
     a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
     base = None if base is None else checkpoint_folder(base)
     with progress("displacement (%)", 100) as update:
-        rows = compare(a, b, base=base, spectral=spectral,
+        rows = compare(a, b, base=base, spectral=spectral, experts=experts,
                        progress=lambda done, total: update(round(100 * done / max(total, 1))))
     df = rows_frame(rows, spectral)
     result = df if by == "tensor" else group_wdisp(df, by=by)

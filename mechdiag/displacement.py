@@ -24,12 +24,15 @@ import torch
 
 from mechdiag.errors import UserError
 from mechdiag.metrics import DELTA_W, update_mass, update_mass_size_normalised, wdisp
+from mechdiag.parts import output_axis, output_parts
 from mechdiag.weights import (
     Entry,
+    LoraFactor,
     SafeFiles,
     Side,
     architecture,
     embedding_names,
+    expert_index,
     is_tied,
     lm_head_names,
     open_side,
@@ -44,7 +47,7 @@ except ImportError:  # built without a C compiler: the torch path below computes
 
 CHUNK_ELEMS = 1 << 20  # rows per read chunk ~ 1M elements: 4 MB in float32, the passes stay in cache
 ROW_COLUMNS = ["name", "layer", "module", "shape", "dtype", "numel", "ref_fro", "delta_fro", "rel_fro",
-               "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite"]
+               "frac_unchanged", "frac_sub_ulp", "lora_rank", "nonfinite", "part_of", "expert"]
 SPECTRAL_COLUMNS = ["sigma_1", "stable_rank", "effective_rank"]
 GEOMETRY_COLUMNS = ["overlap_k", "subspace_overlap", "intruders"]  # with --spectral too, see update_geometry
 INTRUDER_TOP, INTRUDER_COS = 10, 0.5  # the tuned weight's top 10 singular vectors; |cos| below 0.5 = intruder
@@ -170,7 +173,7 @@ def kernel_enabled() -> bool:
 def fused_stats(files: SafeFiles, ref_a, ref_b=None) -> tuple[float, float, int, int] | None:
     """(sum a^2, sum (b-a)^2, entries changed, entries with |b-a| below one bf16 ULP of a) in one pass over the
     file pages (mechdiag/_diffkernel.c), or None when the kernel is off or takes neither dtype. ref_b None: a only."""
-    if not kernel_enabled():
+    if not kernel_enabled() or not isinstance(files, SafeFiles):  # a part's view: rows gathered, not one span
         return None
     buf_a, off_a, dt_a, n = files.span(ref_a)
     buf_b, off_b, dt_b = (None, 0, "F32") if ref_b is None else files.span(ref_b)[:3]
@@ -180,7 +183,7 @@ def fused_stats(files: SafeFiles, ref_a, ref_b=None) -> tuple[float, float, int,
 
 
 def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool = False,
-               chunk_elems: int | None = None) -> dict:
+               chunk_elems: int | None = None, experts: bool = False) -> dict:
     """Metrics of one tensor: reference = ea (dense + LoRA), tuned = eb (dense + LoRA)."""
     shape = files.shape(ea.dense)
     shape_b = files.shape(eb.dense)
@@ -242,7 +245,7 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
     ref_fro, delta_fro = math.sqrt(ref_sq) if math.isfinite(ref_sq) else math.nan, math.sqrt(delta_sq)
     full_finetune = not same_dense and delta_lr is None
-    layer, module = tensor_site(name)
+    layer, module = tensor_site(name, experts)
     row = {
         "name": name, "layer": layer, "module": module, "shape": "x".join(map(str, shape)),
         "dtype": files.dtype(eb.dense), "numel": numel, "ref_fro": ref_fro, "delta_fro": delta_fro,
@@ -250,7 +253,7 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         "frac_unchanged": (numel - n_changed) / numel if full_finetune and numel else None,
         "frac_sub_ulp": (n_below - (numel - n_changed)) / numel if full_finetune and numel else None,
         "lora_rank": int(delta_lr[1].shape[0]) if delta_lr is not None else None,
-        "nonfinite": nonfinite,
+        "nonfinite": nonfinite, "part_of": None, "expert": expert_index(name),
     }
     if nonfinite:
         row["rel_fro"] = math.nan
@@ -260,6 +263,56 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
         row.update(_geometry(lambda start, stop: files.read(ea.dense, start, stop), read_tuned, shape, ref_lr,
                              delta_lr, delta_sq, nonfinite, chunk_elems))
     return row
+
+
+class _PartView:
+    """The SafeFiles interface over one part of every tensor it reads: the output features `idx` on `axis`
+    (rows of a Linear weight or a bias, columns of a Conv1D weight), gathered a chunk of part rows at a time."""
+
+    def __init__(self, files: SafeFiles, idx: torch.Tensor, axis: int):
+        self.files, self.idx, self.axis = files, idx, axis
+
+    def shape(self, ref) -> tuple[int, ...]:
+        shape = list(self.files.shape(ref))
+        shape[self.axis] = len(self.idx)
+        return tuple(shape)
+
+    def dtype(self, ref) -> str:
+        return self.files.dtype(ref)
+
+    def read(self, ref, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        if self.axis == 1:
+            return self.files.read(ref, start, stop)[:, self.idx]
+        rows = self.idx[slice(start, stop)]
+        if rows.numel() == 0:
+            return self.files.read(ref, 0, 0)
+        lo, hi = int(rows.min()), int(rows.max()) + 1
+        return self.files.read(ref, lo, hi)[rows - lo]
+
+
+def restrict(terms, idx: torch.Tensor, axis: int) -> list[LoraFactor]:
+    """LoRA terms of a part: the part's output features of s B A are B[idx] A (axis 0) or B A[:, idx] (axis 1,
+    Conv1D's stored orientation), still factors."""
+    return [LoraFactor(t.scale, t.B[idx], t.A) if axis == 0 else LoraFactor(t.scale, t.B, t.A[:, idx])
+            for t in terms]
+
+
+def part_rows(files: SafeFiles, name: str, ea: Entry, eb: Entry, config: dict, spectral: bool = False,
+              experts: bool = False) -> list[dict]:
+    """One row per logical part of a fused tensor (mechdiag.parts), every column computed as for a tensor, module
+    MODULE.PART and part_of MODULE; [] when the tensor is not fused."""
+    layer, module = tensor_site(name, experts)
+    shape = files.shape(ea.dense)
+    if len(shape) not in (1, 2):
+        return []
+    axis = output_axis(config, len(shape))
+    out = []
+    for part, idx in output_parts(module.rsplit(".", 1)[-1], shape[axis], config):
+        view = _PartView(files, idx, axis)
+        row = tensor_row(view, name, Entry(ea.dense, restrict(ea.lora, idx, axis)),
+                         Entry(eb.dense, restrict(eb.lora, idx, axis)), spectral, experts=experts)
+        out.append({**row, "name": f"{name}[{part}]", "module": f"{module}.{part}", "part_of": module})
+    return out
 
 
 def _geometry(read_ref, read_tuned, shape, ref_lr, delta_lr, delta_sq, nonfinite, chunk_elems) -> dict:
@@ -386,9 +439,16 @@ def pair_names(a: Side, b: Side) -> list[str]:
     return [n for n in names_a if n not in skip]
 
 
+def _rows_of(files, name, ea, eb, config, spectral, experts) -> list[dict]:
+    return [tensor_row(files, name, ea, eb, spectral, experts=experts),
+            *part_rows(files, name, ea, eb, config, spectral, experts)]
+
+
 def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, int], None] | None = None,
-            files: SafeFiles | None = None, workers: int | None = None) -> list[dict]:
-    """Per-tensor rows for reference A vs tuned B (paths: model folder, .safetensors file, or LoRA adapter).
+            files: SafeFiles | None = None, workers: int | None = None, experts: bool = False) -> list[dict]:
+    """Per-tensor rows for reference A vs tuned B (paths: model folder, .safetensors file, or LoRA adapter), each
+    fused tensor followed by its parts (part_of set; mechdiag.parts). experts: a mixture-of-experts' expert
+    modules per expert (experts.5.up_proj) instead of aggregated (experts.up_proj).
     Tensors are processed by `workers` threads (default: up to 2 cores), each running single-threaded torch ops:
     on a busy machine this beats intra-op threads, whose barriers stall when cores are oversubscribed."""
     files = files or SafeFiles()
@@ -405,11 +465,12 @@ def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, in
     with single_thread():
         pool = ThreadPoolExecutor(workers)
         try:
-            futures = [pool.submit(tensor_row, files, n, side_a.entries[n], side_b.entries[n], spectral)
-                       for n in names]
+            config = side_b.config or side_a.config
+            futures = [pool.submit(_rows_of, files, n, side_a.entries[n], side_b.entries[n], config, spectral,
+                                   experts) for n in names]
             out = []
             for fut, size in zip(futures, sizes, strict=True):
-                out.append(fut.result())
+                out.extend(fut.result())
                 done += size
                 if progress is not None:
                     progress(done, total)
@@ -433,7 +494,7 @@ def single_thread():
 def rows_frame(rows: list[dict], spectral: bool = False) -> pd.DataFrame:
     cols = ROW_COLUMNS + (SPECTRAL_COLUMNS + GEOMETRY_COLUMNS if spectral else [])
     df = pd.DataFrame(rows, columns=cols)
-    for c in ("layer", "lora_rank", *(("overlap_k", "intruders") if spectral else ())):
+    for c in ("layer", "lora_rank", "expert", *(("overlap_k", "intruders") if spectral else ())):
         df[c] = df[c].astype("Int64")
     for c in ("frac_unchanged", "frac_sub_ulp", *(SPECTRAL_COLUMNS + ["subspace_overlap"] if spectral else ())):
         df[c] = df[c].astype(float)
@@ -451,19 +512,27 @@ def _keys(df: pd.DataFrame, by: str) -> list[str]:
 def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELTA_W) -> pd.DataFrame:
     """The study's WDisp per group (per step too when rows carry a step column).
     Columns: [step], key, n_tensors, ref_fro, delta_fro, wdisp, update_mass, update_mass_size_normalised
-    (mechdiag.metrics.update_mass, update_mass_size_normalised). Non-finite rows are left out."""
+    (mechdiag.metrics.update_mass, update_mass_size_normalised). Non-finite rows are left out; a fused tensor's parts
+    are groups of their own by module (a share of the same total as the whole tensors), and left out of layers and
+    the whole model."""
     df = rows_df.copy()
     if "nonfinite" in df.columns:
         df = df[~df["nonfinite"].astype(bool)]
+    part = df["part_of"].notna() & (df["part_of"] != "") if "part_of" in df.columns else pd.Series(False, df.index)
+    if by != "module":
+        df, part = df[~part], part[~part]
+    df["is_part"] = part.astype(bool)
     df = df[df["ref_fro"].notna() & df["delta_fro"].notna()]
     df["ref_sq"] = df["ref_fro"].astype(float) ** 2
     df["delta_sq"] = df["delta_fro"].astype(float) ** 2
     keys = _keys(df, by)
     if keys:
         g = df.groupby(keys, dropna=False, sort=True).agg(n_tensors=("ref_sq", "size"), ref_sq=("ref_sq", "sum"),
-                                                          delta_sq=("delta_sq", "sum")).reset_index()
+                                                          delta_sq=("delta_sq", "sum"),
+                                                          is_part=("is_part", "any")).reset_index()
     else:
-        g = pd.DataFrame({"n_tensors": [len(df)], "ref_sq": [df["ref_sq"].sum()], "delta_sq": [df["delta_sq"].sum()]})
+        g = pd.DataFrame({"n_tensors": [len(df)], "ref_sq": [df["ref_sq"].sum()], "delta_sq": [df["delta_sq"].sum()],
+                          "is_part": [False]})
     if by == "all":
         g.insert(len(keys), "all", "all")
     g["ref_fro"] = g["ref_sq"] ** 0.5
@@ -473,26 +542,27 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
     for col, mass in (("update_mass", update_mass), ("update_mass_size_normalised", update_mass_size_normalised)):
         shares = {}
         for part in parts:  # shares within each recorded step
-            rows = [{"group": i, "delta_fro": d, "ref_fro": r} for i, d, r in
-                    zip(part.index, part["delta_fro"], part["ref_fro"], strict=True)]
-            shares.update(mass(rows, "group"))
+            rows = [{"group": i, "delta_fro": d, "ref_fro": r, "part_of": "part" if p else None} for i, d, r, p in
+                    zip(part.index, part["delta_fro"], part["ref_fro"], part["is_part"], strict=True)]
+            shares.update(mass(rows, "group", parts=True))
         g[col] = [shares.get(i, 0.0) for i in g.index]
     if by == "layer":
         g["layer"] = g["layer"].astype("Int64")
-    return g.drop(columns=["ref_sq", "delta_sq"])
+    return g.drop(columns=["ref_sq", "delta_sq", "is_part"])
 
 
-def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False) -> pd.DataFrame:
-    """Python API: a DataFrame of per-tensor rows (by="tensor") or grouped WDisp (by="module"|"layer"|"all")."""
+def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False, experts: bool = False) -> pd.DataFrame:
+    """Python API: a DataFrame of per-tensor rows (by="tensor") or grouped WDisp (by="module"|"layer"|"all");
+    experts: a mixture-of-experts' expert modules one per expert."""
     if by not in ("tensor", "module", "layer", "all"):
         raise UserError(f"by must be tensor, module, layer or all, not {by!r}")
-    df = rows_frame(compare(a, b, base=base, spectral=spectral), spectral)
+    df = rows_frame(compare(a, b, base=base, spectral=spectral, experts=experts), spectral)
     return df if by == "tensor" else group_wdisp(df, by=by)
 
 
 # --- in-memory PEFT models (the trainer's recorder) -------------------------------------------------------------
 
-_REF_SQ_CACHE: dict[int, tuple] = {}  # id(frozen base weight) -> (weakref, version, ||W||^2)
+_REF_SQ_CACHE: dict[tuple, tuple] = {}  # (id(frozen base weight), part) -> (weakref, version, ||W||^2)
 
 
 class _Term:
@@ -502,13 +572,16 @@ class _Term:
         self.scale, self.B, self.A = scale, B, A
 
 
-def _base_sumsq(w: torch.Tensor) -> float:
-    hit = _REF_SQ_CACHE.get(id(w))
+def _base_sumsq(w: torch.Tensor, key: str = "", get=None) -> float:
+    """||W||^2 of a frozen base weight, or of the slice of it get() returns (a part, one expert) named `key`,
+    cached while the weight is unchanged."""
+    cache = (id(w), key)
+    hit = _REF_SQ_CACHE.get(cache)
     if hit is not None and hit[0]() is w and hit[1] == w._version:
         return hit[2]
-    value = _sumsq(w.detach().to(torch.float32))  # the checkpoint path's arithmetic, so both give the same numbers
-    key = id(w)
-    _REF_SQ_CACHE[key] = (weakref.ref(w, lambda _, k=key: _REF_SQ_CACHE.pop(k, None)), w._version, value)
+    x = (w if get is None else get()).detach()
+    value = _sumsq(x.to(torch.float32))  # the checkpoint path's arithmetic, so both give the same numbers
+    _REF_SQ_CACHE[cache] = (weakref.ref(w, lambda _, k=cache: _REF_SQ_CACHE.pop(k, None)), w._version, value)
     return value
 
 
@@ -522,12 +595,17 @@ def lora_rows(model, geometry: bool = False) -> list[dict]:
 
 
 def _lora_rows(model, geometry: bool) -> list[dict]:
+    config = getattr(model, "config", None)
+    config = config.to_dict() if hasattr(config, "to_dict") else {}
     rows = []
     for path, mod in model.named_modules():
         if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):
             continue
         if getattr(mod, "merged", False):
             raise ValueError(f"{path}: adapter is merged into the base weight; unmerge before lora_rows")
+        if hasattr(mod, "get_param") and hasattr(mod, "num_experts"):  # peft target_parameters (MoE experts)
+            rows.extend(_expert_rows(path, mod, config, geometry))
+            continue
         base_w = mod.get_base_layer().weight
         transposed = bool(getattr(mod, "fan_in_fan_out", False))
         terms = []
@@ -543,17 +621,68 @@ def _lora_rows(model, geometry: bool) -> list[dict]:
             terms.append(_Term(float(mod.scaling[name]), B, A))
         if not terms:
             continue
-        B, A = lowrank_factors(terms)
-        ref_sq = _base_sumsq(base_w)
-        delta_sq = lowrank_sumsq(B, A)
         name = path.removeprefix("base_model.model.") + ".weight"
         layer, module = tensor_site(name)
-        ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
-        row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
-               "rel_fro": rel_fro(delta_fro, ref_fro)}
-        if geometry:
-            nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
-            row.update(_geometry(lambda start, stop, w=base_w: w[start:stop].to("cpu"), None, tuple(base_w.shape),
-                                 None, (B.cpu(), A.cpu()), max(delta_sq, 0.0), nonfinite, None))
-        rows.append(row)
+        rows.append(_lora_row(name, layer, module, base_w, terms, geometry))
+        axis = output_axis(config, base_w.ndim)
+        for part, idx in output_parts(module, base_w.shape[axis], config):
+            idx = idx.to(base_w.device)
+            row = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", base_w, restrict(terms, idx, axis),
+                            geometry, part, lambda w=base_w, i=idx, a=axis: w.index_select(a, i))
+            rows.append({**row, "part_of": module})
+    return rows
+
+
+def _lora_row(name, layer, module, base_w, terms, geometry, key: str = "", get=None) -> dict:
+    """One row of lora_rows: the weight base_w, or the slice get() returns (a part, an expert; `key` names it for
+    the norm's cache), its update from the (restricted) terms."""
+    B, A = lowrank_factors(terms)
+    ref_sq = _base_sumsq(base_w, key, get)
+    delta_sq = lowrank_sumsq(B, A)
+    ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
+    row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
+           "rel_fro": rel_fro(delta_fro, ref_fro)}
+    if geometry:
+        nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
+        w = base_w if get is None else get()
+        row.update(_geometry(lambda start, stop, w=w: w[start:stop].to("cpu"), None, tuple(w.shape),
+                             None, (B.cpu(), A.cpu()), max(delta_sq, 0.0), nonfinite, None))
+    return row
+
+
+def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
+    """Rows of a LoRA on a parameter (peft's ParamWrapper, target_parameters): one per expert of a 3-D expert
+    stack [E, ., .], named as transformers saves the experts (mlp.experts.5.gate_up_proj.weight), with the fused
+    parts of each. peft's layout: lora_A (E*r, in) -> A_e (r, in); lora_B (out, r*E) -> B_e = B[:, :, e] after
+    (out, r, E); the stored [E, in, out] is (B_e A_e)^T (A_e^T, B_e^T as factors), a stack peft swapped to
+    [E, out, in] is B_e A_e."""
+    param = mod.get_param()
+    stack = param if param.ndim == 3 else param[None]
+    E = stack.shape[0]
+    swapped = bool(getattr(mod, "_did_swap_in_out_features", False)) or param.ndim == 2
+    per_expert: list[list[_Term]] = [[] for _ in range(E)]
+    for name in mod.active_adapters:
+        if name not in mod.lora_A:
+            continue
+        A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
+        A3 = A.reshape(E, -1, A.shape[-1])  # (E, r, in)
+        B3 = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
+        for e in range(E):
+            f = (B3[e], A3[e]) if swapped else (A3[e].T, B3[e].T)
+            per_expert[e].append(_Term(float(mod.scaling[name]), *f))
+    prefix = path.removeprefix("base_model.model.").replace(".base_layer", "")  # peft nests one wrapper per parameter
+    rows = []
+    for e, terms in enumerate(per_expert):
+        if not terms:
+            continue
+        name = f"{prefix}.{e}.{mod.parameter_name}.weight" if param.ndim == 3 else f"{prefix}.{mod.parameter_name}"
+        layer, module = tensor_site(name)
+        expert = e if param.ndim == 3 else None
+        row = _lora_row(name, layer, module, param, terms, geometry, f"expert{e}", lambda e=e: stack[e])
+        rows.append({**row, "expert": expert})
+        for part, idx in output_parts(module.rsplit(".", 1)[-1], stack.shape[1], config):
+            idx = idx.to(param.device)
+            sub = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", param, restrict(terms, idx, 0), geometry,
+                            f"expert{e}.{part}", lambda e=e, i=idx: stack[e].index_select(0, i))
+            rows.append({**sub, "part_of": module, "expert": expert})
     return rows

@@ -162,40 +162,54 @@ def wdisp(delta_sq, ref_sq, delta_w: float = DELTA_W):
     return delta_sq ** 0.5 / (ref_sq + delta_w) ** 0.5
 
 
-def group_norms(rows: Iterable[dict], key: Callable[[dict], object]) -> dict:
+def is_part(row: dict) -> bool:
+    """A row of a fused tensor's logical part (qkv_proj.v; mechdiag.parts): sums over whole tensors skip it."""
+    return bool(row.get("part_of"))
+
+
+def group_norms(rows: Iterable[dict], key: Callable[[dict], object], parts: bool = False) -> dict:
     """key(row) -> (sum ||dW||^2, sum ||W||^2) over the finite rows (tensors) of that group (key None: left out);
-    what wdisp and the update masses are made of."""
+    what wdisp and the update masses are made of. A fused tensor's part rows (is_part) count only with parts=True:
+    its whole tensor is counted already."""
     out: dict = {}
     for r in rows:
         k = key(r)
-        if is_number(r.get("delta_fro")) and k is not None and not r.get("nonfinite"):
+        if is_number(r.get("delta_fro")) and k is not None and not r.get("nonfinite") and (parts or not is_part(r)):
             d, ref = out.get(k, (0.0, 0.0))
             out[k] = (d + float(r["delta_fro"]) ** 2,
                       ref + (float(r["ref_fro"]) ** 2 if is_number(r.get("ref_fro")) else 0.0))
     return out
 
 
-def _shares(mass: dict) -> dict:
-    total = math.fsum(mass.values())
+def _shares(mass: dict, part_keys: set) -> dict:
+    total = math.fsum(v for k, v in mass.items() if k not in part_keys)  # parts: shares of the whole tensors' total
     return {k: v / total for k, v in mass.items()} if total > 0 else {}
 
 
-def update_mass(rows: Iterable[dict], by: str = "module") -> dict:
+def _part_keys(rows: list[dict], by: str, parts: bool) -> set:
+    return {r.get(by) for r in rows if is_part(r)} if parts else set()
+
+
+def update_mass(rows: Iterable[dict], by: str = "module", parts: bool = False) -> dict:
     """Raw update mass (the report, `mechdiag attribute`'s disp_share): each group's share of the squared
     displacement, ||dW_g||^2 / sum_h ||dW_h||^2, over the rows (tensors) of a group keyed by row[by] as weights.py
     names it (GPT-2's attn.c_proj and mlp.c_proj stay apart). Rows without finite norms are left out; {} when
-    nothing moved."""
-    return _shares({k: d for k, (d, _) in group_norms(rows, lambda r: r.get(by)).items()})
+    nothing moved. parts: also the fused tensors' parts (qkv_proj.v) as groups, each a share of the same
+    whole-tensor total (the parts of qkv_proj sum to its share)."""
+    rows = list(rows)
+    norms = group_norms(rows, lambda r: r.get(by), parts)
+    return _shares({k: d for k, (d, _) in norms.items()}, _part_keys(rows, by, parts))
 
 
-def update_mass_size_normalised(rows: Iterable[dict], by: str = "module") -> dict:
+def update_mass_size_normalised(rows: Iterable[dict], by: str = "module", parts: bool = False) -> dict:
     """Size-normalised update mass (recommend's reduced_modules): the shares of ||dW_g||^2 / ||W_g||^2 (each
     group's WDisp^2), so a module does not carry "the update" just for being a bigger matrix. {} when nothing
-    moved or a group has no reference norm."""
-    norms = group_norms(rows, lambda r: r.get(by))
+    moved or a group has no reference norm. parts: as in update_mass."""
+    rows = list(rows)
+    norms = group_norms(rows, lambda r: r.get(by), parts)
     if any(ref <= 0 for _, ref in norms.values()):
         return {}
-    return _shares({k: d / ref for k, (d, ref) in norms.items()})
+    return _shares({k: d / ref for k, (d, ref) in norms.items()}, _part_keys(rows, by, parts))
 
 
 # ---- attribution (mechdiag attribute) -----------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     update_mass_size_normalised,
 )
 from mechdiag.metrics import is_number as _num
+from mechdiag.parts import family_name
 from mechdiag.run import Run, base_eval, final_eval, group_runs
 from mechdiag.tasks import reward_weights
 
@@ -193,6 +194,7 @@ class Signals:
     # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
     causal: dict[str, dict] = field(default_factory=dict)
     provenance: dict | None = None  # a foreign run's account of its config (run.Run.provenance); None: all read
+    modules: list[str] = field(default_factory=list)  # every module the displacement names, fused parts included
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -216,7 +218,10 @@ class Signals:
                            key=lambda x: x.get("split") != "train"),
             causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
                     for by in ("layer", "module")},
-            provenance=runs[0].provenance)
+            provenance=runs[0].provenance,
+            modules=list(dict.fromkeys(str(row["module"]) for r in runs for row in last_step(r.displacement)
+                                       if str(row.get("part_of") or row.get("module")).rsplit(".", 1)[-1]
+                                       in adapted)))
 
     def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
         src = self.train if stream == "train" else self.eval
@@ -614,6 +619,12 @@ def reduced_layers(s: Signals):
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
 
 
+def _study_note(modules) -> str:
+    """The study's best module set in this family's own names (Phi-3: qkv_proj.v + o_proj), when it has both."""
+    v, o = family_name("v_proj", modules), family_name("o_proj", modules)
+    return f" (study: {v} + {o}, best pass@1)" if v and o else ""
+
+
 @rule("reduced_modules", "update mass concentrated in a few module types")
 def reduced_modules(s: Signals):
     causal = s.causal.get("module", {})
@@ -637,7 +648,7 @@ def reduced_modules(s: Signals):
           f"{concentration:.3g}x their uniform share > {MODULE_CONCENTRATION})" + ("" if causal else DISPLACEMENT_ONLY))
     return _finding(reduced_modules, ev, [Change("lora.target_modules", current, new)],
                     f"reduced modules: adapt the modules carrying the update ({', '.join(new)})"
-                    + (" (study: v_proj + o_proj, best pass@1)" if {"v_proj", "o_proj"} <= set(mass) else ""),
+                    + _study_note(s.modules or list(mass)),
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
                     modules=",".join(new), source="causal share" if causal else "displacement")
 

@@ -39,6 +39,8 @@ CONVERT_HINT = ("convert it once, in an environment you trust, with "
 _LAYER_RE = re.compile(r"(?:^|\.)(\d+)\.")
 # Module names that one family uses twice inside a block: qualify them with their parent (GPT-2 attn/mlp c_proj).
 _AMBIGUOUS = {"c_proj"}
+_SHARED_EXPERT = ("shared_expert", "shared_experts")  # Qwen2-MoE, DeepSeek: a dense expert beside the routed ones
+_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
 # Non-parameter buffers some checkpoints carry: not weights, never compared.
 _BUFFERS = re.compile(r"(\.rotary_emb\.inv_freq|\.attn\.masked_bias|\.attn\.bias)$")
 _LM_HEADS = ("lm_head.weight", "embed_out.weight")
@@ -46,8 +48,11 @@ _EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight", "gpt_neox.
                "embed_tokens.weight", "wte.weight")
 
 
-def tensor_site(name: str) -> tuple[int | None, str]:
-    """(layer index or None, module name) of a tensor name, e.g. model.layers.3.mlp.up_proj.weight -> (3, up_proj)."""
+def tensor_site(name: str, experts: bool = False) -> tuple[int | None, str]:
+    """(layer index or None, module name) of a tensor name, e.g. model.layers.3.mlp.up_proj.weight -> (3, up_proj).
+    A mixture-of-experts' expert tensors (mlp.experts.5.gate_proj, or the fused 3-D mlp.experts.gate_up_proj) are
+    one module, experts.gate_proj, aggregated over the experts; experts=True keeps each: experts.5.gate_proj. A
+    shared expert is shared_expert.gate_proj; the router keeps the family's name (gate, router)."""
     m = _LAYER_RE.search(name)
     layer = int(m.group(1)) if m else None
     rest = name[m.end():] if m else name
@@ -55,9 +60,21 @@ def tensor_site(name: str) -> tuple[int | None, str]:
     if len(parts) > 1 and parts[-1] in ("weight", "bias"):
         parts = parts[:-1]
     module = parts[-1] if parts else name
+    if "experts" in parts[:-1]:
+        i = parts.index("experts")
+        expert = parts[i + 1] if i + 2 < len(parts) and parts[i + 1].isdigit() else None
+        return layer, ".".join(["experts", *([expert] if experts and expert else []), module])
+    if len(parts) > 1 and parts[-2] in _SHARED_EXPERT:
+        return layer, f"{parts[-2]}.{module}"
     if module in _AMBIGUOUS and len(parts) > 1:
         module = f"{parts[-2]}.{module}"
     return layer, module
+
+
+def expert_index(name: str) -> int | None:
+    """The expert of a per-expert tensor name (model.layers.0.mlp.experts.5.up_proj.weight -> 5), else None."""
+    m = _EXPERT_RE.search(name)
+    return int(m.group(1)) if m else None
 
 
 def is_buffer(name: str, shape: tuple[int, ...]) -> bool:

@@ -60,6 +60,7 @@ def test_planted_deltas_are_found_exactly(tmp_path, family):
         sd[n] = new
     b = _write(tmp_path / "b", sd, config_from=a)
     df = disp(a, b)
+    df = df[df.part_of.isna()]  # a fused tensor's parts: tests/test_parts.py
     assert set(df.loc[df.delta_fro > 0, "name"]) == set(planted)
     for n, (dn, rn) in planted.items():
         row = df.set_index("name").loc[n]
@@ -398,7 +399,7 @@ def test_gpt2_fan_in_fan_out_adapter(tmp_path):
     adapter, merged = _adapter(base, tmp_path, seed=5, r=2, lora_alpha=4, target_modules=["c_attn", "c_fc"],
                                fan_in_fan_out=True)
     ra, rm = disp(base, adapter).set_index("name"), disp(base, merged).set_index("name")
-    moved = rm.index[rm.delta_fro > 0]
+    moved = rm.index[(rm.delta_fro > 0) & rm.part_of.isna()]  # c_attn's q, k, v parts: tests/test_parts.py
     assert {tuple(n.split(".")[-2:]) for n in moved} == {("c_attn", "weight"), ("c_fc", "weight")}
     assert ((ra.loc[moved, "delta_fro"] - rm.loc[moved, "delta_fro"]).abs() / rm.loc[moved, "delta_fro"]).max() < 1e-5
 
@@ -549,7 +550,7 @@ def test_lora_rows_transposed_layers_match_checkpoint(tmp_path, family, cfg, n_r
 
     torch.manual_seed(2)
     model = get_peft_model(build(family), LoraConfig(init_lora_weights=False, **cfg))
-    rows = lora_rows(model)
+    rows = [r for r in lora_rows(model) if not r.get("part_of")]  # c_attn's parts: tests/test_parts.py
     base = save(build(family), tmp_path / "base")  # same seed: the same base weights
     model.save_pretrained(tmp_path / "ad")
     ck = disp(base, tmp_path / "ad").set_index("name")

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import copy
+import json
+import shutil
 
 import pytest
 import torch
+from tokenizers import Tokenizer
+from transformers import AutoTokenizer
 
 from mechdiag import blocks
 from mechdiag.config import LoraConfig
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError
+from mechdiag.models import load_tokenizer
 from mechdiag.probes.capture import Probe, pad_batch
 from mechdiag.train.lora import apply_lora, lora_modules, merge_into, resolve
-from tests.tiny_models import MATRIX, build
+from tests.tiny_models import MATRIX, build, save
 
 EXPECTED_TARGETS = {
     "phi3": ["o_proj", "qkv_proj", "gate_up_proj", "down_proj"],
@@ -53,7 +58,7 @@ def test_family_lora_merge_lens_and_displacement(family):
         assert torch.allclose(plain(ids).logits, want, atol=1e-5)
 
     # displacement from the factors vs a dense float64 (W + s B A) - W
-    rows = {r["name"]: r for r in lora_rows(peft_model)}
+    rows = {r["name"]: r for r in lora_rows(peft_model) if not r.get("part_of")}  # parts: tests/test_parts.py
     assert len(rows) == len(mods)
     for name, mod in peft_model.named_modules():
         if hasattr(mod, "lora_A") and hasattr(mod, "get_base_layer") and "default" in mod.lora_A:
@@ -100,3 +105,23 @@ def test_gpt2_c_proj_alone_matches_both_parents():
     assert targets == ["c_proj"]
     mods = lora_modules(apply_lora(build("gpt2"), LoraConfig(r=2, target_modules=["attn.c_proj"])))
     assert {m["module"] for m in mods} == {"attn.c_proj"} and len(mods) == 2
+
+
+@pytest.mark.parametrize("tokenizer_config", [{}, {"tokenizer_class": "Qwen2Tokenizer"}])
+def test_qwen2_architecture_with_a_llama_tokenizer_json_encodes_as_the_file(tmp_path, stories260k,
+                                                                           tokenizer_config):
+    """bench/scale.py's build: a Qwen2 config.json beside a Llama-family tokenizer.json. AutoTokenizer swaps in
+    Qwen2Tokenizer (which drops the spaces); models.load_tokenizer gives the file's own ids."""
+    folder = save(build("qwen2"), tmp_path / "q")
+    shutil.copy(stories260k / "tokenizer.json", folder / "tokenizer.json")
+    (folder / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "bos_token": "<s>",
+                                                              "eos_token": "</s>"}))
+    file_tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok = load_tokenizer(folder)
+    texts = ["Once upon a time, there was a little girl named Lily.", "  two  spaces\nand a line", "Tom ran."]
+    for text in texts:
+        assert tok(text).input_ids == file_tok.encode(text).ids
+        assert tok(text, add_special_tokens=False).input_ids == file_tok.encode(text, add_special_tokens=False).ids
+    swapped = AutoTokenizer.from_pretrained(folder)
+    assert type(swapped).__name__ == "Qwen2Tokenizer"  # the swap this guards against is real
+    assert swapped(texts[0]).input_ids != file_tok.encode(texts[0]).ids

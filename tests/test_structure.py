@@ -130,6 +130,8 @@ HOMES = {
     "TRACKERS": "config.py", "scalars": "trackers.py", "mlflow_key": "trackers.py", "heatmap_image": "trackers.py",
     "tensorboard_records": "integrations/logs.py", "STEP_KEYS": "integrations/logs.py",
     "table_flavour": "integrations/readers.py", "own_terms_text": "integrations/provenance.py",
+    "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
+    "tensor_site": "weights.py", "expert_index": "weights.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {

@@ -10,14 +10,17 @@ FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "neox")
 # the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Nemotron (no gate_proj), Mistral,
 # OLMo-2 and one mixture-of-experts model (Qwen3-MoE: fused 3-D experts, a Linear router)
 MATRIX = (*FAMILIES, "gemma2", "nemotron", "mistral", "olmo2", "qwen3_moe")
+MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtral names them w1/w2/w3
 N_LAYERS = 2
 
 
-def family_config(family: str):
+def family_config(family: str, vocab_size: int = 64, bos_token_id: int = 0, eos_token_id: int = 1,
+                  pad_token_id: int = 0):
     import transformers as T
 
-    common = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=N_LAYERS,
-                  num_attention_heads=2, bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    common = dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=N_LAYERS,
+                  num_attention_heads=2, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                  pad_token_id=pad_token_id)
     if family == "llama":
         return T.LlamaConfig(num_key_value_heads=1, **common)
     if family == "qwen2":
@@ -29,8 +32,9 @@ def family_config(family: str):
     if family == "phi3":
         return T.Phi3Config(num_key_value_heads=2, **common)
     if family == "gpt2":
-        return T.GPT2Config(vocab_size=64, n_embd=16, n_layer=N_LAYERS, n_head=2, n_positions=32, bos_token_id=0,
-                            eos_token_id=1)
+        return T.GPT2Config(vocab_size=vocab_size, n_embd=16, n_layer=N_LAYERS, n_head=2,
+                            n_positions=32 if vocab_size == 64 else 128, bos_token_id=bos_token_id,
+                            eos_token_id=eos_token_id)
     if family == "gemma2":
         return T.Gemma2Config(num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0, **common)
     if family == "nemotron":
@@ -42,6 +46,13 @@ def family_config(family: str):
     if family == "qwen3_moe":
         return T.Qwen3MoeConfig(num_key_value_heads=1, head_dim=8, moe_intermediate_size=8, num_experts=4,
                                 num_experts_per_tok=2, **common)
+    if family == "olmoe":
+        return T.OlmoeConfig(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, **common)
+    if family == "mixtral":
+        return T.MixtralConfig(num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, **common)
+    if family == "qwen2_moe":
+        return T.Qwen2MoeConfig(num_key_value_heads=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                                shared_expert_intermediate_size=8, **common)
     if family == "neox":
         return T.GPTNeoXConfig(**common)
     raise ValueError(family)
@@ -56,4 +67,24 @@ def build(family: str, seed: int = 0):
 
 def save(model, folder: Path, **kw) -> Path:
     model.save_pretrained(folder, **kw)
+    return folder
+
+
+def family_folder(family: str, folder: Path, seed: int = 0) -> Path:
+    """A model folder users could train: a tiny random model of the family sized to the bundled tokenizer, which
+    ships beside it (tokenizer.json as is)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    from mechdiag.models import bundled_path, load_tokenizer
+
+    tok = load_tokenizer("bundled")
+    torch.manual_seed(seed)
+    cfg = family_config(family, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                        pad_token_id=tok.pad_token_id)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for f in bundled_path().iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder / f.name)
     return folder

@@ -223,10 +223,11 @@ def _module_order(modules) -> list[str]:
     return known + sorted(m for m in modules if m not in ALL_MODULES)
 
 
-def _pooled(run, key) -> dict:
-    """key -> WDisp (metrics.wdisp) of the run's displacement rows with that key that carry both norms."""
+def _pooled(run, key, parts: bool = False) -> dict:
+    """key -> WDisp (metrics.wdisp) of the run's displacement rows with that key that carry both norms (parts: a
+    fused tensor's parts too, for per-module cells)."""
     rows = [r for r in run.read("displacement") if _num(r.get("ref_fro")) is not None]
-    return {k: wdisp(d, ref) for k, (d, ref) in group_norms(rows, key).items() if ref > 0}
+    return {k: wdisp(d, ref) for k, (d, ref) in group_norms(rows, key, parts).items() if ref > 0}
 
 
 def _cell(rec) -> tuple | None:
@@ -253,7 +254,7 @@ def _disp_cells(group: Group) -> dict[float, dict[tuple[int, str], float]]:
     tensors (weight and bias) pools them (metrics.wdisp); rel_fro alone is a fallback."""
     per_run = []
     for run in group.runs:
-        cells, rel = _pooled(run, _cell), defaultdict(list)
+        cells, rel = _pooled(run, _cell, parts=True), defaultdict(list)
         for rec in run.read("displacement"):
             k = _cell(rec)
             if k is not None and k not in cells and _num(rec.get("rel_fro")) is not None and \
@@ -271,7 +272,8 @@ def _thin(steps: list, k: int) -> list:
 
 
 def _layer_by_step(group: Group) -> dict[float, dict[int, float]]:
-    """step -> layer -> pooled displacement (metrics.wdisp) of the layer's tensors, averaged over the seeds."""
+    """step -> layer -> pooled displacement (metrics.wdisp) of the layer's tensors, averaged over the seeds (a fused
+    tensor's parts left out: its whole tensor is counted already)."""
     return _seed_mean([_pooled(run, _layer) for run in group.runs])
 
 
@@ -379,7 +381,7 @@ def _wdisp_by_step(run) -> dict[float, float]:
 
 def _module_mass(run) -> dict[str, float]:
     """Update mass per module type at the last recorded step (mechdiag.metrics.update_mass)."""
-    return update_mass(last_step(run.read("displacement")), "module")
+    return update_mass(last_step(run.read("displacement")), "module", parts=True)
 
 
 def displacement_dynamics(groups: list[Group]) -> go.Figure | None:
