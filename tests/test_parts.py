@@ -14,7 +14,7 @@ from mechdiag import config as configlib
 from mechdiag import recommend as R
 from mechdiag.config import LoraConfig
 from mechdiag.displacement import compare, group_wdisp, lora_rows, rows_frame
-from mechdiag.metrics import update_mass
+from mechdiag.metrics import update_mass, wdisp
 from mechdiag.report.heatmap import displacement_grid
 from mechdiag.run import RunDir, load_runs
 from mechdiag.train.lora import apply_lora
@@ -180,4 +180,5 @@ def test_heatmap_has_a_column_per_part(tmp_path):
     assert {"qkv_proj", "qkv_proj.q", "qkv_proj.k", "qkv_proj.v", "gate_up_proj.gate", "gate_up_proj.up"} <= \
         set(grid.columns)
     row = df[(df["module"] == "qkv_proj.v") & (df["layer"] == 1)].iloc[0]
-    assert grid.loc["1", "qkv_proj.v"] == pytest.approx(row["delta_fro"] / row["ref_fro"], rel=1e-12)
+    expected = wdisp(row["delta_fro"] ** 2, row["ref_fro"] ** 2)  # the study's WDisp, delta_w included
+    assert grid.loc["1", "qkv_proj.v"] == pytest.approx(expected, rel=1e-12)
