@@ -512,41 +512,57 @@ def _base_sumsq(w: torch.Tensor) -> float:
     return value
 
 
-def lora_rows(model, geometry: bool = False) -> list[dict]:
+def lora_rows(model, geometry: bool = False, engine=None) -> list[dict]:
     """One row per LoRA-wrapped weight of an in-memory PEFT model: reference = base weight, tuned = base + the
     active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged.
     geometry: also overlap_k, subspace_overlap and intruders, by the routine of `displacement --spectral` (one
-    pass over each base weight: the trainers ask for it at the final step only)."""
+    pass over each base weight: the trainers ask for it at the final step only).
+    engine: a mechdiag.distributed.Engine when the model is sharded (every rank calls this together; the
+    parameters are gathered a module at a time and the frozen base's norms computed once, by name)."""
     with torch.no_grad(), single_thread():
-        return _lora_rows(model, geometry)
+        return _lora_rows(model, geometry, engine)
 
 
-def _lora_rows(model, geometry: bool) -> list[dict]:
+def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
     rows = []
-    for path, mod in model.named_modules():
-        if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):
-            continue
+    if engine is None:
+        modules = ((p, m) for p, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")
+                   and hasattr(m, "get_base_layer"))
+        full = _same
+    else:
+        cache = engine.base_sq
+        modules = engine.lora_modules(model, need_base=lambda p: geometry or _row_name(p) not in cache)
+        full = engine.full
+    for path, mod in modules:
         if getattr(mod, "merged", False):
             raise ValueError(f"{path}: adapter is merged into the base weight; unmerge before lora_rows")
-        base_w = mod.get_base_layer().weight
+        name = _row_name(path)
         transposed = bool(getattr(mod, "fan_in_fan_out", False))
         terms = []
-        for name in mod.active_adapters:
-            if name in mod.lora_A:
-                A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
+        for adapter in mod.active_adapters:
+            if adapter in mod.lora_A:
+                A, B = mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
                 t = transposed
-            elif name in getattr(mod, "lora_embedding_A", {}):
-                A, B, t = mod.lora_embedding_A[name], mod.lora_embedding_B[name], True
+            elif adapter in getattr(mod, "lora_embedding_A", {}):
+                A, B, t = mod.lora_embedding_A[adapter], mod.lora_embedding_B[adapter], True
             else:
                 continue
+            A, B = full(A), full(B)
             B, A = (A.T, B.T) if t else (B, A)
-            terms.append(_Term(float(mod.scaling[name]), B, A))
+            terms.append(_Term(float(mod.scaling[adapter]), B, A))
         if not terms:
             continue
         B, A = lowrank_factors(terms)
-        ref_sq = _base_sumsq(base_w)
+        base_w = None
+        if engine is None:
+            base_w = mod.get_base_layer().weight
+            ref_sq = _base_sumsq(base_w)
+        else:
+            if geometry or name not in engine.base_sq:
+                base_w = full(mod.get_base_layer().weight)
+                engine.base_sq.setdefault(name, _sumsq(base_w.detach().to(torch.float32)))
+            ref_sq = engine.base_sq[name]
         delta_sq = lowrank_sumsq(B, A)
-        name = path.removeprefix("base_model.model.") + ".weight"
         layer, module = tensor_site(name)
         ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
         row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
@@ -557,3 +573,11 @@ def _lora_rows(model, geometry: bool) -> list[dict]:
                                  None, (B.cpu(), A.cpu()), max(delta_sq, 0.0), nonfinite, None))
         rows.append(row)
     return rows
+
+
+def _row_name(path: str) -> str:
+    return path.removeprefix("base_model.model.") + ".weight"
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

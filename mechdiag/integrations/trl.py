@@ -25,6 +25,7 @@ from pathlib import Path
 from mechdiag import config as C
 from mechdiag import recorder as R
 from mechdiag.console import Progress
+from mechdiag.distributed import Engine
 from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
     _contiguous_keys,
@@ -265,9 +266,9 @@ def peft_lora_config(model, lora):
 
 # ---- the callback --------------------------------------------------------------------------------------------
 def _peft(model):
-    """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
+    """The PEFT model under wrappers (DDP's and FSDP1's .module, torch.compile's _orig_mod)."""
     for _ in range(4):
-        if hasattr(model, "peft_config"):
+        if hasattr(model, "peft_config") and not hasattr(model, "_fsdp_wrapped_module"):  # FSDP forwards getattr
             return model
         model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if model is None:
@@ -327,10 +328,14 @@ class MechdiagCallback(TrainerCallback):
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._derived = False
+        self.engine: Engine | None = None
+        self.writer = True
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _on(self, state) -> bool:
-        return self.run is not None and state.is_world_process_zero
+        """This rank computes: the writer always, every rank when the model is sharded (its figures need
+        collectives all ranks join)."""
+        return self.recorder is not None
 
     def _signals(self, cfg, tokenizer) -> list:
         """The recorder's signals for this run: the native trainer's set, with the callback's own arguments."""
@@ -344,8 +349,8 @@ class MechdiagCallback(TrainerCallback):
         if self.forget_prompts:
             out.append(R.Forget(ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)))
         out += [R.EvalRecords(), R.Shift(self.shift_prompts, self.shift_batch_size),
-                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals, R.Alerts(cfg)]
-        return out
+                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals]
+        return out + [R.Alerts(cfg)] if self.writer else out  # alerts print: the writer's
 
     def _flush(self, args) -> None:
         """Record the pending train step; its completions parquet exists by now (TRL writes it after on_log), so
@@ -371,15 +376,25 @@ class MechdiagCallback(TrainerCallback):
         self.recorder.train(step, rec, samples)
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
-        self.recorder.eval(step, _peft(model), tokenizer, map_trl_log(metrics or {}, eval_=True),
-                           sampler=_peft(model) or model)
+        with self.engine.forward():
+            self.recorder.eval(step, _peft(model), tokenizer, map_trl_log(metrics or {}, eval_=True),
+                               sampler=_peft(model) or model)
         self._last_eval_step = step
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
         self._t0 = time.perf_counter()
-        if not state.is_world_process_zero:
+        self.engine = Engine.of(model)
+        self.writer = state.is_world_process_zero
+        if not self.writer:
+            if self.engine.sharded:  # computes with the writer, writes nothing
+                cfg = self.config or config_from_grpo(args, _peft(model) or model,
+                                                      [k for k in (self.reward_weights or {})] or None)
+                self.recorder = R.Recorder(None, self._signals(cfg, processing_class), writer=False,
+                                           engine=self.engine)
+                if self.evaluate is not None and state.global_step == 0:
+                    self._record_eval(0, model, processing_class)
             return
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
@@ -391,7 +406,8 @@ class MechdiagCallback(TrainerCallback):
             names = [k for k in (self.reward_weights or {})] or None
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
-        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class))
+        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class),
+                                   engine=self.engine if self.engine.sharded else None)
         self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
         self.recorder.start()
@@ -416,7 +432,7 @@ class MechdiagCallback(TrainerCallback):
 
     @_timed
     def on_log(self, args, state, control, logs=None, **kw):
-        if not self._on(state) or not logs:
+        if not self._on(state) or not self.writer or not logs:
             return
         if is_train_log(logs) and not is_eval_log(logs):
             self._flush(args)
@@ -433,14 +449,19 @@ class MechdiagCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kw):
         if not self._on(state):
             return
-        self._flush(args)
+        if self.writer:
+            self._flush(args)
         step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
-        self.recorder.end(step, _peft(model), processing_class)
+        with self.engine.forward():
+            self.recorder.end(step, _peft(model), processing_class)
+        if not self.writer:
+            return
         evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
-                   "recorder_s": self.recorder_s, "config_derived": self._derived}
+                   "recorder_s": self.recorder_s, "config_derived": self._derived, "engine": self.engine.name,
+                   "world_size": self.engine.world_size}
         if len(evals) >= 1:
             base = next((e for e in evals if e["step"] == 0), None)
             summary.update({"final_accuracy": evals[-1]["accuracy"],
