@@ -164,13 +164,7 @@ class Engine:
                         yield
                     finally:
                         self._root_full = False
-            elif self.name == "zero3":  # modules gather their own weights in forward; the probes' vocabulary
-                import deepspeed  # noqa: PLC0415 - as in lora_modules  # head reads lm_head's weight directly
-
-                with deepspeed.zero.GatheredParameters(list(self.root.get_output_embeddings().parameters()),
-                                                       modifier_rank=None):
-                    yield
-            else:
+            else:  # FSDP2 and ZeRO-3 modules gather their own weights in forward (vocab.head_of defers to it)
                 yield
         finally:
             _GRAD_FREE[0] = False

@@ -34,13 +34,13 @@ def main(engine: str, out: str) -> None:
     data = Dataset.from_list([{"prompt": task.prompt(ex, tok), "example_id": ex.id} for ex in train])
     funcs, weights = task_reward_funcs(task, train, cfg.rewards.weights)
 
-    def length(completions=None, **_):  # varies within a group, so the LoRA factors move every step
-        return [len(c) / 10 for c in completions]
+    def spread(completions=None, **_):  # differs within a group, so the advantages and the LoRA updates are not 0
+        return [sum(map(ord, c)) % 7 / 7 for c in completions]
 
-    funcs, weights = [*funcs, length], [*weights, 1.0]
+    funcs, weights = [*funcs, spread], [*weights, 1.0]
     args = GRPOConfig(output_dir=out, max_steps=STEPS, per_device_train_batch_size=2, num_generations=2,
                       max_completion_length=cfg.max_completion_tokens, logging_steps=1, save_strategy="no",
-                      learning_rate=5e-3, beta=0.0, report_to=[], seed=1, reward_weights=weights, top_k=0,
+                      learning_rate=5e-3, beta=0.0, temperature=1.5, report_to=[], seed=1, reward_weights=weights, top_k=0,
                       remove_unused_columns=False, disable_tqdm=True, **engines.trainer_args(engine))
     lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], task_type="CAUSAL_LM",
                       init_lora_weights=False)  # B != 0: the displacement is non-zero from the start
@@ -49,7 +49,7 @@ def main(engine: str, out: str) -> None:
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=lora, callbacks=[cb])
     trainer.train()
-    trainer.save_model(str(Path(out) / "final"))
+    engines.save_adapter(trainer, Path(out) / "final")
     engines.record_rank(Path(out), trainer.accelerator)
     trainer.accelerator.wait_for_everyone()
 

@@ -12,7 +12,11 @@ import json
 import os
 from pathlib import Path
 
-ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "zero2", "zero3")
+ENGINES = ("ddp", "fsdp1", "fsdp1_flat", "fsdp2", "zero2", "zero3")  # fsdp1_flat: use_orig_params=False
+NAMES = {"fsdp1_flat": "fsdp1"}  # mechdiag.distributed's name of each (the others: the same)
+ACCELERATE = {"ddp": ("DistributedType.MULTI_CPU", None, None), "fsdp1": ("DistributedType.FSDP", 1, None),
+              "fsdp1_flat": ("DistributedType.FSDP", 1, None), "fsdp2": ("DistributedType.FSDP", 2, None),
+              "zero2": ("DistributedType.DEEPSPEED", None, 2), "zero3": ("DistributedType.DEEPSPEED", None, 3)}
 LAYER = "LlamaDecoderLayer"  # the bundled base's decoder layer: FSDP's wrapping unit
 
 
@@ -27,6 +31,12 @@ def deepspeed_config(engine: str) -> dict:
     return {"zero_optimization": {"stage": 3 if engine == "zero3" else 2}, "train_micro_batch_size_per_gpu": "auto",
             "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "bf16": {"enabled": False},
             "fp16": {"enabled": False}}
+
+
+def trl_flags(engine: str) -> list[str]:
+    """`mechdiag train --backend trl` flags selecting the engine (GRPOConfig fields as --trl KEY=YAML)."""
+    return [x for k, v in trainer_args(engine).items() if k != "use_cpu"
+            for x in ("--trl", f"{k}={json.dumps(v)}")]
 
 
 def trainer_args(engine: str) -> dict:
@@ -77,6 +87,19 @@ def allow_cpu_engine(engine: str) -> None:
     S.AcceleratorState.__init__ = fsdp_on_cpu
 
 
+def save_adapter(trainer, folder: Path) -> None:
+    """The trained adapter, as trainer.save_model writes it; under FSDP1 on CPU that segfaults in torch's full
+    state dict (cloning the gathered tensors), so the adapter is saved by peft from the summoned parameters."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415 - inside the launched process
+
+    if not isinstance(trainer.model_wrapped, FSDP):
+        trainer.save_model(str(folder))
+        return
+    with FSDP.summon_full_params(trainer.model_wrapped, recurse=True, writeback=False):
+        if trainer.accelerator.is_main_process:
+            trainer.accelerator.unwrap_model(trainer.model_wrapped).save_pretrained(str(folder))
+
+
 def record_rank(out: Path, accelerator) -> None:
     """Each rank's own file: its rank, the world size and the engine its Accelerator ran."""
     import torch  # noqa: PLC0415 - inside the launched process
@@ -90,3 +113,13 @@ def record_rank(out: Path, accelerator) -> None:
             if getattr(accelerator.state, "fsdp_plugin", None) else None,
             "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else None}
     (d / f"{rank}.json").write_text(json.dumps(info))
+
+
+if __name__ == "__main__":  # python -m tests.engines ENGINE ARGS...: `mechdiag ARGS` with the engine allowed on CPU
+    import sys
+
+    allow_cpu_engine(sys.argv[1])
+    from mechdiag.cli import main
+
+    sys.argv = ["mechdiag", *sys.argv[2:]]
+    main()

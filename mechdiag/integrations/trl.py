@@ -198,6 +198,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
                         f"{n} processes; pick sizes it divides")
     cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
+    # ... except under DeepSpeed, which accelerate skips when use_cpu is set (its CPU accelerator runs it there)
+    ds = bool(overrides.get("deepspeed")) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
@@ -212,7 +214,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="no", report_to=[], bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
-        use_cpu=not cuda,
+        use_cpu=not cuda and not ds,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
         dataloader_num_workers=0,
         use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
