@@ -100,7 +100,7 @@ def save_adapter(trainer, folder: Path) -> None:
             trainer.accelerator.unwrap_model(trainer.model_wrapped).save_pretrained(str(folder))
 
 
-def record_rank(out: Path, accelerator) -> None:
+def record_rank(out: Path, accelerator, **extra) -> None:
     """Each rank's own file: its rank, the world size and the engine its Accelerator ran."""
     import torch  # noqa: PLC0415 - inside the launched process
 
@@ -111,7 +111,8 @@ def record_rank(out: Path, accelerator) -> None:
             else 1, "distributed_type": str(accelerator.distributed_type),
             "fsdp_version": getattr(accelerator.state.fsdp_plugin, "fsdp_version", None)
             if getattr(accelerator.state, "fsdp_plugin", None) else None,
-            "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else None}
+            "zero_stage": accelerator.state.deepspeed_plugin.zero_stage if accelerator.state.deepspeed_plugin else None,
+            **extra}
     (d / f"{rank}.json").write_text(json.dumps(info))
 
 

@@ -21,7 +21,6 @@ from tests.engines import ACCELERATE, ENGINES, NAMES, trl_flags
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 400  # s; subprocess.TimeoutExpired fails the test: a hang is a failure
-pytestmark = pytest.mark.slow
 
 
 def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -60,6 +59,7 @@ def _one_summary(root: Path) -> None:
     assert not list(root.rglob("*.tmp"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 def test_callback_in_a_users_script(engine, tmp_path, cli):
     out = tmp_path / "trl"
@@ -75,6 +75,7 @@ def test_callback_in_a_users_script(engine, tmp_path, cli):
     assert first["step"] == 1 and last["step"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", [e for e in ENGINES if e not in ("ddp", "fsdp1", "fsdp1_flat")])
 def test_mechdiag_train_backend_trl(engine, tmp_path, cli):
     out = tmp_path / "run"
@@ -84,3 +85,19 @@ def test_mechdiag_train_backend_trl(engine, tmp_path, cli):
     assert proc.stdout.count("base accuracy") + proc.stderr.count("base accuracy") == 1  # the writer alone
     _check_run(RunDir(out), out / "final", engine, cli)
     _one_summary(out)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_accelerate_config_files_name_the_tested_engines(engine):
+    """examples/accelerate/ENGINE.yaml (the files docs/trl.md tells GPU users to launch with), read by accelerate's own
+    parser, ask for the engine the CPU tests run."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    cfg = load_config_from_file(str(REPO / "examples" / "accelerate" / f"{engine}.yaml"))
+    dist, fsdp_version, zero_stage = ACCELERATE[engine]
+    assert cfg.distributed_type.value == {"DistributedType.MULTI_CPU": "MULTI_GPU"}.get(dist, dist.split(".")[1])
+    assert cfg.fsdp_config.get("fsdp_version") == fsdp_version
+    assert cfg.deepspeed_config.get("zero_stage") == zero_stage
+    if fsdp_version == 1:
+        assert cfg.fsdp_config["fsdp_use_orig_params"] == (engine == "fsdp1")
+    assert cfg.num_processes > 1 and not cfg.use_cpu

@@ -123,6 +123,7 @@ HOMES = {
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
     "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
+    "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -133,6 +134,7 @@ PATTERNS = {
     "lr schedule map": (r"constant_with_warmup", "config.py"),
     "wdisp formula": (r"delta_fro\W+/\s*(math\.sqrt|\()", "metrics.py"),
     "config flattening": (r"\(['\"]weights['\"], ['\"]options['\"]\)", "config.py"),
+    "gathering a sharded parameter": (r"summon_full_params|GatheredParameters|\.full_tensor\(", "distributed.py"),
 }
 
 
@@ -171,5 +173,6 @@ def test_inline_copies_do_not_come_back():
            "weighted reward sum": "sum(weights.get(k, 0.0) * v for k, v in c.items())",
            "lr schedule map": '{"constant": "constant_with_warmup"}',
            "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)',
-           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):'}
+           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):',
+           "gathering a sharded parameter": "with FSDP.summon_full_params(model, writeback=False):"}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
