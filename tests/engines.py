@@ -89,15 +89,26 @@ def allow_cpu_engine(engine: str) -> None:
 
 def save_adapter(trainer, folder: Path) -> None:
     """The trained adapter, as trainer.save_model writes it; under FSDP1 on CPU that segfaults in torch's full
-    state dict (cloning the gathered tensors), so the adapter is saved by peft from the summoned parameters."""
+    state dict (cloning the gathered tensors), so the adapter is written in peft's layout from the summoned
+    parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415 - inside the launched process
 
     if not isinstance(trainer.model_wrapped, FSDP):
         trainer.save_model(str(folder))
         return
-    with FSDP.summon_full_params(trainer.model_wrapped, recurse=True, writeback=False):
-        if trainer.accelerator.is_main_process:
-            trainer.accelerator.unwrap_model(trainer.model_wrapped).save_pretrained(str(folder))
+    from mechdiag.distributed import clean_name  # noqa: PLC0415 - as above
+
+    root = trainer.model_wrapped
+    with FSDP.summon_full_params(root, recurse=True, writeback=False):  # a collective: every rank
+        state = {clean_name(n): p.detach().clone() for n, p in root.named_parameters() if "lora_" in n}
+    assert state and all(t.dim() == 2 for t in state.values()), sorted(state)[:3]  # whole factors, not shards
+    if trainer.accelerator.is_main_process:  # peft's own layout (its save_pretrained finds no keys under FSDP1)
+        from safetensors.torch import save_file  # noqa: PLC0415 - as above
+
+        folder.mkdir(parents=True, exist_ok=True)
+        trainer.accelerator.unwrap_model(root).peft_config["default"].save_pretrained(str(folder))
+        save_file({k.replace(".default.", "."): v.contiguous() for k, v in state.items()},
+                  str(folder / "adapter_model.safetensors"))
 
 
 def record_rank(out: Path, accelerator, **extra) -> None:
