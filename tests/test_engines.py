@@ -21,6 +21,9 @@ from tests.engines import ACCELERATE, ENGINES, NAMES, trl_flags
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 400  # s; subprocess.TimeoutExpired fails the test: a hang is a failure
+# hot sampling and a large step: the 2-step run's rewards differ within groups, so the LoRA factors leave B = 0
+CLI_FLAGS = ("max_steps=2", "eval_every=0", "eval_n=4", "lora.r=4", "temperature=2.0", "learning_rate=0.05",
+             "group_size=4")
 
 
 def _torchrun(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -80,7 +83,7 @@ def test_callback_in_a_users_script(engine, tmp_path, cli):
 def test_mechdiag_train_backend_trl(engine, tmp_path, cli):
     out = tmp_path / "run"
     proc = _torchrun("-m", "tests.engines", engine, "train", "--backend", "trl", "--out", str(out),
-                     *tiny_train_flags("max_steps=2", "eval_every=0", "eval_n=4", "lora.r=4"), *trl_flags(engine),
+                     *tiny_train_flags(*CLI_FLAGS), *trl_flags(engine),
                      cwd=tmp_path)
     assert proc.stdout.count("base accuracy") + proc.stderr.count("base accuracy") == 1  # the writer alone
     _check_run(RunDir(out), out / "final", engine, cli)
