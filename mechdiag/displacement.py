@@ -548,6 +548,9 @@ def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
             else:
                 continue
             A, B = full(A), full(B)
+            if A.dim() != 2 or B.dim() != 2 or not A.numel():  # a shard: a figure from it would be a silent 0
+                raise RuntimeError(f"{path}: LoRA factors are sharded (shape {tuple(A.shape)}); record under "
+                                   "mechdiag.distributed.Engine, which gathers them")
             B, A = (A.T, B.T) if t else (B, A)
             terms.append(_Term(float(mod.scaling[adapter]), B, A))
         if not terms:
@@ -556,6 +559,8 @@ def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
         base_w = None
         if engine is None:
             base_w = mod.get_base_layer().weight
+            if base_w.dim() < 2 or not base_w.numel():  # ZeRO-3 / FSDP partition: ||W0|| would read 0
+                raise RuntimeError(f"{path}: the base weight is sharded; record under mechdiag.distributed.Engine")
             ref_sq = _base_sumsq(base_w)
         else:
             if geometry or name not in engine.base_sq:

@@ -23,7 +23,7 @@ import re
 import torch
 
 _WRAPPERS = re.compile(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module|_orig_mod)\.")
-SHARDED = ("fsdp1", "fsdp2", "zero3")
+SHARDED = ("fsdp1", "fsdp2", "zero3", "dtensor")
 _GRAD_FREE = [False]  # inside Engine.forward() of a sharded model: probes run under no_grad, not inference_mode
 
 
@@ -86,12 +86,15 @@ class Engine:
             return cls(_replicated_name(world))
         from torch.distributed.fsdp import FSDPModule  # noqa: PLC0415 - torch.distributed loads lazily
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415 - as above
+        from torch.distributed.tensor import DTensor  # noqa: PLC0415 - as above
 
         for m in model.modules():
             if isinstance(m, FSDP):
                 return cls("fsdp1", m)  # modules() starts at the root: the first FSDP is the outermost
             if isinstance(m, FSDPModule):
                 return cls("fsdp2", model)
+        if any(isinstance(p, DTensor) for p in model.parameters()):  # tensor parallel: DTensors, gathered the same
+            return cls("dtensor", model)
         if any(hasattr(p, "ds_id") for p in model.parameters()):
             return cls("zero3", model)
         return cls(_replicated_name(world), model)

@@ -104,3 +104,16 @@ def test_accelerate_config_files_name_the_tested_engines(engine):
     if fsdp_version == 1:
         assert cfg.fsdp_config["fsdp_use_orig_params"] == (engine == "fsdp1")
     assert cfg.num_processes > 1 and not cfg.use_cpu
+
+
+def test_one_process_is_the_single_engine_and_wrapper_names_are_cleaned():
+    """Without a process group the recorder keeps its one-process path (Engine not sharded); the engines' wrapper
+    segments never reach a row name."""
+    from mechdiag import models
+    from mechdiag.distributed import Engine, clean_name
+
+    model, _ = models.load_model_and_tokenizer("bundled", "float32")
+    eng = Engine.of(model)
+    assert (eng.name, eng.sharded, eng.world_size) == ("single", False, 1)
+    wrapped = "_fsdp_wrapped_module.base_model.model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.mlp"
+    assert clean_name(wrapped) == "base_model.model.layers.0.mlp"
