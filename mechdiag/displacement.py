@@ -585,59 +585,94 @@ def _base_sumsq(w: torch.Tensor, key: str = "", get=None) -> float:
     return value
 
 
-def lora_rows(model, geometry: bool = False) -> list[dict]:
+def lora_rows(model, geometry: bool = False, engine=None) -> list[dict]:
     """One row per LoRA-wrapped weight of an in-memory PEFT model: reference = base weight, tuned = base + the
     active adapters' s*B@A. Factors only, float64; ||W0|| is cached while the base weight is unchanged.
     geometry: also overlap_k, subspace_overlap and intruders, by the routine of `displacement --spectral` (one
-    pass over each base weight: the trainers ask for it at the final step only)."""
+    pass over each base weight: the trainers ask for it at the final step only).
+    engine: a mechdiag.distributed.Engine when the model is sharded (every rank calls this together; the
+    parameters are gathered a module at a time and the frozen base's norms computed once, by name)."""
     with torch.no_grad(), single_thread():
-        return _lora_rows(model, geometry)
+        return _lora_rows(model, geometry, engine)
 
 
-def _lora_rows(model, geometry: bool) -> list[dict]:
+def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
     config = getattr(model, "config", None)
     config = config.to_dict() if hasattr(config, "to_dict") else {}
     rows = []
-    for path, mod in model.named_modules():
-        if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling") and hasattr(mod, "get_base_layer")):
-            continue
+    if engine is None:
+        modules = ((p, m) for p, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")
+                   and hasattr(m, "get_base_layer"))
+        full = _same
+    else:
+        cache = engine.base_sq
+        modules = engine.lora_modules(model, need_base=lambda p: geometry or _row_name(p) not in cache)
+        full = engine.full
+    for path, mod in modules:
         if getattr(mod, "merged", False):
             raise ValueError(f"{path}: adapter is merged into the base weight; unmerge before lora_rows")
         if hasattr(mod, "get_param") and hasattr(mod, "num_experts"):  # peft target_parameters (MoE experts)
             rows.extend(_expert_rows(path, mod, config, geometry))
             continue
-        base_w = mod.get_base_layer().weight
-        transposed = bool(getattr(mod, "fan_in_fan_out", False))
-        terms = []
-        for name in mod.active_adapters:
-            if name in mod.lora_A:
-                A, B = mod.lora_A[name].weight, mod.lora_B[name].weight
-                t = transposed
-            elif name in getattr(mod, "lora_embedding_A", {}):
-                A, B, t = mod.lora_embedding_A[name], mod.lora_embedding_B[name], True
-            else:
-                continue
-            B, A = (A.T, B.T) if t else (B, A)
-            terms.append(_Term(float(mod.scaling[name]), B, A))
+        terms = _lora_terms(path, mod, full)
         if not terms:
             continue
-        name = path.removeprefix("base_model.model.") + ".weight"
+        name = _row_name(path)
         layer, module = tensor_site(name)
-        rows.append(_lora_row(name, layer, module, base_w, terms, geometry))
-        axis = output_axis(config, base_w.ndim)
-        for part, idx in output_parts(module, base_w.shape[axis], config):
-            idx = idx.to(base_w.device)
-            row = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", base_w, restrict(terms, idx, axis),
-                            geometry, part, lambda w=base_w, i=idx, a=axis: w.index_select(a, i))
-            rows.append({**row, "part_of": module})
+        base_w = None
+        if engine is None:
+            base_w = mod.get_base_layer().weight
+            if base_w.dim() < 2 or not base_w.numel():  # ZeRO-3 / FSDP partition: ||W0|| would read 0
+                raise RuntimeError(f"{path}: the base weight is sharded; record under mechdiag.distributed.Engine")
+        elif geometry or name not in engine.base_sq:
+            base_w = full(mod.get_base_layer().weight)
+            engine.base_shape[name] = tuple(base_w.shape)
+        shape = tuple(base_w.shape) if base_w is not None else engine.base_shape[name]
+        axis = output_axis(config, len(shape))
+        sites = [(name, module, "", None)] + [(f"{name}[{part}]", f"{module}.{part}", part, idx)
+                                              for part, idx in output_parts(module, shape[axis], config)]
+        for row_name, row_module, part, idx in sites:
+            get, sub = None, terms
+            if idx is not None:
+                get = None if base_w is None else (lambda w=base_w, i=idx, a=axis: w.index_select(a, i.to(w.device)))
+                sub = restrict(terms, idx.to(terms[0].B.device), axis)
+            if engine is None:
+                ref_sq = _base_sumsq(base_w, part, get)
+            else:  # frozen: computed once from the gathered weight, by name
+                if row_name not in engine.base_sq:
+                    engine.base_sq[row_name] = _sumsq((base_w if get is None else get()).detach().to(torch.float32))
+                ref_sq = engine.base_sq[row_name]
+            row = _lora_row(row_name, layer, row_module, base_w, sub, geometry, ref_sq, get)
+            rows.append({**row, "part_of": module} if part else row)
     return rows
 
 
-def _lora_row(name, layer, module, base_w, terms, geometry, key: str = "", get=None) -> dict:
-    """One row of lora_rows: the weight base_w, or the slice get() returns (a part, an expert; `key` names it for
-    the norm's cache), its update from the (restricted) terms."""
+def _lora_terms(path: str, mod, full) -> list[_Term]:
+    """The active adapters' (s, B, A) of a LoRA layer, whole (full() gathers a sharded factor), B A in the
+    stored weight's orientation."""
+    transposed = bool(getattr(mod, "fan_in_fan_out", False))
+    terms = []
+    for adapter in mod.active_adapters:
+        if adapter in mod.lora_A:
+            A, B = mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
+            t = transposed
+        elif adapter in getattr(mod, "lora_embedding_A", {}):
+            A, B, t = mod.lora_embedding_A[adapter], mod.lora_embedding_B[adapter], True
+        else:
+            continue
+        A, B = full(A), full(B)
+        if A.dim() != 2 or B.dim() != 2 or not A.numel():  # a shard: a figure from it would be a silent 0
+            raise RuntimeError(f"{path}: LoRA factors are sharded (shape {tuple(A.shape)}); record under "
+                               "mechdiag.distributed.Engine, which gathers them")
+        B, A = (A.T, B.T) if t else (B, A)
+        terms.append(_Term(float(mod.scaling[adapter]), B, A))
+    return terms
+
+
+def _lora_row(name, layer, module, base_w, terms, geometry, ref_sq: float, get=None) -> dict:
+    """One row of lora_rows: the weight base_w (||W||^2 = ref_sq), or the slice get() returns (a part, an expert),
+    its update from the (restricted) terms."""
     B, A = lowrank_factors(terms)
-    ref_sq = _base_sumsq(base_w, key, get)
     delta_sq = lowrank_sumsq(B, A)
     ref_fro, delta_fro = math.sqrt(ref_sq), math.sqrt(max(delta_sq, 0.0))
     row = {"name": name, "layer": layer, "module": module, "ref_fro": ref_fro, "delta_fro": delta_fro,
@@ -678,11 +713,21 @@ def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
         name = f"{prefix}.{e}.{mod.parameter_name}.weight" if param.ndim == 3 else f"{prefix}.{mod.parameter_name}"
         layer, module = tensor_site(name)
         expert = e if param.ndim == 3 else None
-        row = _lora_row(name, layer, module, param, terms, geometry, f"expert{e}", lambda e=e: stack[e])
+        get = lambda e=e: stack[e]  # noqa: E731 - one expert's slice, for its norm and geometry
+        row = _lora_row(name, layer, module, param, terms, geometry, _base_sumsq(param, f"expert{e}", get), get)
         rows.append({**row, "expert": expert})
         for part, idx in output_parts(module.rsplit(".", 1)[-1], stack.shape[1], config):
             idx = idx.to(param.device)
+            get = lambda e=e, i=idx: stack[e].index_select(0, i)  # noqa: E731 - the part of one expert
             sub = _lora_row(f"{name}[{part}]", layer, f"{module}.{part}", param, restrict(terms, idx, 0), geometry,
-                            f"expert{e}.{part}", lambda e=e, i=idx: stack[e].index_select(0, i))
+                            _base_sumsq(param, f"expert{e}.{part}", get), get)
             rows.append({**sub, "part_of": module, "expert": expert})
     return rows
+
+
+def _row_name(path: str) -> str:
+    return path.removeprefix("base_model.model.") + ".weight"
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -17,6 +17,7 @@ import torch
 from transformers import DynamicCache
 
 from mechdiag import vocab
+from mechdiag.distributed import inference_mode
 from mechdiag.models import encode_prompts, eos_ids, pad_id
 
 
@@ -49,7 +50,7 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
     return (probs / noise).argmax(-1)
 
 
-@torch.inference_mode()
+@inference_mode
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
                   eos: list[int], pad: int, temperature: float = 1.0, top_p: float = 1.0,
                   gen: torch.Generator | None = None, entropy: list | None = None, logprobs: list | None = None,
@@ -220,7 +221,7 @@ def samples_from(tokenizer, comp: torch.Tensor, cmask: torch.Tensor, trunc: torc
     return out
 
 
-@torch.inference_mode()
+@inference_mode
 def greedy(model, tokenizer, prompts: list[str], max_new_tokens: int, max_prompt_tokens: int | None = None,
            batch_size: int = 256) -> tuple[list[Sample], float, int]:
     """The one greedy evaluation pass (trainer, `mechdiag eval`, the TRL evaluator): completions of `prompts`,

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import importlib
 
-import torch
-
 from mechdiag import tasks
 from mechdiag.alerts import Watcher
 from mechdiag.displacement import lora_rows
+from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
 from mechdiag.generate import generate, greedy, step_seed
 from mechdiag.metrics import max_reward, pass_at_k
@@ -48,10 +47,11 @@ class Signal:
 
 
 class Recorder:
-    def __init__(self, run: RunDir, signals: list[Signal], writer: bool = True):
-        self.run, self.signals, self.writer = run, list(signals), writer
+    def __init__(self, run: RunDir | None, signals: list[Signal], writer: bool = True, engine=None):
+        # engine: a mechdiag.distributed.Engine when every rank computes (a sharded model); run None off the writer
+        self.run, self.signals, self.writer, self.engine = run, list(signals), writer, engine
         for s in self.signals:
-            if s.stream is None and s.name:
+            if writer and s.stream is None and s.name:
                 run.register(s.name)
         self.latest: dict[str, list] = {}  # this event's records per stream, for signals that read others'
 
@@ -137,16 +137,16 @@ class Displacement(Signal):
         self.step = self.geometry_step = -1
         self._replace = False
 
-    def _rows(self, step: int, model, geometry: bool) -> list:
+    def _rows(self, rec: Recorder, step: int, model, geometry: bool) -> list:
         self._replace = geometry and self.step == step
         self.step = step
         if geometry:
             self.geometry_step = step
-        return [{"step": step, **r} for r in lora_rows(model, geometry=geometry)]
+        return [{"step": step, **r} for r in lora_rows(model, geometry=geometry, engine=rec.engine)]
 
     def on_weights(self, rec, step, model, last):
         if model is not None and self.every and step % self.every == 0:
-            return self._rows(step, model, last and self.final_geometry)
+            return self._rows(rec, step, model, last and self.final_geometry)
         return None
 
     def on_end(self, rec, step, ctx):
@@ -154,7 +154,7 @@ class Displacement(Signal):
         if model is None or not self.every:
             return None
         if self.step != step or (self.final_geometry and self.geometry_step != step):
-            return self._rows(step, model, self.final_geometry)
+            return self._rows(rec, step, model, self.final_geometry)
         return None
 
     def write(self, run, records):
@@ -204,7 +204,7 @@ class HeldOut(Signal):
         return samples
 
 
-@torch.inference_mode()
+@inference_mode
 def heldout_eval(model, tokenizer, task, examples: list, prompts: list[str], cfg, batch_size: int = 256):
     """The trainer's held-out numbers from the one greedy pass (generate.greedy): accuracy, eval reward, entropy
     and completion length of `model` on `examples`, and per problem (Sample, correct, reward). `mechdiag attribute`

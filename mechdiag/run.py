@@ -45,7 +45,7 @@ STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmar
 # untrained and the final model as base_<metric> / final_<metric>.
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
                 "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
-                "base_eval_reward", "final_eval_reward", "provenance")
+                "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable")
 
 
 @dataclass

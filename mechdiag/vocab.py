@@ -68,6 +68,8 @@ def head_of(model) -> Head | None:
     c = getattr(base, "config", None)
     if type(out) is not torch.nn.Linear or c is None or any(getattr(c, k, None) for k in _OTHER_LOGIT_TRANSFORMS):
         return None
+    if hasattr(out.weight, "ds_id"):  # a ZeRO-3 partition: whole only inside its module's forward (hooks gather it)
+        return None
     cap = getattr(c, "final_logit_softcapping", None) or getattr(getattr(c, "text_config", None),
                                                                   "final_logit_softcapping", None)
     return Head(out.weight, out.bias, float(cap) if cap else None)

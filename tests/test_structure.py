@@ -132,6 +132,7 @@ HOMES = {
     "table_flavour": "integrations/readers.py", "own_terms_text": "integrations/provenance.py",
     "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
     "tensor_site": "weights.py", "expert_index": "weights.py",
+    "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -148,6 +149,7 @@ PATTERNS = {
     "progress output": (r"rich\.progress\b", "console.py"),
     "adapter detection": (r"['\"]adapter_config\.json['\"]\)?\.(is_file|exists)\(", "weights.py"),
     "a whole jsonl file": (r"dumps\(\w+\) \+ ['\"]\\n['\"] for \w+ in", "atomic.py"),
+    "gathering a sharded parameter": (r"summon_full_params|GatheredParameters|\.full_tensor\(", "distributed.py"),
 }
 
 
@@ -191,7 +193,8 @@ def test_inline_copies_do_not_come_back():
            "improved/regressed verdict": '("improve" if d * dirn > 0 else "regress")',
            "progress output": "from rich.progress import BarColumn, MofNCompleteColumn, Progress",
            "adapter detection": 'if (folder / "adapter_config.json").is_file():',
-           "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))'}
+           "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))',
+           "gathering a sharded parameter": "with FSDP.summon_full_params(model, writeback=False):"}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
 
 

@@ -26,6 +26,7 @@ from mechdiag import config as C
 from mechdiag import recorder as R
 from mechdiag import trackers as T
 from mechdiag.console import Progress
+from mechdiag.distributed import Engine
 from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
     _contiguous_keys,
@@ -198,6 +199,8 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
                         f"{n} processes; pick sizes it divides")
     cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
+    # ... except under DeepSpeed, which accelerate skips when use_cpu is set (its CPU accelerator runs it there)
+    ds = bool(overrides.get("deepspeed")) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
@@ -213,7 +216,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         eval_strategy="no", report_to=list(cfg.report_to), project=os.environ.get("TRACKIO_PROJECT", T.PREFIX),
         bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
-        use_cpu=not cuda,
+        use_cpu=not cuda and not ds,
         log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
         dataloader_num_workers=0,
         use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
@@ -267,9 +270,9 @@ def peft_lora_config(model, lora):
 
 # ---- the callback --------------------------------------------------------------------------------------------
 def _peft(model):
-    """The PEFT model under wrappers (DDP's .module, torch.compile's _orig_mod)."""
+    """The PEFT model under wrappers (DDP's and FSDP1's .module, torch.compile's _orig_mod)."""
     for _ in range(4):
-        if hasattr(model, "peft_config"):
+        if hasattr(model, "peft_config") and not hasattr(model, "_fsdp_wrapped_module"):  # FSDP forwards getattr
             return model
         model = getattr(model, "module", None) or getattr(model, "_orig_mod", None)
         if model is None:
@@ -335,6 +338,8 @@ class MechdiagCallback(TrainerCallback):
         self._last_eval_step = -1
         self._derived = False
         self.report = T.ReportTo()
+        self.engine: Engine | None = None
+        self.writer = True
 
     def attach(self, trainer):
         """Add this callback to `trainer` if it is not there, before its report_to callbacks: at each event the
@@ -344,7 +349,9 @@ class MechdiagCallback(TrainerCallback):
 
     # ---- helpers ------------------------------------------------------------------------------------
     def _on(self, state) -> bool:
-        return self.run is not None and state.is_world_process_zero
+        """This rank computes: the writer always, every rank when the model is sharded (its figures need
+        collectives all ranks join)."""
+        return self.recorder is not None
 
     def _signals(self, cfg, tokenizer, args) -> list:
         """The recorder's signals for this run: the native trainer's set, with the callback's own arguments."""
@@ -358,7 +365,10 @@ class MechdiagCallback(TrainerCallback):
         if self.forget_prompts:
             out.append(R.Forget(ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)))
         out += [R.EvalRecords(), R.Shift(self.shift_prompts, self.shift_batch_size),
-                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals, R.Alerts(cfg)]
+                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals]
+        if not self.writer:  # alerts print and trackers log: the writer's
+            return out
+        out.append(R.Alerts(cfg))
         if args.report_to:  # TRL logs its own metrics; the rest goes to its report_to callbacks
             if self.report.handler is None:
                 warnings.warn("MechdiagCallback: call callback.attach(trainer) for mechdiag's signals to reach "
@@ -390,15 +400,25 @@ class MechdiagCallback(TrainerCallback):
         self.recorder.train(step, rec, samples)
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
-        self.recorder.eval(step, _peft(model), tokenizer, map_trl_log(metrics or {}, eval_=True),
-                           sampler=_peft(model) or model)
+        with self.engine.forward():
+            self.recorder.eval(step, _peft(model), tokenizer, map_trl_log(metrics or {}, eval_=True),
+                               sampler=_peft(model) or model)
         self._last_eval_step = step
 
     # ---- events -------------------------------------------------------------------------------------
     @_timed
     def on_train_begin(self, args, state, control, model=None, processing_class=None, **kw):
         self._t0 = time.perf_counter()
-        if not state.is_world_process_zero:
+        self.engine = Engine.of(model)
+        self.writer = state.is_world_process_zero
+        if not self.writer:
+            if self.engine.sharded:  # computes with the writer, writes nothing
+                cfg = self.config or config_from_grpo(args, _peft(model) or model,
+                                                      [k for k in (self.reward_weights or {})] or None)
+                self.recorder = R.Recorder(None, self._signals(cfg, processing_class), writer=False,
+                                           engine=self.engine)
+                if self.evaluate is not None and state.global_step == 0:
+                    self._record_eval(0, model, processing_class)
             return
 
         self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
@@ -410,7 +430,8 @@ class MechdiagCallback(TrainerCallback):
             names = [k for k in (self.reward_weights or {})] or None
             cfg = config_from_grpo(args, _peft(model) or model, names)
         self.config = cfg
-        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class, args))
+        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class, args),
+                                   engine=self.engine if self.engine.sharded else None)
         self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
         C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
         self.recorder.start()
@@ -442,7 +463,7 @@ class MechdiagCallback(TrainerCallback):
 
     @_timed
     def on_log(self, args, state, control, logs=None, **kw):
-        if not self._on(state) or not logs:
+        if not self._on(state) or not self.writer or not logs:
             return
         if is_train_log(logs) and not is_eval_log(logs):
             self._flush(args)
@@ -461,15 +482,20 @@ class MechdiagCallback(TrainerCallback):
     def on_train_end(self, args, state, control, model=None, processing_class=None, **kw):
         if not self._on(state):
             return
-        self._flush(args)
+        if self.writer:
+            self._flush(args)
         step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
-        self.recorder.end(step, _peft(model), processing_class)
+        with self.engine.forward():
+            self.recorder.end(step, _peft(model), processing_class)
+        if not self.writer:
+            return
         self.report.deliver(args, state, control)
         evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
-                   "recorder_s": self.recorder_s, "config_derived": self._derived}
+                   "recorder_s": self.recorder_s, "config_derived": self._derived, "engine": self.engine.name,
+                   "world_size": self.engine.world_size}
         if len(evals) >= 1:
             base = next((e for e in evals if e["step"] == 0), None)
             summary.update({"final_accuracy": evals[-1]["accuracy"],

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from mechdiag import vocab
+from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
 from mechdiag.generate import policy_hidden, policy_logits, sample_tokens
 from mechdiag.models import encode_prompts, eos_ids, pad_id, reference_context
@@ -60,7 +61,7 @@ class ForgetProbe:
             self._cache = cache
         return self._cache
 
-    @torch.inference_mode()
+    @inference_mode
     def kl(self, model, ref_model=None) -> float:
         """forget_kl of `model` (a PEFT model: base = adapter disabled; else `ref_model` is the base)."""
         device = next(model.parameters()).device
