@@ -123,6 +123,7 @@ HOMES = {
     "weighted_total": "tasks/rewards.py", "LR_SCHEDULERS": "config.py",
     "_rows_output": "cli.py", "_emit_rows": "cli.py", "Progress": "console.py", "progress": "console.py",
     "is_run_dir": "models.py", "held": "run.py", "flatten_config": "run.py", "WHOLE_KEYS": "config.py",
+    "LOGIT_COPIES": "train/memory.py", "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -133,6 +134,7 @@ PATTERNS = {
     "lr schedule map": (r"constant_with_warmup", "config.py"),
     "wdisp formula": (r"delta_fro\W+/\s*(math\.sqrt|\()", "metrics.py"),
     "config flattening": (r"\(['\"]weights['\"], ['\"]options['\"]\)", "config.py"),
+    "activation bytes per token": (r"16 \* \w*hidden", "train/memory.py"),
 }
 
 
@@ -171,5 +173,6 @@ def test_inline_copies_do_not_come_back():
            "weighted reward sum": "sum(weights.get(k, 0.0) * v for k, v in c.items())",
            "lr schedule map": '{"constant": "constant_with_warmup"}',
            "wdisp formula": 'row["delta_fro"] / math.sqrt(row["ref_fro"] ** 2 + 1e-12)',
-           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):'}
+           "config flattening": 'if isinstance(v, dict) and k not in ("weights", "options"):',
+           "activation bytes per token": 'per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)'}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
