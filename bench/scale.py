@@ -89,9 +89,11 @@ def real_vocab_tokenizer(folder: Path, n_vocab: int = QWEN_VOCAB) -> None:
     Tokenizer.from_str(json.dumps(spec)).save(str(path))
 
 
-def build(folder: Path, real_vocab: bool = False, shape: dict | None = None) -> Path:
+def build(folder: Path, real_vocab: bool | int = False, shape: dict | None = None, dtype: str = "float32",
+          device: str = "cpu") -> Path:
     """The 0.5B-shaped model (random init, seed 0) and the bundled tokenizer in `folder`, once; with real_vocab
-    the tokenizer has Qwen2.5-0.5B's 151,936 entries and the model its full published config (tied embedding)."""
+    the tokenizer has Qwen2.5-0.5B's 151,936 entries (or real_vocab entries, an int) and the model its full
+    published config (tied embedding). dtype: the saved weights'; device: where the init runs (a GPU's is fast)."""
     if (folder / "model.safetensors").exists():
         return folder
     import torch
@@ -102,12 +104,15 @@ def build(folder: Path, real_vocab: bool = False, shape: dict | None = None) -> 
     tmp = folder.with_name(folder.name + ".tmp")
     load_tokenizer("bundled").save_pretrained(tmp)
     if real_vocab:
-        real_vocab_tokenizer(tmp)
+        real_vocab_tokenizer(tmp, QWEN_VOCAB if real_vocab is True else int(real_vocab))
     tok = load_tokenizer(tmp)
     cfg = Qwen2Config(vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id, **(shape or SHAPE))
     torch.manual_seed(0)
-    Qwen2ForCausalLM(cfg).save_pretrained(tmp, safe_serialization=True)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(cfg).to(getattr(torch, dtype))
+    model.save_pretrained(tmp, safe_serialization=True)
+    del model
     os.replace(tmp, folder)
     return folder
 
@@ -204,7 +209,7 @@ def grid_case(args, model_dir: Path, case: str, completion: int, group: int, wor
 
 
 def run_grid(args, model_dir: Path, work: Path) -> None:
-    cap = MemoryCap(parse_bytes(args.cap)) if args.cap else None
+    cap = MemoryCap(parse_bytes(args.cap), args.cgroup) if args.cap else None
     cases = args.cases.split(",")
     oom: dict[str, list] = {c: [] for c in cases}  # shapes a case was killed at: larger ones are not retried
     shapes = [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")] if args.shapes else GRID
@@ -273,6 +278,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--shapes", default=None, help="the grid's shapes in order, e.g. 256x8,512x16 (default all)")
     ap.add_argument("--cap", default=None, help="memory cap per case, e.g. 10G (a cgroup child; needs root)")
+    ap.add_argument("--cgroup", default="mechdiag-bench", help="the cap's cgroup (one per grid run at once)")
     ap.add_argument("--log", type=Path, default=None, help="the grid's JSON lines (appended)")
     ap.add_argument("--table", type=Path, default=None, help="print the grid's table from this log and stop")
     ap.add_argument("--child", help=argparse.SUPPRESS)

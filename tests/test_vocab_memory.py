@@ -1,8 +1,8 @@
 """Every vocabulary-wide path holds less than one [rows, positions, V] float32 tensor at a time: the update pass,
 the rollout's sampling and reference pass, the held-out eval, the forget probe and attribute's output KL.
 
-Measured, not read from the code: torch's profiler records every CPU allocation and free, replayed in order they
-give the peak of live bytes during a call. The model is a tiny Qwen2 with a 16,384-entry tokenizer built the way
+Measured, not read from the code: torch's profiler records every CPU allocation and free; replayed in time order
+they give the peak of live bytes during a call. The model is a tiny Qwen2 with a 16,384-entry tokenizer built the way
 bench/scale.py builds Qwen2.5's 151,936, so the logits dwarf everything else; chunks are 1 MiB (vocab.CHUNK_BYTES,
 16 positions). The full-logits path, measured the same way, shows the meter sees such tensors."""
 
@@ -31,13 +31,16 @@ PROMPTS = ["1 + 2 =", "3 + 4 =", "5 + 6 =", "7 + 8 ="]
 
 
 def peak_bytes(fn) -> tuple[int, object]:
-    """(peak live CPU bytes allocated during fn(), its result): the profiler's allocations (each op's own) and
-    frees, in time order."""
+    """(peak live CPU bytes allocated during fn(), its result): the profiler's raw allocation and free records
+    (not their attribution to ops, which nets a parent's frees against its children's allocations), in time
+    order."""
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         out = fn()
+    events = prof.profiler.kineto_results.events()
+    records = sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]")
     live = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += e.cpu_memory_usage if e.name == "[memory]" else e.self_cpu_memory_usage
+    for _, n in records:
+        live += n
         peak = max(peak, live)
     return peak, out
 
