@@ -239,7 +239,8 @@ def table(log: Path, weights: int | None = None, trl: str = "trl") -> str:
     for completion, group in GRID:
         got = {c: [r for r in rows if r["case"] == c and r["completion"] == completion and r["group"] == group]
                for c in ("native", trl)}
-        if not got["native"]:
+        if not got["native"] and not got[trl]:
+            out.append(f"| {completion} x {group} | not run | | not run | | | | | 0, 0 |")
             continue
         fig = {}
         for c, rs in got.items():
@@ -286,8 +287,9 @@ def main():
     ap.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.table:
+        weights = (args.model_dir / "model.safetensors").stat().st_size if args.model_dir else None
         for trl in ("trl", "trl-rows"):
-            print(f"TRL case {trl}:\n" + table(args.table, trl=trl))
+            print(f"TRL case {trl}:\n" + table(args.table, weights, trl))
         return
     if args.grid:
         if not args.log:
