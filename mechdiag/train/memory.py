@@ -11,6 +11,8 @@ one layer's transient MLP tensors over all rows, and the cache the shared prompt
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from dataclasses import dataclass
 
 from mechdiag import vocab
@@ -20,6 +22,8 @@ ACT_HIDDEN, ACT_MLP = 16, 6  # saved float32 activations per token and layer, in
 DECODE_LOGIT_COPIES = 3  # one decode position: logits, their float32 softmax and log-softmax (entropy)
 REF_MLP_COPIES = 3  # the reference pass's transient MLP tensors of one layer (gate, up, their product)
 RUNTIME_BYTES = 700 * 2**20  # torch, transformers, peft, the tokenizer and the task: RSS before the weights
+MMAP_THRESHOLD = 64 * 2**10  # glibc serves blocks this large and larger by mmap, and unmaps them when freed
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 @dataclass(frozen=True)
@@ -88,3 +92,18 @@ def predicted_peak(s: Shape, model_bytes: int, per_pass: int, elem: int = 4) -> 
     update = min(per_pass, s.rows) * row_bytes(s) + chunk_bytes(s)
     phases = {"rollout_phase_bytes": decode, "reference_phase_bytes": reference, "update_phase_bytes": update}
     return {"predicted_peak_bytes": RUNTIME_BYTES + model_bytes + max(phases.values()), **phases}
+
+
+def release_freed_blocks(threshold: int = MMAP_THRESHOLD) -> bool:
+    """Make glibc return freed tensor memory to the OS: blocks of `threshold` bytes and more are mmapped and
+    unmapped on free. Glibc's default threshold rises to each freed block's size (up to 32 MiB), so a decode
+    loop's growing KV caches and per-position logits end up in the heap, which keeps them after they are freed
+    (at Qwen2.5-0.5B's config the process grew ~2 GiB above its live tensors, docs/benchmarks.md). True when set;
+    False where the C library is not glibc."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, int(threshold)))

@@ -125,6 +125,7 @@ class Trainer:
         code = any(tasks.task_class(n).domain == "code" for n in [cfg.task.name, *(s.name for s in cfg.task.mixture)])
         self.isolation = sandbox.use(cfg.sandbox) if code else "none"
         torch.set_num_threads(cfg.threads or auto_threads())
+        memory.release_freed_blocks()  # freed activations and caches go back to the OS, not into a kept heap
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
