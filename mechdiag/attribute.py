@@ -25,14 +25,14 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from mechdiag import config as configlib
-from mechdiag import models, tasks
+from mechdiag import models, tasks, vocab
 from mechdiag.displacement import lora_rows
 from mechdiag.errors import UserError, first_line
+from mechdiag.generate import policy_hidden, policy_logits
 from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
 from mechdiag.recorder import heldout_eval
 from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into
-from mechdiag.train.rollout import policy_logits
 from mechdiag.train.trainer import auto_threads, prepare_model
 from mechdiag.weights import ADAPTER_WEIGHTS
 
@@ -132,7 +132,9 @@ class Attribution:
                     w = mod.lora_B[a].weight
                     self._factors.setdefault(short, []).append((w, w.detach().clone()))
         self._tuned_tokens: list | None = None
-        self._tuned_logp: list | None = None
+        self._tuned_out: list | None = None  # per batch: the tuned model's (head, hidden) or (None, log-softmax)
+        # an adapted head changes with the adapter state, so the tuned model's head cannot be kept by reference
+        self._head_adapted = any(n.rsplit(".", 1)[-1] == "lm_head" for n in self.sites)
 
     # ---- parts --------------------------------------------------------------------------------------------
     def parts(self, by: str) -> list[Part]:
@@ -172,7 +174,7 @@ class Attribution:
         metrics, scored = heldout_eval(model, self.tokenizer, self.task, self.examples, self.prompts, self.cfg)
         if self._tuned_tokens is None:  # the first evaluation is the tuned model's: its completions carry the KL
             self._tuned_tokens = self._batches([smp for smp, _, _ in scored])
-            self._tuned_logp = [self._logp(model, t) for t in self._tuned_tokens]
+            self._tuned_out = [self._outputs(model, t) for t in self._tuned_tokens]
             metrics["output_kl"] = 0.0
         elif kl:
             metrics["output_kl"] = self._kl(model)
@@ -193,19 +195,28 @@ class Attribution:
             out.append((ids, mask, comp, cmask))
         return out
 
-    def _logp(self, model, batch):
+    def _outputs(self, model, batch) -> tuple:
+        """What the output KL needs of one batch: (head, final hidden states), the vocabulary then read a chunk of
+        positions at a time (mechdiag.vocab); or (None, float64 log-softmax of the full logits) for a head that
+        vocab.Head does not model or that the adapter changes."""
         device = next(model.parameters()).device
+        b = tuple(t.to(device) for t in batch)
+        head = None if self._head_adapted else vocab.head_of(model)
         with torch.inference_mode():
-            logits = policy_logits(model, *(t.to(device) for t in batch))
-        return torch.log_softmax(logits.double(), dim=-1).cpu()
+            if head is None:
+                return None, torch.log_softmax(policy_logits(model, *b).double(), dim=-1).cpu()
+            return head, policy_hidden(model, *b)
 
     def _kl(self, model) -> float:
+        """KL(tuned || current) per completion token of the tuned greedy completions."""
         total, count = 0.0, 0
-        for batch, tuned in zip(self._tuned_tokens, self._tuned_logp, strict=True):
-            lp = self._logp(model, batch)
-            cmask = batch[3].to(lp.dtype)
-            per_tok = (tuned.exp() * (tuned - lp)).sum(-1)
-            total += float((per_tok * cmask).sum())
+        for batch, (head_t, tuned) in zip(self._tuned_tokens, self._tuned_out, strict=True):
+            head, out = self._outputs(model, batch)  # the same eval model each time: head is None iff head_t is
+            if head is None:
+                per_tok = (tuned.exp() * (tuned - out)).sum(-1)
+                total += float((per_tok * batch[3].to(out.dtype)).sum())
+            else:
+                total += float(vocab.selected_kl(tuned, head_t, out, head, batch[3].to(out.device)))
             count += int(batch[3].sum())
         return total / max(count, 1)
 

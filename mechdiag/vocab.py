@@ -75,9 +75,9 @@ def head_of(model) -> Head | None:
     return Head(out.weight, out.bias, float(cap) if cap else None)
 
 
-def chunk_positions(vocab: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Positions per chunk: chunk_bytes of float32 logits."""
-    return max(1, chunk_bytes // (4 * max(vocab, 1)))
+def chunk_positions(vocab: int, chunk_bytes: int | None = None) -> int:
+    """Positions per chunk: chunk_bytes (default CHUNK_BYTES, read when called) of float32 logits."""
+    return max(1, (chunk_bytes or CHUNK_BYTES) // (4 * max(vocab, 1)))
 
 
 # ---- log-probs, one chunk at a time -------------------------------------------------------------------------

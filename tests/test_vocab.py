@@ -68,7 +68,9 @@ def test_chunked_entropy_and_kl_equal_the_full_softmax(stories260k):
     lp, lq = torch.log_softmax(logits.double(), -1), torch.log_softmax(head.logits(other).double(), -1)
     want = ((lp.exp() * (lp - lq)).sum(-1) * b[3]).sum()
     got = vocab.selected_kl(hidden, head, other, head, b[3], chunk=3)
-    assert got.dtype == torch.float64 and float(got) > 0 and torch.allclose(got, want, rtol=1e-6)
+    # the float32 head of a 3-row chunk and of the whole batch round differently (matmul blocking, ~1e-7 in the
+    # logits): a few 1e-6 of this small KL, the float32 floor, not the chunking's
+    assert got.dtype == torch.float64 and float(got) > 0 and torch.allclose(got, want, rtol=2e-5)
 
 
 def test_chunks_follow_the_vocabulary_and_lm_head_adapters_fall_back(stories260k):
@@ -95,7 +97,8 @@ def test_row_pass_budget_counts_the_vocabulary_as_documented(chunked):
 
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from mechdiag.train.trainer import LOGIT_COPIES, Trainer
+    from mechdiag.train.memory import LOGIT_COPIES
+    from mechdiag.train.trainer import Trainer
 
     def rows(n_vocab):
         c = Qwen2Config(vocab_size=n_vocab, hidden_size=8, intermediate_size=16, num_hidden_layers=2,

@@ -14,7 +14,7 @@ from mechdiag.generate import (
     encode_prompts,
     eos_ids,
     pad_id,
-    policy_logits,  # noqa: F401 - attribute and tests import it from here
+    policy_logits,  # noqa: F401 - tests import it from here
     policy_logprobs,
     sample_tokens,
 )

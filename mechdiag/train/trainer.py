@@ -25,7 +25,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import get_scheduler
 
-from mechdiag import atomic, models, sandbox, tasks, vocab
+from mechdiag import atomic, models, sandbox, tasks
 from mechdiag import recorder as R
 from mechdiag import trackers as T
 from mechdiag.config import LR_SCHEDULERS, Config, save
@@ -35,6 +35,7 @@ from mechdiag.outcomes import outcomes_from
 from mechdiag.probes.forget import ForgetProbe
 from mechdiag.run import RunDir, held
 from mechdiag.train import hooks as H
+from mechdiag.train import memory
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
 from mechdiag.train.rollout import collect, policy_logprobs
@@ -53,7 +54,6 @@ def frozen_copy(model):
 # bundled base: ~30% of decode time). At 0.5B it costs a full copy of the weights for a few percent
 # (docs/benchmarks.md, bench/scale.py), so "auto" keeps it up to this many parameters.
 SAMPLER_AUTO_MAX_PARAMS = 100_000_000
-LOGIT_COPIES = 4  # the full-logits path: logits, their float32 log-softmax, its exp and the gradient
 
 
 def sampler_choice(cfg: Config, n_params: int) -> str:
@@ -128,6 +128,7 @@ class Trainer:
         code = any(tasks.task_class(n).domain == "code" for n in [cfg.task.name, *(s.name for s in cfg.task.mixture)])
         self.isolation = sandbox.use(cfg.sandbox) if code else "none"
         torch.set_num_threads(cfg.threads or auto_threads())
+        memory.release_freed_blocks()  # freed activations and caches go back to the OS, not into a kept heap
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
@@ -239,6 +240,7 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             finite = True
             per_pass = self.rows_per_pass(roll)
+            self._predict_peak(roll, per_pass)
             for s in range(0, n, micro):
                 rows = torch.arange(s, min(s + micro, n))
                 summed: dict[str, float] = {}
@@ -288,24 +290,20 @@ class Trainer:
         return metrics, roll
 
     def rows_per_pass(self, roll) -> int:
-        """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes, at least 256 MiB: per
-        row its saved activations (~4 bytes x layers x (16 hidden + 6 MLP) per token, measured on Qwen2 shapes)
-        plus, outside the chunked head (vocab.head_of None), its logits and their gradient (LOGIT_COPIES float32
-        copies per position); the chunked head's own logits (vocab.CHUNK_LIVE x CHUNK_BYTES) come off the budget."""
+        """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes (mechdiag.train.memory:
+        saved activations per token, the vocabulary's logits and their gradient counted)."""
         if self.cfg.update_rows:
             return self.cfg.update_rows
-        c = self.model.config
-        hidden, mlp = getattr(c, "hidden_size", 0), getattr(c, "intermediate_size", 0)
-        n_vocab = getattr(c, "vocab_size", 0)
-        per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)
-        width = roll.prompt_ids.size(1) + roll.completion_ids.size(1)
-        per_row = per_token * width
-        budget = max(self.memory["weights_bytes"] // 2, 256 * 2**20)
-        if vocab.head_of(self.model) is None:
-            per_row += LOGIT_COPIES * 4 * n_vocab * roll.completion_ids.size(1)
-        else:
-            budget -= vocab.CHUNK_LIVE * 4 * n_vocab * min(vocab.chunk_positions(n_vocab), len(roll) * width)
-        return max(1, int(budget // max(per_row, 1)))
+        return memory.rows_per_pass(memory.shape_of(self.model, roll), self.memory["weights_bytes"])
+
+    def _predict_peak(self, roll, per_pass: int) -> None:
+        """summary.json's memory.predicted_peak_bytes (and its phases): the largest step's, by the memory model."""
+        m = self.memory
+        elem = next(self.model.parameters()).element_size()
+        copies = m["weights_bytes"] + m["sampler_bytes"] + m["reference_bytes"]
+        pred = memory.predicted_peak(memory.shape_of(self.model, roll), copies, per_pass, elem)
+        if pred["predicted_peak_bytes"] > m.get("predicted_peak_bytes", 0):
+            m.update(pred)
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
