@@ -415,7 +415,7 @@ class MechdiagCallback(TrainerCallback):
             if self.engine.sharded:  # computes with the writer, writes nothing
                 cfg = self.config or config_from_grpo(args, _peft(model) or model,
                                                       [k for k in (self.reward_weights or {})] or None)
-                self.recorder = R.Recorder(None, self._signals(cfg, processing_class), writer=False,
+                self.recorder = R.Recorder(None, self._signals(cfg, processing_class, args), writer=False,
                                            engine=self.engine)
                 if self.evaluate is not None and state.global_step == 0:
                     self._record_eval(0, model, processing_class)
