@@ -689,10 +689,13 @@ def test_gold_verdicts_do_not_depend_on_load():
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["strict", "landlock"])
 def test_all_gold_solutions_pass_under_load(mode):
-    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs, under bwrap and under landlock
+    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs under bwrap; under landlock every third
+    # program (the suite's time; the full set under landlock is in docs/benchmarks.md)
     from mechdiag import sandbox
 
     ids, jobs = _gold_jobs(None)
+    if mode == "landlock":
+        ids, jobs = ids[::3], jobs[::3]
     hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
     try:
         iso = sandbox.use(mode)
