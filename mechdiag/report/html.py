@@ -206,7 +206,8 @@ def section_runs(groups: list[Group]) -> str:
     note = (f"<p class=note>highlighted: config keys that differ between runs ({esc(', '.join(differ))})</p>"
             if differ else "")
     return (f"<div class=scroll><table class=runs><tr><th>run</th><th>directory</th><th>steps</th>"
-            f"<th title='isolation of model code: bwrap, landlock, guard-only, none (no code ran)'>sandbox</th>{head}</tr>"
+            "<th title='isolation of model code: bwrap, landlock, guard-only, none (no code ran)'>sandbox</th>"
+            f"{head}</tr>"
             + "".join(rows) + "</table></div>" + note)
 
 
