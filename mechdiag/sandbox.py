@@ -26,7 +26,6 @@ sandbox: auto takes bwrap, else landlock, else refuses (SandboxUnavailable); see
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import math
@@ -176,28 +175,12 @@ SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "u
                   "unshare", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
                   "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
                   "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at", "sched_setaffinity")
-_SECCOMP: list[bytes | None] = []
-_SECCOMP_LOCK = threading.Lock()
 
 
 def seccomp_program() -> bytes | None:
-    """The filter's BPF program (libseccomp through pyseccomp; syscalls of another architecture kill the
-    process); None where pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
-    with _SECCOMP_LOCK:
-        if not _SECCOMP:
-            try:
-                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra), loaded where bwrap runs
-            except (ImportError, OSError):
-                _SECCOMP.append(None)
-                return None
-            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
-            for name in SECCOMP_DENIED:
-                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
-            with tempfile.TemporaryFile() as fh:
-                f.export_bpf(fh)
-                fh.seek(0)
-                _SECCOMP.append(fh.read())
-        return _SECCOMP[0]
+    """bwrap's filter: SECCOMP_DENIED refused (syscalls of another architecture kill the process); None where
+    pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
+    return landlock.bpf_program(SECCOMP_DENIED)
 
 
 def _seccomp_fd(args: list[str]) -> int | None:

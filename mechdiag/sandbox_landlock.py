@@ -199,30 +199,37 @@ def _check(rc: int) -> None:
         raise OSError(ctypes.get_errno(), "confinement")
 
 
-_PROG: list[bytes | None] = []
+_PROGS: dict[tuple, bytes | None] = {}
 _LOCK = threading.Lock()
+
+
+def bpf_program(denied: tuple[str, ...], other_process: tuple[tuple[str, int], ...] = ()) -> bytes | None:
+    """The BPF program (libseccomp through pyseccomp) refusing `denied`, and each (syscall, arg) of
+    `other_process` when aimed at another process (arg != 0); built once per filter. None without pyseccomp."""
+    key = (denied, other_process)
+    with _LOCK:
+        if key not in _PROGS:
+            try:
+                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra)
+            except (ImportError, OSError):
+                _PROGS[key] = None
+                return None
+            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+            for name in denied:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
+            for name, arg in other_process:
+                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name, pyseccomp.Arg(arg, pyseccomp.NE, 0))
+            with tempfile.TemporaryFile() as fh:
+                f.export_bpf(fh)
+                fh.seek(0)
+                _PROGS[key] = fh.read()
+        return _PROGS[key]
 
 
 def seccomp_program(base: tuple[str, ...]) -> bytes | None:
     """This mode's filter: `base` (the bwrap list) and EXTRA_DENIED refused, OTHER_PROCESS refused for another
     process; None without pyseccomp."""
-    with _LOCK:
-        if not _PROG:
-            try:
-                import pyseccomp  # noqa: PLC0415 - optional (the sandbox extra)
-            except (ImportError, OSError):
-                _PROG.append(None)
-                return None
-            f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
-            for name in base + EXTRA_DENIED:
-                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name)
-            for name, arg in OTHER_PROCESS:
-                f.add_rule(pyseccomp.ERRNO(errno.EPERM), name, pyseccomp.Arg(arg, pyseccomp.NE, 0))
-            with tempfile.TemporaryFile() as fh:
-                f.export_bpf(fh)
-                fh.seek(0)
-                _PROG.append(fh.read())
-        return _PROG[0]
+    return bpf_program(tuple(base) + EXTRA_DENIED, tuple(OTHER_PROCESS))
 
 
 def system_paths(prefixes: set[str], programs: str) -> tuple[list[str], dict[str, int]]:
