@@ -44,6 +44,7 @@ STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmar
 # summary.json, whoever writes it (native trainer, TRL callback, TRL and verl readers): flat keys, metrics of the
 # untrained and the final model as base_<metric> / final_<metric>.
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
+                "recorder_once_s",
                 "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
                 "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable")
 

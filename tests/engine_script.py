@@ -55,7 +55,7 @@ def main(engine: str, out: str, steps: int = STEPS, bench: bool = False) -> None
     result = trainer.train()
     engines.save_adapter(trainer, Path(out) / "final")
     engines.record_rank(Path(out), trainer.accelerator, train_runtime=result.metrics["train_runtime"],
-                        recorder_s=cb.recorder_s)
+                        recorder_s=cb.recorder_s, recorder_once_s=cb.recorder_once_s)
     trainer.accelerator.wait_for_everyone()
 
 

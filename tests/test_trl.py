@@ -122,6 +122,7 @@ def test_callback_records_run(trl_run):
     assert any(r["shift"] > 0 for r in shift)
     s = run.summary()
     assert s["steps"] == STEPS and 0 < s["recorder_s"] <= cb.recorder_s  # the time spent in the callback
+    assert 0 < s["recorder_once_s"] < s["recorder_s"]  # its once-per-run part (start, final record) within it
     gaps = [r for r in run.read("reward_gap") if "gap" in r]  # a user signal through signals=, as natively
     assert [r["step"] for r in gaps] == [m["step"] for m in metrics]
     assert [r["gap"] for r in gaps] == [max(v for k, v in m.items() if k.startswith("reward/")) - m["reward"]

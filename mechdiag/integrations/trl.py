@@ -281,7 +281,10 @@ def _peft(model):
 
 
 def _timed(fn):
-    """Add the method's wall time to self.recorder_s (the recorder's own cost, reported in summary.json)."""
+    """Add the method's wall time to self.recorder_s (the recorder's own cost, reported in summary.json), and to
+    self.recorder_once_s where it is a once-per-run cost: the start, the end, and the final step's record (its
+    update geometry), so the recurring cost per step can be told apart."""
+    once = fn.__name__ in ("on_train_begin", "on_train_end")
 
     @functools.wraps(fn)
     def inner(self, *a, **kw):
@@ -289,7 +292,11 @@ def _timed(fn):
         try:
             return fn(self, *a, **kw)
         finally:
-            self.recorder_s += time.perf_counter() - t0
+            dt = time.perf_counter() - t0
+            self.recorder_s += dt
+            if once or self._final_record:
+                self.recorder_once_s += dt
+                self._final_record = False
 
     return inner
 
@@ -333,7 +340,8 @@ class MechdiagCallback(TrainerCallback):
         self.user_signals = list(signals or [])
         self.run: RunDir | None = None
         self.recorder: R.Recorder | None = None
-        self.recorder_s = 0.0
+        self.recorder_s = self.recorder_once_s = 0.0
+        self._final_record = False
         self._pending: dict | None = None
         self._last_eval_step = -1
         self._derived = False
@@ -456,7 +464,8 @@ class MechdiagCallback(TrainerCallback):
         if not self._on(state):
             return
         step = state.global_step  # DefaultFlowCallback ran first
-        self.recorder.weights(step, _peft(model), last=step >= state.max_steps or control.should_training_stop)
+        self._final_record = step >= state.max_steps or control.should_training_stop
+        self.recorder.weights(step, _peft(model), last=self._final_record)
         if self.eval_every and step % self.eval_every == 0 and step < state.max_steps:
             self._record_eval(step, model, processing_class)
         self.report.deliver(args, state, control)
@@ -494,7 +503,8 @@ class MechdiagCallback(TrainerCallback):
         self.report.deliver(args, state, control)
         evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
         summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
-                   "recorder_s": self.recorder_s, "config_derived": self._derived, "engine": self.engine.name,
+                   "recorder_s": self.recorder_s, "recorder_once_s": self.recorder_once_s,
+                   "config_derived": self._derived, "engine": self.engine.name,
                    "world_size": self.engine.world_size}
         if len(evals) >= 1:
             base = next((e for e in evals if e["step"] == 0), None)
