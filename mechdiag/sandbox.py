@@ -51,14 +51,14 @@ DETAIL_CHARS = 2000
 WALL_FACTOR = 4.0  # wall-clock backstop = WALL_FACTOR * timeout_s (CPU seconds), for sleepers
 STARVED_FACTOR = 10.0  # time spent waiting for a CPU is not charged to the backstop, up to this many backstops
 MAX_MESSAGE = 8 << 20  # bytes of one message between judge and candidate
-TMP_BYTES = 64 << 20  # the candidate's one writable tmpfs (its /tmp), capped: host RAM outside RLIMIT_AS
+TMP_BYTES = 64 << 20  # what a run may write: bwrap's one tmpfs (host RAM outside RLIMIT_AS), landlock's private folder
 INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) for OS isolation of model code"
 
 
 @dataclass
 class SandboxResult:
     passed: bool
-    # passed | failed | timeout | memory | output_limit | nonplain | blocked | exited | killed | error
+    # passed | failed | timeout | memory | output_limit | disk_limit | nonplain | blocked | exited | killed | error
     status: str
     duration_s: float
     detail: str = ""
@@ -393,6 +393,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     out_r, out_w = os.pipe()
     judge_dir = tempfile.mkdtemp(prefix="mechdiag-judge-")
     cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
+    usage = None if cand_dir is None else _FolderUsage(cand_dir, TMP_BYTES)  # bwrap's tmpfs has its own size
     uid = _candidate_uid()
     if cand_dir is not None and uid != "-":
         os.chown(cand_dir, int(uid), int(uid))  # the candidate's own folder, writable by its uid
@@ -440,7 +441,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
             threading.Thread(target=_feed, args=(proc.stdin, payload.encode("utf-8", "replace")),
                              daemon=True).start()
         clock = _Charged(t0, wall_s, timeout_s, cand.pid, judge.pid)
-        out, verdict, over, timed_out = _collect(out_r, res_r, clock, max_output)
+        out, verdict, over, timed_out = _collect(out_r, res_r, clock, max_output, usage)
         try:  # the judge saw the candidate end: how it ended (a CPU-time kill is a timeout)
             cand_rc = cand.wait(timeout=1.0) if b"gone" in verdict else cand.poll()
         except subprocess.TimeoutExpired:
@@ -473,7 +474,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     if timed_out or cpu_kill or signal.SIGXCPU in (cand_sig, _signal_of(judge_rc, False)):
         status = "timeout"
     elif over:
-        status = "output_limit"
+        status = "disk_limit" if usage is not None and usage.over else "output_limit"
     elif "MemoryError" in text[-600:]:
         status = "memory"
     elif "nonplain" in words:
@@ -591,18 +592,49 @@ def _tree(root: int) -> list[int]:
     return sorted(out)
 
 
-def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int):
-    """Read output (capped) and the judge's verdict until the verdict pipe closes or the deadline passes."""
+class _FolderUsage:
+    """The bytes a run's private folder holds on the host's disk, held to `cap` (the landlock and guard-only
+    modes: no tmpfs of their own to size, so the host checks the folder every POLL_S while the run lives)."""
+
+    POLL_S = 0.01
+
+    def __init__(self, path: str, cap: int):
+        self.path, self.cap, self.over = path, cap, False
+
+    def check(self) -> bool:
+        """Whether the folder is over its cap (then it stays so)."""
+        total, stack = 0, [self.path]
+        while stack and total <= self.cap:
+            try:
+                with os.scandir(stack.pop()) as it:
+                    for e in it:
+                        st = e.stat(follow_symlinks=False)
+                        total += max(st.st_blocks * 512, 4096)  # an empty file or folder still costs an inode
+                        if e.is_dir(follow_symlinks=False):
+                            stack.append(e.path)
+            except OSError:  # removed while we looked, or unreadable: the rest still counts
+                continue
+        self.over = self.over or total > self.cap
+        return self.over
+
+
+def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int, usage: _FolderUsage | None = None):
+    """Read output (capped) and the judge's verdict until the verdict pipe closes or the deadline passes, or the
+    private folder (`usage`) grows over its cap."""
     sel = selectors.DefaultSelector()
     sel.register(out_r, selectors.EVENT_READ, "out")
     sel.register(res_r, selectors.EVENT_READ, "res")
     out, res, total, over, timed_out, res_open = bytearray(), bytearray(), 0, False, False, True
+    poll = 0.5 if usage is None else usage.POLL_S
     while res_open:
         left = clock.left()
         if left <= 0:
             timed_out = True
             break
-        for key, _ in sel.select(timeout=min(left, 0.5)):
+        if usage is not None and usage.check():
+            over = True
+            break
+        for key, _ in sel.select(timeout=min(left, poll)):
             chunk = os.read(key.fd, 65536)
             if key.data == "res":
                 if not chunk:

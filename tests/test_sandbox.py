@@ -216,6 +216,12 @@ CORPUS = {
     "root_posix_shm": ("import _posixshmem, os\ndef f():\n    for i in range(12):\n"
                        "        fd = _posixshmem.shm_open('/mechdiag%d' % i, os.O_CREAT | os.O_RDWR, 0o600)\n"
                        "        os.write(fd, b'x' * (4 << 20))\n    return True\n", "assert f()\n"),
+    # the run's own folder (cwd, TMPDIR): many files, each under RLIMIT_FSIZE, 320 MiB in all, against its cap
+    "disk_many_files": ("import os, tempfile\ndef f():\n    for d in ('.', tempfile.gettempdir()):\n        try:\n"
+                        "            for i in range(80):\n"
+                        "                with open(os.path.join(d, 'f%d' % i), 'wb') as fh:\n"
+                        "                    fh.write(b'x' * (4 << 20))\n            return True\n"
+                        "        except OSError:\n            pass\n    return False\n", "assert f()\n"),
     "root_nproc": ("import os, time\ndef f():\n    n = 0\n    for _ in range(60):\n        try:\n"
                    "            pid = os.fork()\n        except OSError:\n            break\n        if pid == 0:\n"
                    "            time.sleep(30)\n            os._exit(0)\n        n += 1\n    return n >= 40\n",
@@ -296,7 +302,7 @@ OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "wri
                                                   "os_system", "pickle", "os_exit", "exit_", "forge", "root_",
                                                   "seccomp_", "subinterp", "testcapi", "judge_fd", "judge_memory",
                                                   "judge_process", "sigstop", "renice", "affinity", "host_",
-                                                  "linger"))]
+                                                  "linger", "disk_"))]
 # guard-only holds no core: a candidate may widen its own CPU affinity there (fairness, not containment)
 GUARD_ONLY_GAPS = {"affinity_self_widen"}
 

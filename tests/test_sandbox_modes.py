@@ -46,6 +46,7 @@ def test_landlock_contains_the_corpus_as_root(tmp_path):
     assert all(r["isolation"] == "landlock" for r in by.values())
     assert by["infinite_loop"]["status"] == "timeout" and by["sleep_forever"]["status"] == "timeout"
     assert by["huge_output"]["status"] == "output_limit" and by["wrong_answer"]["status"] == "failed"
+    assert by["disk_many_files"]["status"] == "disk_limit"  # its private folder is held to TMP_BYTES in all
     for n in ("subinterp_bypass", "testcapi_subinterp", "fork_bomb", "kill_host"):
         assert by[n]["blocked"] and "not allowed" in by[n]["detail"], (n, by[n])
 
@@ -186,3 +187,13 @@ def test_a_tree_of_fresh_processes_is_held_to_the_cpu_limit():
             "                pass\n            os._exit(0)\n        os.waitpid(pid, 0)\n")
     r = sandbox._run(code, "f()\n", 1, 256, 16, 8, sandbox.MAX_OUTPUT, 60, (), "landlock", guard=False)
     assert r.status == "timeout" and r.duration_s < 30, r
+
+
+def test_a_run_may_write_below_its_folder_cap_in_every_mode():
+    # the cap stops a filler, not a program that uses its folder: 24 MiB in 6 files, read back, passes
+    code = ("import os, tempfile\ndef f():\n    d = tempfile.mkdtemp()\n    for i in range(6):\n"
+            "        with open(os.path.join(d, str(i)), 'wb') as fh:\n            fh.write(bytes([i]) * (4 << 20))\n"
+            "    return sum(open(os.path.join(d, str(i)), 'rb').read().count(bytes([i])) for i in range(6))\n")
+    for iso in ("bwrap", "landlock", "guard-only"):
+        r = sandbox._run(code, "assert f() == 6 * (4 << 20)\n", 5.0, 512, 16, 8, sandbox.MAX_OUTPUT, 20.0, (), iso)
+        assert (r.passed, r.status, r.isolation) == (True, "passed", iso), r
