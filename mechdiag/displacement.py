@@ -36,6 +36,7 @@ from mechdiag.weights import (
     is_tied,
     lm_head_names,
     open_side,
+    split_stack,
     tensor_site,
     tied_embedding,
 )
@@ -454,6 +455,10 @@ def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, in
     files = files or SafeFiles()
     side_a = open_side(a, files, base=base, other=b)
     side_b = open_side(b, files, base=base, other=a)
+    for side, other in ((side_a, side_b), (side_b, side_a)):  # an adapter's expert stacks, split per expert
+        for key, n in side.stacks.items():
+            if key in other.entries:
+                split_stack(other.entries, key, n)
     names = pair_names(side_a, side_b)
     for n in names:  # every bad shape is reported before any work
         sa, sb = files.shape(side_a.entries[n].dense), files.shape(side_b.entries[n].dense)

@@ -124,10 +124,19 @@ class SafeFiles:
         return self.file(path).keys()
 
     def _info(self, ref: TensorRef) -> dict:
+        """The header entry of the tensor ref points at; for one expert of a stack, that expert's shape and bytes."""
         try:
-            return self.file(ref.path).header[ref.key]
+            info = self.file(ref.path).header[ref.key]
         except KeyError:
             raise UserError(f"{ref.path}: no tensor {ref.key}") from None
+        if ref.expert is None:
+            return info
+        shape, (b, e) = info["shape"], info["data_offsets"]
+        if len(shape) != 3 or not 0 <= ref.expert < shape[0]:
+            raise UserError(f"{ref.path}: tensor {ref.key} {shape} has no expert {ref.expert}")
+        per = (e - b) // shape[0]
+        return {"dtype": info["dtype"], "shape": shape[1:],
+                "data_offsets": [b + ref.expert * per, b + (ref.expert + 1) * per]}
 
     def shape(self, ref: TensorRef) -> tuple[int, ...]:
         return tuple(self._info(ref)["shape"])
@@ -191,9 +200,11 @@ def _read_header(path: str) -> tuple[dict, int]:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base)."""
+    """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base).
+    expert: one expert [e] of a 3-D expert stack (contiguous in the file), read as a tensor of its own."""
     path: str
     key: str
+    expert: int | None = None
 
 
 @dataclass
@@ -217,6 +228,7 @@ class Side:
     entries: dict[str, Entry]
     config: dict
     is_adapter: bool = False
+    stacks: dict[str, int] = field(default_factory=dict)  # 3-D expert stacks split per expert (name -> experts)
 
 
 # --- opening sources --------------------------------------------------------------------------------------------
@@ -386,7 +398,11 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             continue
         factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
+    stacks: dict[str, int] = {}  # 3-D expert stacks in the files, split one entry per expert on both sides
     for mod, f in factors.items():
+        if _targets_parameter(mod, cfg.get("target_parameters")):
+            _parameter_lora(folder, cfg, mod, f, entries, files, stacks)
+            continue
         target = redirect.get(mod + ".weight", mod + ".weight")
         if target not in entries:
             raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
@@ -414,7 +430,116 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
-    return Side(str(folder), entries, config, is_adapter=True)
+    return Side(str(folder), entries, config, is_adapter=True, stacks=stacks)
+
+
+# A stacked expert parameter and the per-expert tensors transformers saves it as, in the stack's output order
+# (transformers' conversion_mapping: qwen2_moe's family gate_proj + up_proj, Mixtral's w1 + w3, concatenated).
+_STACK_SOURCES = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
+def _targets_parameter(mod: str, targets) -> bool:
+    """Whether adapter module `mod` is peft's ParamWrapper: its path (one .base_layer per parameter nested on the
+    same module) is a target_parameters entry's module (peft's rule: the key or its end)."""
+    unwrapped = mod.replace(".base_layer", "")
+    for t in targets or ():
+        owner = t.rpartition(".")[0]
+        if not owner or unwrapped == owner or unwrapped.endswith("." + owner):
+            return True
+    return False
+
+
+def split_stack(entries: dict[str, Entry], key: str, n: int) -> None:
+    """Replace a 3-D expert stack (model.layers.0.mlp.experts.gate_up_proj [E, ., .]) by one entry per expert,
+    named as the per-expert tensors (model.layers.0.mlp.experts.5.gate_up_proj.weight)."""
+    e0 = entries.pop(key)
+    owner, _, param = key.rpartition(".")
+    for e in range(n):
+        entries[f"{owner}.{e}.{param}.weight"] = Entry(TensorRef(e0.dense.path, e0.dense.key, e), [])
+
+
+def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, files: SafeFiles,
+                    stacks: dict[str, int]) -> None:
+    """LoRA on a parameter (peft's target_parameters: an expert stack [E, out, in], a router's weight), put on the
+    tensors the base files hold, as factors. peft's layout: lora_A (E*r, in) and lora_B (out, r*E) give expert e
+    A_e = A.reshape(E, r, in)[e], B_e = B.reshape(out, r, E)[:, :, e]; its update is s B_e A_e, the stack stored
+    [E, out, in] (transformers 5's experts; an [E, in, out] stack stores the transpose). The files hold either the
+    stack itself (split one entry per expert) or one tensor per expert and source (gate_proj, up_proj: rows of
+    B_e each)."""
+    if "lora_A.weight" not in f or "lora_B.weight" not in f:
+        raise UserError(f"{folder}: adapter parameter {mod} has only one of its two LoRA factors")
+    A, B = f["lora_A.weight"], f["lora_B.weight"]
+    owner = mod.replace(".base_layer", "")
+    out_f, in_f = B.shape[0], A.shape[1]
+    m = _LAYER_RE.search(owner)
+    layer_prefix = owner[:m.end()] if m else ""
+    last = owner.rsplit(".", 1)[-1]
+    names = [t.rpartition(".")[2] for t in cfg.get("target_parameters") or ()
+             if _targets_parameter(mod, [t])]
+    fits = []  # (parameter, layout, tensor names) whose shape takes this pair of factors
+    for param in dict.fromkeys(names):
+        key = f"{owner}.{param}"
+        if key not in entries:  # a renamed owner in the files (Mixtral: mlp.gate -> block_sparse_moe.gate)
+            near = [k for k in entries if k.startswith(layer_prefix) and k.endswith(f".{last}.{param}")]
+            key = near[0] if len(near) == 1 else key
+        if key in entries:
+            shape = files.shape(entries[key].dense)
+            if len(shape) == 2 and tuple(shape) == (out_f, in_f):
+                fits.append((param, "matrix", [key]))
+            elif len(shape) == 3 and tuple(shape[1:]) in ((out_f, in_f), (in_f, out_f)):
+                fits.append((param, "stack" if tuple(shape[1:]) == (out_f, in_f) else "stack_t", [key]))
+            continue
+        for sources in _STACK_SOURCES.get(param, ()):
+            found = sorted(k for k in entries if k.startswith(layer_prefix)
+                           and re.search(rf"\.{re.escape(last)}\.0\.{sources[0]}\.weight$", k))
+            if len(found) != 1:
+                continue
+            saved = found[0][:-len(f"0.{sources[0]}.weight")]
+            E = 0
+            while f"{saved}{E}.{sources[0]}.weight" in entries:
+                E += 1
+            keys = [[f"{saved}{e}.{src}.weight" for src in sources] for e in range(E)]
+            if all(k in entries for ks in keys for k in ks):
+                rows = [files.shape(entries[k].dense) for k in keys[0]]
+                if sum(r[0] for r in rows) == out_f and all(r[1] == in_f for r in rows):
+                    fits.append((param, "experts", [k for ks in keys for k in ks]))
+    if len(fits) != 1:
+        what = "no tensor of" if not fits else f"{len(fits)} parameters ({', '.join(p for p, _, _ in fits)}) of"
+        raise UserError(f"{folder}: adapter parameter LoRA at {mod} ({out_f}x{in_f} per expert) fits {what} the "
+                        f"base (target_parameters {cfg.get('target_parameters')})")
+    param, layout, keys = fits[0]
+    r = _pattern_value(cfg.get("rank_pattern"), f"{owner}.{param}", cfg.get("r", 8))
+    alpha = _pattern_value(cfg.get("alpha_pattern"), f"{owner}.{param}", cfg.get("lora_alpha", 8))
+    E = A.shape[0] // r if r else 0
+    if not E or A.shape[0] != E * r or B.shape[1] != r * E:
+        raise UserError(f"{folder}: adapter parameter {mod}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} "
+                        f"do not hold rank {r} per expert")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    A3, B3 = A.reshape(E, r, in_f), B.reshape(out_f, r, E)
+    if layout == "matrix":
+        entries[keys[0]].lora.append(LoraFactor(scale, B, A))
+        return
+    if layout in ("stack", "stack_t"):
+        if files.shape(entries[keys[0]].dense)[0] != E:
+            raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, {keys[0]} has "
+                            f"{files.shape(entries[keys[0]].dense)[0]}")
+        stacks[keys[0]] = E
+        split_stack(entries, keys[0], E)
+        owner_saved, _, p = keys[0].rpartition(".")
+        for e in range(E):
+            Be, Ae = B3[:, :, e].contiguous(), A3[e]
+            term = LoraFactor(scale, Be, Ae) if layout == "stack" else LoraFactor(scale, Ae.T.contiguous(), Be.T)
+            entries[f"{owner_saved}.{e}.{p}.weight"].lora.append(term)
+        return
+    per = len(keys) // E
+    if per * E != len(keys):
+        raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, the base {len(keys) // max(per, 1)}")
+    for e in range(E):
+        Be, Ae, row = B3[:, :, e], A3[e], 0
+        for k in keys[e * per:(e + 1) * per]:  # the stack's rows, source by source (gate, then up)
+            n = files.shape(entries[k].dense)[0]
+            entries[k].lora.append(LoraFactor(scale, Be[row:row + n].contiguous(), Ae))
+            row += n
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,
