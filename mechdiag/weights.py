@@ -138,19 +138,33 @@ class SafeFiles:
         return {"dtype": info["dtype"], "shape": shape[1:],
                 "data_offsets": [b + ref.expert * per, b + (ref.expert + 1) * per]}
 
-    def shape(self, ref: TensorRef) -> tuple[int, ...]:
+    def shape(self, ref: TensorRef | ConcatRef) -> tuple[int, ...]:
+        if isinstance(ref, ConcatRef):
+            shapes = [self.shape(p) for p in ref.parts]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return tuple(self._info(ref)["shape"])
 
-    def dtype(self, ref: TensorRef) -> str:
-        return self._info(ref)["dtype"]
+    def dtype(self, ref: TensorRef | ConcatRef) -> str:
+        return self._info(ref.parts[0] if isinstance(ref, ConcatRef) else ref)["dtype"]
 
     def span(self, ref: TensorRef) -> tuple[object, int, str, int]:
         """(buffer, byte offset, dtype, element count) of the whole tensor in its file's memory map."""
         info, f = self._info(ref), self.file(ref.path)
         return f.mm, f.data_start + info["data_offsets"][0], info["dtype"], math.prod(info["shape"])
 
-    def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
+    def read(self, ref: TensorRef | ConcatRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages (a copy of the
+        rows of a ConcatRef's parts)."""
+        if isinstance(ref, ConcatRef):
+            start, stop = start or 0, self.shape(ref)[0] if stop is None else stop
+            pieces, row = [], 0
+            for p in ref.parts:
+                n = self.shape(p)[0]
+                lo, hi = max(start - row, 0), min(stop - row, n)
+                if lo < hi or not pieces:
+                    pieces.append(self.read(p, lo, max(lo, hi)))
+                row += n
+            return torch.cat(pieces)
         info = self._info(ref)
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
@@ -207,6 +221,13 @@ class TensorRef:
     expert: int | None = None
 
 
+@dataclass(frozen=True)
+class ConcatRef:
+    """Tensors stacked along their rows, read as one: an expert's saved gate_proj and up_proj as the
+    gate_up_proj [2I, H] that a LoRA on the expert stack adapts (equal refs, equal bytes, as for TensorRef)."""
+    parts: tuple[TensorRef, ...]
+
+
 @dataclass
 class LoraFactor:
     """One low-rank term s * B @ A in the stored tensor's orientation (B: out x r, A: r x in)."""
@@ -228,7 +249,8 @@ class Side:
     entries: dict[str, Entry]
     config: dict
     is_adapter: bool = False
-    stacks: dict[str, int] = field(default_factory=dict)  # 3-D expert stacks split per expert (name -> experts)
+    # an adapter's parameter LoRA names its experts as the model does: new name -> [(saved name, expert or None)]
+    regroup: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict)
 
 
 # --- opening sources --------------------------------------------------------------------------------------------
@@ -398,10 +420,10 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             continue
         factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
-    stacks: dict[str, int] = {}  # 3-D expert stacks in the files, split one entry per expert on both sides
+    plan: dict[str, list[tuple[str, int | None]]] = {}  # expert tensors renamed as the model names them
     for mod, f in factors.items():
         if _targets_parameter(mod, cfg.get("target_parameters")):
-            _parameter_lora(folder, cfg, mod, f, entries, files, stacks)
+            _parameter_lora(folder, cfg, mod, f, entries, files, plan)
             continue
         target = redirect.get(mod + ".weight", mod + ".weight")
         if target not in entries:
@@ -430,7 +452,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
-    return Side(str(folder), entries, config, is_adapter=True, stacks=stacks)
+    return Side(str(folder), entries, config, is_adapter=True, regroup=plan)
 
 
 # A stacked expert parameter and the per-expert tensors transformers saves it as, in the stack's output order
@@ -449,23 +471,34 @@ def _targets_parameter(mod: str, targets) -> bool:
     return False
 
 
-def split_stack(entries: dict[str, Entry], key: str, n: int) -> None:
-    """Replace a 3-D expert stack (model.layers.0.mlp.experts.gate_up_proj [E, ., .]) by one entry per expert,
-    named as the per-expert tensors (model.layers.0.mlp.experts.5.gate_up_proj.weight)."""
-    e0 = entries.pop(key)
-    owner, _, param = key.rpartition(".")
-    for e in range(n):
-        entries[f"{owner}.{e}.{param}.weight"] = Entry(TensorRef(e0.dense.path, e0.dense.key, e), [])
+def regroup(entries: dict[str, Entry], plan: dict[str, list[tuple[str, int | None]]]) -> None:
+    """Rename saved tensors as the model's parameters: each new name is the saved tensors listed (one expert of a
+    3-D stack when the expert is set), stacked by rows (ConcatRef), their LoRA terms kept; the saved names go.
+    A side without all of a group's tensors keeps them as they are."""
+    gone = set()
+    for new, olds in plan.items():
+        if not all(o in entries for o, _ in olds) or olds == [(new, None)]:
+            continue
+        refs = [entries[o].dense if e is None else TensorRef(entries[o].dense.path, entries[o].dense.key, e)
+                for o, e in olds]
+        lora = [t for o, e in olds for t in entries[o].lora]
+        if lora and len(olds) > 1:  # rows of several LoRA'd tensors are not one pair of factors
+            raise UserError(f"{olds[0][0]}: carries LoRA of its own and is also part of {new}")
+        gone.update(o for o, _ in olds)
+        entries[new] = Entry(refs[0] if len(refs) == 1 else ConcatRef(tuple(refs)), lora)
+    for o in gone - set(plan):
+        entries.pop(o, None)
 
 
 def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, files: SafeFiles,
-                    stacks: dict[str, int]) -> None:
+                    plan: dict[str, list[tuple[str, int | None]]]) -> None:
     """LoRA on a parameter (peft's target_parameters: an expert stack [E, out, in], a router's weight), put on the
     tensors the base files hold, as factors. peft's layout: lora_A (E*r, in) and lora_B (out, r*E) give expert e
     A_e = A.reshape(E, r, in)[e], B_e = B.reshape(out, r, E)[:, :, e]; its update is s B_e A_e, the stack stored
-    [E, out, in] (transformers 5's experts; an [E, in, out] stack stores the transpose). The files hold either the
-    stack itself (split one entry per expert) or one tensor per expert and source (gate_proj, up_proj: rows of
-    B_e each)."""
+    [E, out, in] (transformers 5's experts; an [E, in, out] stack stores the transpose). Each expert is one entry
+    named as the model names it (model.layers.0.mlp.experts.5.gate_up_proj.weight, as lora_rows records it): the
+    files' stack split per expert, or the expert's saved tensors (gate_proj and up_proj, Mixtral's block_sparse_moe
+    w1 and w3) stacked by rows (`plan`, applied to the other side too)."""
     if "lora_A.weight" not in f or "lora_B.weight" not in f:
         raise UserError(f"{folder}: adapter parameter {mod} has only one of its two LoRA factors")
     A, B = f["lora_A.weight"], f["lora_B.weight"]
@@ -516,30 +549,26 @@ def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, f
                         f"do not hold rank {r} per expert")
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     A3, B3 = A.reshape(E, r, in_f), B.reshape(out_f, r, E)
-    if layout == "matrix":
-        entries[keys[0]].lora.append(LoraFactor(scale, B, A))
-        return
-    if layout in ("stack", "stack_t"):
+    if layout == "matrix":  # a router's weight (E = 1): named as the model names it (mlp.gate.weight)
+        group = {f"{owner}.{param}": [(keys[0], None)]}
+    elif layout == "experts":  # per expert and source (gate_proj, up_proj): stacked by rows, as the stack holds them
+        per = len(keys) // E
+        if per * E != len(keys):
+            raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, the base {len(keys)} tensors")
+        group = {f"{owner}.{e}.{param}.weight": [(k, None) for k in keys[e * per:(e + 1) * per]] for e in range(E)}
+    else:
         if files.shape(entries[keys[0]].dense)[0] != E:
             raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, {keys[0]} has "
                             f"{files.shape(entries[keys[0]].dense)[0]}")
-        stacks[keys[0]] = E
-        split_stack(entries, keys[0], E)
-        owner_saved, _, p = keys[0].rpartition(".")
-        for e in range(E):
-            Be, Ae = B3[:, :, e].contiguous(), A3[e]
-            term = LoraFactor(scale, Be, Ae) if layout == "stack" else LoraFactor(scale, Ae.T.contiguous(), Be.T)
-            entries[f"{owner_saved}.{e}.{p}.weight"].lora.append(term)
-        return
-    per = len(keys) // E
-    if per * E != len(keys):
-        raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, the base {len(keys) // max(per, 1)}")
-    for e in range(E):
-        Be, Ae, row = B3[:, :, e], A3[e], 0
-        for k in keys[e * per:(e + 1) * per]:  # the stack's rows, source by source (gate, then up)
-            n = files.shape(entries[k].dense)[0]
-            entries[k].lora.append(LoraFactor(scale, Be[row:row + n].contiguous(), Ae))
-            row += n
+        group = {f"{owner}.{e}.{param}.weight": [(keys[0], e)] for e in range(E)}
+    plan.update(group)
+    regroup(entries, group)
+    for e, new in enumerate(group):
+        Be, Ae = B3[:, :, e].contiguous(), A3[e]
+        if layout == "matrix":
+            Be, Ae = B, A
+        entries[new].lora.append(LoraFactor(scale, Be, Ae) if layout != "stack_t"
+                                 else LoraFactor(scale, Ae.T.contiguous(), Be.T.contiguous()))
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,
