@@ -23,7 +23,7 @@ from tests.tiny_models import adapter_deltas, build, family_folder
 
 torch.set_num_threads(1)
 SMALL = ["task.name=tests.toy:Toy", "group_size=2", "prompts_per_step=2", "max_completion_tokens=6",
-         "max_prompt_tokens=64", "eval_n=2", "threads=1", "learning_rate=0.05", "record.shift_n=0",
+         "max_prompt_tokens=64", "eval_n=2", "threads=1", "learning_rate=0.05", "record.shift_n=1",
          "record.displacement_every=1", "lora.r=2", "lora.alpha=4", "max_time_s=null", "eval_every=100"]
 TARGETS = "lora.target_modules=[q_proj,v_proj,experts.gate_up_proj,experts.down_proj,gate]"
 FAMILIES = ("qwen3_moe", "mixtral")  # both 3-D stacks in memory; saved per expert (Mixtral: block_sparse_moe w1..3)
