@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from mechdiag import config as C
 from mechdiag.cli import main
+from mechdiag.integrations.trl_args import lora_targets
 from mechdiag.run import RunDir
 from mechdiag.train.lora import apply_lora, default_targets, merge_into
 from tests.tiny_models import adapter_deltas, build, family_folder
@@ -88,6 +89,9 @@ def test_train_puts_lora_on_experts_and_router_and_records_them_exactly(trained)
     assert set(cfg["target_modules"]) == {"q_proj", "v_proj"}
     assert {t.split("layers.", 1)[1] for t in cfg["target_parameters"]} == {
         f"{layer}.mlp.{p}" for layer in (0, 1) for p in ("experts.gate_up_proj", "experts.down_proj", "gate.weight")}
+    # read back (a foreign run's adapter, a TRL script's LoraConfig) as the names we train
+    assert lora_targets(cfg["target_modules"], cfg["target_parameters"]) == [
+        "q_proj", "v_proj", "experts.down_proj", "experts.gate_up_proj", "gate"]
     assert sum(".experts." in n for n in deltas) == 2 * 2 * 4  # layers x stacks x experts
     assert all(float(d.norm()) > 0 for d, _ in deltas.values())  # two steps moved every factor pair
     rows = _last(run)
