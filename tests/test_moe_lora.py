@@ -182,3 +182,22 @@ def test_expert_targets_bad_input_is_one_line(tmp_path):
         code, _, err = cli("train", "--out", tmp_path / "bad", "--max-steps", "1",
                            *_sets(f"model.name_or_path={folder}", *SMALL, *extra))
         assert code == 2 and want in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_attribute_ablates_the_expert_adapters(trained):
+    """attribute zeroes each site's lora_B: the expert stacks and the router are sites, so with every site off the
+    model it evaluates is the base, and with the experts alone on, their update is all that moved."""
+    from mechdiag.attribute import Attribution  # noqa: PLC0415 - loads the run's model
+
+    family, folder, run, deltas, base, _ = trained
+    att = Attribution(run, n=1)
+    experts = [n for n in att.sites if ".experts." in n]
+    assert len(experts) == 4 and "model.layers.0.mlp.gate.weight" in att.sites
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = base(ids).logits
+        att.keep([])
+        torch.testing.assert_close(att.eval_model()(ids).logits, want, rtol=0, atol=1e-5)
+        att.keep(experts)
+        assert (att.eval_model()(ids).logits - want).abs().max() > 1e-4
+        att.keep(att.sites)

@@ -67,13 +67,21 @@ def _is_param_lora(mod) -> bool:
     return hasattr(mod, "get_param") and hasattr(mod, "parameter_name")
 
 
+def site_name(name: str, mod) -> str:
+    """The name lora_modules gives the LoRA layer `mod` at `name` in the peft model: the module's path, or for
+    a parameter's LoRA the parameter's (model.layers.0.mlp.experts.gate_up_proj: peft nests one wrapper per
+    parameter on the same module, .base_layer each)."""
+    short = name.removeprefix("base_model.model.")
+    return short.replace(".base_layer", "") + "." + mod.parameter_name if _is_param_lora(mod) else short
+
+
 def lora_modules(model) -> list[dict]:
     """The exact modules carrying a LoRA adapter: name, layer, module, shape, trainable parameters."""
 
     rows = []
     for name, mod in model.named_modules():
         if isinstance(mod, LoraLayer) and _is_param_lora(mod):  # one wrapper per parameter, nested on one module
-            short = name.removeprefix("base_model.model.").replace(".base_layer", "") + "." + mod.parameter_name
+            short = site_name(name, mod)
             params = sum(p.numel() for m in (mod.lora_A, mod.lora_B) for p in m.parameters())
             rows.append({"name": short, "layer": blocks.layer_index(short), "module": tensor_site(short)[1],
                          "in": int(mod.in_features), "out": int(mod.out_features), "params": params})
