@@ -32,7 +32,7 @@ from mechdiag.generate import policy_hidden, policy_logits
 from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
 from mechdiag.recorder import heldout_eval
 from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
-from mechdiag.train.lora import lora_modules, merge_into
+from mechdiag.train.lora import lora_modules, merge_into, site_name
 from mechdiag.train.trainer import auto_threads, prepare_model
 from mechdiag.weights import ADAPTER_WEIGHTS
 
@@ -126,7 +126,7 @@ class Attribution:
         self.sites = {r["name"]: r for r in lora_modules(self.model)}
         self._factors = {}  # module path -> (B weight, saved copy)
         for name, mod in self.model.named_modules():
-            short = name.removeprefix("base_model.model.")
+            short = site_name(name, mod)
             if short in self.sites:
                 for a in mod.active_adapters:
                     w = mod.lora_B[a].weight

@@ -3,7 +3,10 @@
 Blocks are found generically: the outermost ModuleList holding as many modules as the config has layers
 (model.layers, transformer.h, gpt_neox.layers, model.decoder.layers, ...), so families not named here work too.
 Adaptable modules are torch Linear and transformers' Conv1D (GPT-2, stored transposed: fan_in_fan_out), as in
-peft's "all-linear" target, which also leaves the output head out.
+peft's "all-linear" target, which also leaves the output head out. A mixture-of-experts block adds parameters
+that peft adapts through target_parameters: transformers 5's 3-D expert stacks (Qwen3MoeExperts.gate_up_proj
+[E, 2I, H], targeted as experts.gate_up_proj, the name displacement gives them) and a router that is not a Linear
+(TopKRouter.weight, targeted by the router's own name: gate, router).
 """
 
 from __future__ import annotations
@@ -75,9 +78,35 @@ def adaptable_modules(model: nn.Module) -> list[tuple[str, int, str]]:
     return [(name, layer, short_name(rest, twice)) for name, layer, rest in found]
 
 
+def adaptable_parameters(model: nn.Module) -> list[tuple[str, int, str]]:
+    """(qualified parameter name, layer, target name) of the parameters inside the blocks that LoRA adapts as
+    parameters (peft's target_parameters): 3-D expert stacks (model.layers.0.mlp.experts.gate_up_proj ->
+    experts.gate_up_proj) and the 2-D weight of a router that is not a Linear (model.layers.0.mlp.gate.weight ->
+    gate)."""
+    path, _ = find_blocks(model)
+    found = []
+    for name, mod in model.named_modules():
+        if is_adaptable(mod) or not name.startswith(path + "."):
+            continue
+        rest = name[len(path) + 1:]
+        layer, last = int(rest.split(".", 1)[0]), name.rsplit(".", 1)[-1]
+        for pname, p in mod.named_parameters(recurse=False):
+            if p.ndim == 3:
+                found.append((f"{name}.{pname}", layer, f"{last}.{pname}"))
+            elif p.ndim == 2 and pname == "weight" and "router" in type(mod).__name__.lower():
+                found.append((f"{name}.{pname}", layer, last))
+    return found
+
+
 def target_names(model: nn.Module) -> list[str]:
-    """The target names LoRA may use on this model, in block order."""
-    return list(dict.fromkeys(t for _, _, t in adaptable_modules(model)))
+    """The target names LoRA may use on this model, in block order: modules, then expert stacks and routers."""
+    return list(dict.fromkeys([t for _, _, t in adaptable_modules(model)]
+                              + [t for _, _, t in adaptable_parameters(model)]))
+
+
+def is_router(target: str) -> bool:
+    """A router target (gate, router), as opposed to an expert stack (experts.gate_up_proj)."""
+    return "." not in target
 
 
 def final_norm(model: nn.Module) -> nn.Module:

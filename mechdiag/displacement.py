@@ -26,6 +26,7 @@ from mechdiag.errors import UserError
 from mechdiag.metrics import DELTA_W, update_mass, update_mass_size_normalised, wdisp
 from mechdiag.parts import output_axis, output_parts
 from mechdiag.weights import (
+    ConcatRef,
     Entry,
     LoraFactor,
     SafeFiles,
@@ -36,6 +37,7 @@ from mechdiag.weights import (
     is_tied,
     lm_head_names,
     open_side,
+    regroup,
     tensor_site,
     tied_embedding,
 )
@@ -174,6 +176,8 @@ def fused_stats(files: SafeFiles, ref_a, ref_b=None) -> tuple[float, float, int,
     """(sum a^2, sum (b-a)^2, entries changed, entries with |b-a| below one bf16 ULP of a) in one pass over the
     file pages (mechdiag/_diffkernel.c), or None when the kernel is off or takes neither dtype. ref_b None: a only."""
     if not kernel_enabled() or not isinstance(files, SafeFiles):  # a part's view: rows gathered, not one span
+        return None
+    if isinstance(ref_a, ConcatRef) or isinstance(ref_b, ConcatRef):  # several tensors' rows, not one span
         return None
     buf_a, off_a, dt_a, n = files.span(ref_a)
     buf_b, off_b, dt_b = (None, 0, "F32") if ref_b is None else files.span(ref_b)[:3]
@@ -454,6 +458,8 @@ def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, in
     files = files or SafeFiles()
     side_a = open_side(a, files, base=base, other=b)
     side_b = open_side(b, files, base=base, other=a)
+    for side, other in ((side_a, side_b), (side_b, side_a)):  # an adapter's experts, named as the model does
+        regroup(other.entries, side.regroup)
     names = pair_names(side_a, side_b)
     for n in names:  # every bad shape is reported before any work
         sa, sb = files.shape(side_a.entries[n].dense), files.shape(side_b.entries[n].dense)

@@ -124,24 +124,47 @@ class SafeFiles:
         return self.file(path).keys()
 
     def _info(self, ref: TensorRef) -> dict:
+        """The header entry of the tensor ref points at; for one expert of a stack, that expert's shape and bytes."""
         try:
-            return self.file(ref.path).header[ref.key]
+            info = self.file(ref.path).header[ref.key]
         except KeyError:
             raise UserError(f"{ref.path}: no tensor {ref.key}") from None
+        if ref.expert is None:
+            return info
+        shape, (b, e) = info["shape"], info["data_offsets"]
+        if len(shape) != 3 or not 0 <= ref.expert < shape[0]:
+            raise UserError(f"{ref.path}: tensor {ref.key} {shape} has no expert {ref.expert}")
+        per = (e - b) // shape[0]
+        return {"dtype": info["dtype"], "shape": shape[1:],
+                "data_offsets": [b + ref.expert * per, b + (ref.expert + 1) * per]}
 
-    def shape(self, ref: TensorRef) -> tuple[int, ...]:
+    def shape(self, ref: TensorRef | ConcatRef) -> tuple[int, ...]:
+        if isinstance(ref, ConcatRef):
+            shapes = [self.shape(p) for p in ref.parts]
+            return (sum(s[0] for s in shapes), *shapes[0][1:])
         return tuple(self._info(ref)["shape"])
 
-    def dtype(self, ref: TensorRef) -> str:
-        return self._info(ref)["dtype"]
+    def dtype(self, ref: TensorRef | ConcatRef) -> str:
+        return self._info(ref.parts[0] if isinstance(ref, ConcatRef) else ref)["dtype"]
 
     def span(self, ref: TensorRef) -> tuple[object, int, str, int]:
         """(buffer, byte offset, dtype, element count) of the whole tensor in its file's memory map."""
         info, f = self._info(ref), self.file(ref.path)
         return f.mm, f.data_start + info["data_offsets"][0], info["dtype"], math.prod(info["shape"])
 
-    def read(self, ref: TensorRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
-        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages."""
+    def read(self, ref: TensorRef | ConcatRef, start: int | None = None, stop: int | None = None) -> torch.Tensor:
+        """Rows start:stop (all when None) of the tensor, as a read-only view of the file's pages (a copy of the
+        rows of a ConcatRef's parts)."""
+        if isinstance(ref, ConcatRef):
+            start, stop = start or 0, self.shape(ref)[0] if stop is None else stop
+            pieces, row = [], 0
+            for p in ref.parts:
+                n = self.shape(p)[0]
+                lo, hi = max(start - row, 0), min(stop - row, n)
+                if lo < hi or not pieces:
+                    pieces.append(self.read(p, lo, max(lo, hi)))
+                row += n
+            return torch.cat(pieces)
         info = self._info(ref)
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
@@ -191,9 +214,18 @@ def _read_header(path: str) -> tuple[dict, int]:
 
 @dataclass(frozen=True)
 class TensorRef:
-    """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base)."""
+    """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base).
+    expert: one expert [e] of a 3-D expert stack (contiguous in the file), read as a tensor of its own."""
     path: str
     key: str
+    expert: int | None = None
+
+
+@dataclass(frozen=True)
+class ConcatRef:
+    """Tensors stacked along their rows, read as one: an expert's saved gate_proj and up_proj as the
+    gate_up_proj [2I, H] that a LoRA on the expert stack adapts (equal refs, equal bytes, as for TensorRef)."""
+    parts: tuple[TensorRef, ...]
 
 
 @dataclass
@@ -217,6 +249,8 @@ class Side:
     entries: dict[str, Entry]
     config: dict
     is_adapter: bool = False
+    # an adapter's parameter LoRA names its experts as the model does: new name -> [(saved name, expert or None)]
+    regroup: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict)
 
 
 # --- opening sources --------------------------------------------------------------------------------------------
@@ -386,7 +420,11 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             continue
         factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
+    plan: dict[str, list[tuple[str, int | None]]] = {}  # expert tensors renamed as the model names them
     for mod, f in factors.items():
+        if _targets_parameter(mod, cfg.get("target_parameters")):
+            _parameter_lora(folder, cfg, mod, f, entries, files, plan)
+            continue
         target = redirect.get(mod + ".weight", mod + ".weight")
         if target not in entries:
             raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
@@ -414,7 +452,123 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
-    return Side(str(folder), entries, config, is_adapter=True)
+    return Side(str(folder), entries, config, is_adapter=True, regroup=plan)
+
+
+# A stacked expert parameter and the per-expert tensors transformers saves it as, in the stack's output order
+# (transformers' conversion_mapping: qwen2_moe's family gate_proj + up_proj, Mixtral's w1 + w3, concatenated).
+_STACK_SOURCES = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
+
+
+def _targets_parameter(mod: str, targets) -> bool:
+    """Whether adapter module `mod` is peft's ParamWrapper: its path (one .base_layer per parameter nested on the
+    same module) is a target_parameters entry's module (peft's rule: the key or its end)."""
+    unwrapped = mod.replace(".base_layer", "")
+    for t in targets or ():
+        owner = t.rpartition(".")[0]
+        if not owner or unwrapped == owner or unwrapped.endswith("." + owner):
+            return True
+    return False
+
+
+def regroup(entries: dict[str, Entry], plan: dict[str, list[tuple[str, int | None]]]) -> None:
+    """Rename saved tensors as the model's parameters: each new name is the saved tensors listed (one expert of a
+    3-D stack when the expert is set), stacked by rows (ConcatRef), their LoRA terms kept; the saved names go.
+    A side without all of a group's tensors keeps them as they are."""
+    gone = set()
+    for new, olds in plan.items():
+        if not all(o in entries for o, _ in olds) or olds == [(new, None)]:
+            continue
+        refs = [entries[o].dense if e is None else TensorRef(entries[o].dense.path, entries[o].dense.key, e)
+                for o, e in olds]
+        lora = [t for o, e in olds for t in entries[o].lora]
+        if lora and len(olds) > 1:  # rows of several LoRA'd tensors are not one pair of factors
+            raise UserError(f"{olds[0][0]}: carries LoRA of its own and is also part of {new}")
+        gone.update(o for o, _ in olds)
+        entries[new] = Entry(refs[0] if len(refs) == 1 else ConcatRef(tuple(refs)), lora)
+    for o in gone - set(plan):
+        entries.pop(o, None)
+
+
+def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, files: SafeFiles,
+                    plan: dict[str, list[tuple[str, int | None]]]) -> None:
+    """LoRA on a parameter (peft's target_parameters: an expert stack [E, out, in], a router's weight), put on the
+    tensors the base files hold, as factors. peft's layout: lora_A (E*r, in) and lora_B (out, r*E) give expert e
+    A_e = A.reshape(E, r, in)[e], B_e = B.reshape(out, r, E)[:, :, e]; its update is s B_e A_e, the stack stored
+    [E, out, in] (transformers 5's experts; an [E, in, out] stack stores the transpose). Each expert is one entry
+    named as the model names it (model.layers.0.mlp.experts.5.gate_up_proj.weight, as lora_rows records it): the
+    files' stack split per expert, or the expert's saved tensors (gate_proj and up_proj, Mixtral's block_sparse_moe
+    w1 and w3) stacked by rows (`plan`, applied to the other side too)."""
+    if "lora_A.weight" not in f or "lora_B.weight" not in f:
+        raise UserError(f"{folder}: adapter parameter {mod} has only one of its two LoRA factors")
+    A, B = f["lora_A.weight"], f["lora_B.weight"]
+    owner = mod.replace(".base_layer", "")
+    out_f, in_f = B.shape[0], A.shape[1]
+    m = _LAYER_RE.search(owner)
+    layer_prefix = owner[:m.end()] if m else ""
+    last = owner.rsplit(".", 1)[-1]
+    names = [t.rpartition(".")[2] for t in cfg.get("target_parameters") or ()
+             if _targets_parameter(mod, [t])]
+    fits = []  # (parameter, layout, tensor names) whose shape takes this pair of factors
+    for param in dict.fromkeys(names):
+        key = f"{owner}.{param}"
+        if key not in entries:  # a renamed owner in the files (Mixtral: mlp.gate -> block_sparse_moe.gate)
+            near = [k for k in entries if k.startswith(layer_prefix) and k.endswith(f".{last}.{param}")]
+            key = near[0] if len(near) == 1 else key
+        if key in entries:
+            shape = files.shape(entries[key].dense)
+            if len(shape) == 2 and tuple(shape) == (out_f, in_f):
+                fits.append((param, "matrix", [key]))
+            elif len(shape) == 3 and tuple(shape[1:]) in ((out_f, in_f), (in_f, out_f)):
+                fits.append((param, "stack" if tuple(shape[1:]) == (out_f, in_f) else "stack_t", [key]))
+            continue
+        for sources in _STACK_SOURCES.get(param, ()):
+            found = sorted(k for k in entries if k.startswith(layer_prefix)
+                           and re.search(rf"\.{re.escape(last)}\.0\.{sources[0]}\.weight$", k))
+            if len(found) != 1:
+                continue
+            saved = found[0][:-len(f"0.{sources[0]}.weight")]
+            E = 0
+            while f"{saved}{E}.{sources[0]}.weight" in entries:
+                E += 1
+            keys = [[f"{saved}{e}.{src}.weight" for src in sources] for e in range(E)]
+            if all(k in entries for ks in keys for k in ks):
+                rows = [files.shape(entries[k].dense) for k in keys[0]]
+                if sum(r[0] for r in rows) == out_f and all(r[1] == in_f for r in rows):
+                    fits.append((param, "experts", [k for ks in keys for k in ks]))
+    if len(fits) != 1:
+        what = "no tensor of" if not fits else f"{len(fits)} parameters ({', '.join(p for p, _, _ in fits)}) of"
+        raise UserError(f"{folder}: adapter parameter LoRA at {mod} ({out_f}x{in_f} per expert) fits {what} the "
+                        f"base (target_parameters {cfg.get('target_parameters')})")
+    param, layout, keys = fits[0]
+    r = _pattern_value(cfg.get("rank_pattern"), f"{owner}.{param}", cfg.get("r", 8))
+    alpha = _pattern_value(cfg.get("alpha_pattern"), f"{owner}.{param}", cfg.get("lora_alpha", 8))
+    E = A.shape[0] // r if r else 0
+    if not E or A.shape[0] != E * r or B.shape[1] != r * E:
+        raise UserError(f"{folder}: adapter parameter {mod}: lora_A {tuple(A.shape)} and lora_B {tuple(B.shape)} "
+                        f"do not hold rank {r} per expert")
+    scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
+    A3, B3 = A.reshape(E, r, in_f), B.reshape(out_f, r, E)
+    if layout == "matrix":  # a router's weight (E = 1): named as the model names it (mlp.gate.weight)
+        group = {f"{owner}.{param}": [(keys[0], None)]}
+    elif layout == "experts":  # per expert and source (gate_proj, up_proj): stacked by rows, as the stack holds them
+        per = len(keys) // E
+        if per * E != len(keys):
+            raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, the base {len(keys)} tensors")
+        group = {f"{owner}.{e}.{param}.weight": [(k, None) for k in keys[e * per:(e + 1) * per]] for e in range(E)}
+    else:
+        if files.shape(entries[keys[0]].dense)[0] != E:
+            raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, {keys[0]} has "
+                            f"{files.shape(entries[keys[0]].dense)[0]}")
+        group = {f"{owner}.{e}.{param}.weight": [(keys[0], e)] for e in range(E)}
+    plan.update(group)
+    regroup(entries, group)
+    for e, new in enumerate(group):
+        Be, Ae = B3[:, :, e].contiguous(), A3[e]
+        if layout == "matrix":
+            Be, Ae = B, A
+        entries[new].lora.append(LoraFactor(scale, Be, Ae) if layout != "stack_t"
+                                 else LoraFactor(scale, Ae.T.contiguous(), Be.T.contiguous()))
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,

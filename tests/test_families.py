@@ -25,8 +25,9 @@ EXPECTED_TARGETS = {
     "gpt2": ["c_attn", "attn.c_proj", "c_fc", "mlp.c_proj"],
     "neox": ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"],
     "nemotron": ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"],
-    # transformers 5 stores the experts as fused 3-D parameters and the router as a parameter, not Linear
-    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    # transformers 5 stores the experts as fused 3-D parameters (adapted through peft's target_parameters) and
+    # the router as a parameter, not Linear (not in all-linear)
+    "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "experts.gate_up_proj", "experts.down_proj"],
 }
 STUDY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -59,8 +60,11 @@ def test_family_lora_merge_lens_and_displacement(family):
 
     # displacement from the factors vs a dense float64 (W + s B A) - W
     rows = {r["name"]: r for r in lora_rows(peft_model) if not r.get("part_of")}  # parts: tests/test_parts.py
-    assert len(rows) == len(mods)
+    experts = getattr(peft_model.config, "num_experts", 1)  # an expert stack: one row per expert
+    assert len(rows) == sum(experts if m["module"].startswith("experts.") else 1 for m in mods)
     for name, mod in peft_model.named_modules():
+        if hasattr(mod, "parameter_name"):  # expert stacks: tests/test_moe.py, tests/test_moe_lora.py
+            continue
         if hasattr(mod, "lora_A") and hasattr(mod, "get_base_layer") and "default" in mod.lora_A:
             w = mod.get_base_layer().weight.double()
             d = mod.scaling["default"] * (mod.lora_B["default"].weight.double() @ mod.lora_A["default"].weight.double())

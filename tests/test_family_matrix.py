@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 from peft import PeftModel
-from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
@@ -22,7 +21,7 @@ from mechdiag import config as C
 from mechdiag.cli import main
 from mechdiag.report.figures import _module_mass
 from mechdiag.run import RunDir, load_run
-from tests.tiny_models import MATRIX, family_folder
+from tests.tiny_models import MATRIX, adapter_deltas, family_folder
 
 torch.set_num_threads(1)
 F64 = torch.float64
@@ -56,19 +55,14 @@ def fam(request, tmp_path_factory):
     return request.param, folder, runs, tmp
 
 
-def _dense_deltas(run) -> dict[str, torch.Tensor]:
-    """tensor name -> s * B @ A in float64, out x in, straight from the saved adapter file."""
-    cfg = json.loads((run / "final" / "adapter_config.json").read_text())
-    sd = load_file(run / "final" / "adapter_model.safetensors")
-    out = {}
-    for key, A in sd.items():
-        if ".lora_A." not in key:
-            continue
-        B = sd[key.replace(".lora_A.", ".lora_B.")]
-        mod = key.split(".lora_A.")[0].removeprefix("base_model.model.")
-        out[mod + ".weight"] = cfg["lora_alpha"] / cfg["r"] * (B.double() @ A.double())
-    assert out
-    return out
+def _dense_deltas(run, folder) -> dict[str, torch.Tensor]:
+    """tensor name (as the model names it: expert stacks per expert) -> s * B @ A in float64, straight from the
+    saved adapter file."""
+    return {k: d for k, (d, _) in _deltas(run, folder).items()}
+
+
+def _deltas(run, folder):
+    return adapter_deltas(run / "final", AutoModelForCausalLM.from_pretrained(folder))
 
 
 def test_train_native_and_trl_record_exact_displacement(fam):
@@ -79,7 +73,7 @@ def test_train_native_and_trl_record_exact_displacement(fam):
         recs = rd.read("displacement")
         last = max(r["step"] for r in recs)
         rows = {r["name"]: r for r in recs if r["step"] == last and not r.get("part_of")}
-        deltas = _dense_deltas(run)
+        deltas = _dense_deltas(run, folder)
         assert set(rows) == set(deltas), backend
         for name, d in deltas.items():
             assert rows[name]["delta_fro"] == pytest.approx(float(d.norm()), rel=1e-6, abs=1e-12), (backend, name)
@@ -99,14 +93,14 @@ def _rows(*args):
 def test_displacement_by_tensor_module_layer_and_spectral(fam):
     family, folder, runs, _ = fam
     run = runs["native"]
-    deltas = _dense_deltas(run)
-    base = {k: v.double() for k, v in load_file(folder / "model.safetensors").items()}
+    both = _deltas(run, folder)
+    deltas = {k: d for k, (d, _) in both.items()}
     rows = {r["name"]: r for r in _rows(folder, run, "--spectral")}
-    for name, d in deltas.items():
-        d = d if d.shape == base[name].shape else d.T  # GPT-2's Conv1D stores in x out
+    for name, (d, w) in both.items():
+        d = d if d.shape == w.shape else d.T  # GPT-2's Conv1D stores in x out
         r = rows[name]
         assert r["delta_fro"] == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12)
-        assert r["ref_fro"] == pytest.approx(float(base[name].norm()), rel=1e-9)
+        assert r["ref_fro"] == pytest.approx(float(w.norm()), rel=1e-9)
         if float(d.norm()) > 0:
             assert r["sigma_1"] == pytest.approx(float(torch.linalg.svdvals(d)[0]), rel=1e-6)
     moved = {n for n, r in rows.items() if r["delta_fro"] > 0 and not r.get("part_of")}

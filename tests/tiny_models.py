@@ -88,3 +88,43 @@ def family_folder(family: str, folder: Path, seed: int = 0) -> Path:
         if f.name.startswith(("tokenizer", "special_tokens")):
             shutil.copy(f, folder / f.name)
     return folder
+
+
+def adapter_deltas(final, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """name -> (s * B @ A, the base weight), float64, multiplied out from a saved peft adapter folder in peft's
+    layout, independently of mechdiag: a module's delta out x in (Conv1D's in x out left to the caller); an expert
+    stack's (peft's target_parameters: lora_A [E*r, in], lora_B [out, r*E]) per expert e as
+    einsum("o r e, e r i -> e o i", B, A)[e] under the model's name owner.e.param.weight; a router's (2-D) owner.weight.
+    model: the base in memory (the stacks' names and shapes)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    cfg = json.loads((Path(final) / "adapter_config.json").read_text())
+    sd = load_file(Path(final) / "adapter_model.safetensors")
+    out = {}
+    for key, A in sd.items():
+        if ".lora_A." not in key:
+            continue
+        B = sd[key.replace(".lora_A.", ".lora_B.")].double()
+        A, s = A.double(), cfg["lora_alpha"] / cfg["r"]
+        path = key.split(".lora_A.")[0].removeprefix("base_model.model.")
+        owner = path.replace(".base_layer", "")
+        mod = model.get_submodule(owner)
+        params = [t.rpartition(".")[2] for t in cfg.get("target_parameters") or ()
+                  if owner == t.rpartition(".")[0] or owner.endswith("." + t.rpartition(".")[0])]
+        fit = [p for p in params if getattr(mod, p).shape[-2:] == (B.shape[0], A.shape[1])]
+        if not fit:  # a module LoRA
+            out[path + ".weight"] = (s * (B @ A), mod.weight.detach().double())
+            continue
+        assert len(fit) == 1, (key, fit)
+        w = getattr(mod, fit[0]).detach().double()
+        if w.ndim == 2:
+            out[f"{owner}.{fit[0]}"] = (s * (B @ A), w)
+            continue
+        E = w.shape[0]
+        delta = s * torch.einsum("o r e, e r i -> e o i", B.reshape(B.shape[0], -1, E), A.reshape(E, -1, A.shape[1]))
+        for e in range(E):
+            out[f"{owner}.{e}.{fit[0]}.weight"] = (delta[e], w[e])
+    assert out
+    return out

@@ -40,7 +40,13 @@ from mechdiag.integrations.provenance import (
     infer_reward_weights,
     observed_max_reward,
 )
-from mechdiag.integrations.trl_args import GRPO_FIELDS, LORA_FIELDS, config_and_fields, find_training_args
+from mechdiag.integrations.trl_args import (
+    GRPO_FIELDS,
+    LORA_FIELDS,
+    config_and_fields,
+    find_training_args,
+    lora_targets,
+)
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import Run, RunDir, callback_run, flatten_config, held, is_run_dir, load_run
@@ -309,8 +315,9 @@ def _config_from_output_dir(output_dir: Path, prov: Provenance):
             a = adapter_config(folder)
             lora = {"r": a.get("r", 8), "alpha": a.get("lora_alpha", 8), "dropout": a.get("lora_dropout", 0.0),
                     "use_rslora": bool(a.get("use_rslora", False))}
-            if isinstance(a.get("target_modules"), list) and a["target_modules"]:
-                lora["target_modules"] = sorted(a["target_modules"])
+            targets = lora_targets(a.get("target_modules"), a.get("target_parameters"))
+            if targets:
+                lora["target_modules"] = targets
             layers = a.get("layers_to_transform")
             if isinstance(layers, int):
                 layers = [layers]

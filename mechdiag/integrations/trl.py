@@ -46,7 +46,7 @@ from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks import resolve_rewards
-from mechdiag.train.lora import resolve
+from mechdiag.train.lora import peft_config
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -260,12 +260,8 @@ def parse_trl_args(items) -> dict:
 
 
 def peft_lora_config(model, lora):
-    """peft LoraConfig for our lora section on this model (layers resolved, modules checked), as apply_lora."""
-    from peft import LoraConfig as PeftLoraConfig  # noqa: PLC0415 - peft is loaded only for LoRA runs
-
-    modules, layers = resolve(model, lora)
-    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
-                          target_modules=modules, layers_to_transform=layers, bias="none", task_type="CAUSAL_LM")
+    """peft LoraConfig for our lora section on this model (layers resolved, modules checked): apply_lora's."""
+    return peft_config(model, lora)
 
 
 # ---- the callback --------------------------------------------------------------------------------------------

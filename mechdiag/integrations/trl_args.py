@@ -19,6 +19,7 @@ from pathlib import Path
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
+from mechdiag.weights import tensor_site
 
 TRAINING_ARGS = "training_args.bin"
 
@@ -152,8 +153,9 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
     lc = pc.get("default") if isinstance(pc, dict) else None
     if lc is not None and getattr(lc, "r", None):
         lora = {"r": lc.r, "alpha": lc.lora_alpha, "dropout": lc.lora_dropout, "use_rslora": lc.use_rslora}
-        if isinstance(lc.target_modules, (set, list)) and lc.target_modules:
-            lora["target_modules"] = sorted(lc.target_modules)
+        targets = lora_targets(lc.target_modules, getattr(lc, "target_parameters", None))
+        if targets:
+            lora["target_modules"] = targets
         if lc.layers_to_transform is not None:
             lora["layers"] = [lc.layers_to_transform] if isinstance(lc.layers_to_transform, int) \
                 else list(lc.layers_to_transform)
@@ -196,6 +198,14 @@ def config_and_fields(output_dir: Path, lora: dict | None, model: str | None):
     if model:
         data["model"] = {**data["model"], "name_or_path": model}
     return C.from_dict(data), fields, held
+
+
+def lora_targets(target_modules, target_parameters) -> list[str]:
+    """Our lora.target_modules from peft's two lists: modules as given, each target parameter by the name
+    mechdiag gives it (model.layers.0.mlp.experts.gate_up_proj -> experts.gate_up_proj, mlp.gate.weight -> gate)."""
+    modules = sorted(target_modules) if isinstance(target_modules, (set, list)) else []
+    params = [tensor_site(t)[1] for t in target_parameters or ()]
+    return modules + sorted(set(params) - set(modules))
 
 
 # mechdiag key -> GRPOConfig field (the inverse of config_from_grpo), and lora.* -> peft LoraConfig field

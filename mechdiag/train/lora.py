@@ -19,9 +19,12 @@ def n_layers(model) -> int:
 
 def default_targets(model) -> list[str]:
     """The study's module set where the family has all of it, else peft's "all-linear": every Linear / Conv1D
-    in the blocks (GPT-2 c_attn..., Phi-3 qkv_proj / gate_up_proj, NeoX query_key_value, Nemotron without gate)."""
-    known = blocks.target_names(model)
-    return list(ALL_MODULES) if set(ALL_MODULES) <= set(known) else known
+    in the blocks (GPT-2 c_attn..., Phi-3 qkv_proj / gate_up_proj, NeoX query_key_value, Nemotron without gate);
+    plus a mixture-of-experts' expert stacks (experts.gate_up_proj, experts.down_proj: the MLP Linears before
+    transformers 5 stacked them), not its router (all-linear leaves a TopKRouter out; name `gate` to adapt it)."""
+    linear = list(dict.fromkeys(t for _, _, t in blocks.adaptable_modules(model)))
+    stacks = list(dict.fromkeys(t for _, _, t in blocks.adaptable_parameters(model) if not blocks.is_router(t)))
+    return (list(ALL_MODULES) if set(ALL_MODULES) <= set(linear) else linear) + stacks
 
 
 def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
@@ -35,16 +38,41 @@ def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
     return wanted, parse_layers(lora.layers, n_layers(model))
 
 
+def peft_config(model, lora: LoraConfig) -> PeftLoraConfig:
+    """peft's LoraConfig for our lora section on this model (both backends): Linear / Conv1D targets as
+    target_modules on the chosen layers, expert stacks and routers as target_parameters, named in full for the
+    chosen layers (peft's layers_to_transform does not apply to parameters)."""
+    names, layers = resolve(model, lora)
+    chosen = set(layers)
+    params = [(q, t) for q, layer, t in blocks.adaptable_parameters(model) if t in names and layer in chosen]
+    modules = [n for n in names if n not in {t for _, t in params}]
+    if params and lora.dropout:  # peft's ParamWrapper cannot drop out its input (x is not factored out of B A x)
+        raise UserError(f"lora.dropout={lora.dropout}: LoRA on {params[0][1]} (an expert stack / router, peft's "
+                        "target_parameters) needs lora.dropout=0")
+    path, _ = blocks.find_blocks(model)
+    return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                          target_modules=modules, target_parameters=[q for q, _ in params] or None,
+                          layers_to_transform=layers, layers_pattern=path.rsplit(".", 1)[-1], bias="none",
+                          task_type="CAUSAL_LM",
+                          fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
+
+
 def apply_lora(model, lora: LoraConfig):
     """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
+    return get_peft_model(model, peft_config(model, lora))
 
-    modules, layers = resolve(model, lora)
-    path, _ = blocks.find_blocks(model)
-    pcfg = PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
-                          target_modules=modules, layers_to_transform=layers, layers_pattern=path.rsplit(".", 1)[-1],
-                          bias="none", task_type="CAUSAL_LM",
-                          fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
-    return get_peft_model(model, pcfg)
+
+def _is_param_lora(mod) -> bool:
+    """peft's ParamWrapper (target_parameters): LoRA on one parameter of its base module (an expert stack)."""
+    return hasattr(mod, "get_param") and hasattr(mod, "parameter_name")
+
+
+def site_name(name: str, mod) -> str:
+    """The name lora_modules gives the LoRA layer `mod` at `name` in the peft model: the module's path, or for
+    a parameter's LoRA the parameter's (model.layers.0.mlp.experts.gate_up_proj: peft nests one wrapper per
+    parameter on the same module, .base_layer each)."""
+    short = name.removeprefix("base_model.model.")
+    return short.replace(".base_layer", "") + "." + mod.parameter_name if _is_param_lora(mod) else short
 
 
 def lora_modules(model) -> list[dict]:
@@ -52,7 +80,12 @@ def lora_modules(model) -> list[dict]:
 
     rows = []
     for name, mod in model.named_modules():
-        if isinstance(mod, LoraLayer) and hasattr(mod, "base_layer"):
+        if isinstance(mod, LoraLayer) and _is_param_lora(mod):  # one wrapper per parameter, nested on one module
+            short = site_name(name, mod)
+            params = sum(p.numel() for m in (mod.lora_A, mod.lora_B) for p in m.parameters())
+            rows.append({"name": short, "layer": blocks.layer_index(short), "module": tensor_site(short)[1],
+                         "in": int(mod.in_features), "out": int(mod.out_features), "params": params})
+        elif isinstance(mod, LoraLayer) and hasattr(mod, "base_layer"):
             short = name.removeprefix("base_model.model.")
             base = mod.get_base_layer()
             params = sum(p.numel() for n, p in mod.named_parameters() if "lora_" in n)
@@ -79,6 +112,12 @@ def merge_into(peft_model, plain):
     targets = dict(plain.named_modules())
     for name, mod in peft_model.named_modules():
         if not (isinstance(mod, LoraLayer) and hasattr(mod, "base_layer")):
+            continue
+        if _is_param_lora(mod):  # an expert stack / router: peft's own delta, [E, out, in] as the stack stores it
+            dst = getattr(targets[name.removeprefix("base_model.model.").replace(".base_layer", "")],
+                          mod.parameter_name)
+            w = mod.get_param()
+            dst.copy_(w + sum(mod.get_delta_weight(a) for a in mod.active_adapters).to(w.dtype))
             continue
         dst = targets[name.removeprefix("base_model.model.")]
         w = mod.get_base_layer().weight
