@@ -19,7 +19,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from mechdiag import config as C
 from mechdiag import models, tasks
-from mechdiag.integrations.trl import MechdiagCallback, task_reward_funcs
+from mechdiag.integrations.trl import MechdiagCallback, save_adapter, task_reward_funcs
 from tests import engines
 
 STEPS = 2
@@ -53,7 +53,7 @@ def main(engine: str, out: str, steps: int = STEPS, bench: bool = False) -> None
     trainer = GRPOTrainer(model=model, reward_funcs=funcs, args=args, train_dataset=data, processing_class=tok,
                           peft_config=lora, callbacks=[cb])
     result = trainer.train()
-    engines.save_adapter(trainer, Path(out) / "final")
+    save_adapter(trainer, Path(out) / "final")  # a collective under FSDP and ZeRO-3: every rank
     engines.record_rank(Path(out), trainer.accelerator, train_runtime=result.metrics["train_runtime"],
                         recorder_s=cb.recorder_s, recorder_once_s=cb.recorder_once_s)
     trainer.accelerator.wait_for_everyone()

@@ -85,30 +85,33 @@ def allow_cpu_engine(engine: str) -> None:
             torch.distributed.barrier()
 
     S.AcceleratorState.__init__ = fsdp_on_cpu
+    if engine in ("fsdp1", "fsdp1_flat"):
+        _host_copy_on_cpu()
 
 
-def save_adapter(trainer, folder: Path) -> None:
-    """The trained adapter, as trainer.save_model writes it; under FSDP1 on CPU that segfaults in torch's full
-    state dict (cloning the gathered tensors), so the adapter is written in peft's layout from the summoned
-    parameters."""
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP  # noqa: PLC0415 - inside the launched process
+def _host_copy_on_cpu() -> None:
+    """FSDP1's offload_to_cpu (accelerate's FULL_STATE_DICT: get_state_dict, save_fsdp_model) moves the gathered
+    flat parameter to the host, then frees the device copy. On a GPU `.to("cpu")` is a copy; on CPU it is the same
+    storage, which FSDP then frees under it (torch 2.13: a segfault cloning the use_orig_params views, a
+    "storage of size 0" error for flat parameters). Make the copy a GPU makes, inside that one context."""
+    import contextlib  # noqa: PLC0415 - the shim is applied inside the launched process only
+    import functools  # noqa: PLC0415 - as above
 
-    if not isinstance(trainer.model_wrapped, FSDP):
-        trainer.save_model(str(folder))
-        return
-    from mechdiag.distributed import clean_name  # noqa: PLC0415 - as above
+    from torch.distributed.fsdp._flat_param import FlatParamHandle  # noqa: PLC0415 - as above
 
-    root = trainer.model_wrapped
-    with FSDP.summon_full_params(root, recurse=True, writeback=False):  # a collective: every rank
-        state = {clean_name(n): p.detach().clone() for n, p in root.named_parameters() if "lora_" in n}
-    assert state and all(t.dim() == 2 for t in state.values()), sorted(state)[:3]  # whole factors, not shards
-    if trainer.accelerator.is_main_process:  # peft's own layout (its save_pretrained finds no keys under FSDP1)
-        from safetensors.torch import save_file  # noqa: PLC0415 - as above
+    to_cpu = FlatParamHandle.to_cpu
 
-        folder.mkdir(parents=True, exist_ok=True)
-        trainer.accelerator.unwrap_model(root).peft_config["default"].save_pretrained(str(folder))
-        save_file({k.replace(".default.", "."): v.contiguous() for k, v in state.items()},
-                  str(folder / "adapter_model.safetensors"))
+    @contextlib.contextmanager
+    def to_cpu_copying(self):
+        self.flat_param_to = functools.partial(FlatParamHandle.flat_param_to, self, copy=True)
+        try:
+            with to_cpu(self):
+                del self.flat_param_to
+                yield
+        finally:
+            self.__dict__.pop("flat_param_to", None)
+
+    FlatParamHandle.to_cpu = to_cpu_copying
 
 
 def record_rank(out: Path, accelerator, **extra) -> None:

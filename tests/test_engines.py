@@ -79,7 +79,7 @@ def test_callback_in_a_users_script(engine, tmp_path, cli):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", [e for e in ENGINES if e not in ("ddp", "fsdp1", "fsdp1_flat")])
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "ddp"])  # DDP: tests/test_ddp.py
 def test_mechdiag_train_backend_trl(engine, tmp_path, cli):
     out = tmp_path / "run"
     proc = _torchrun("-m", "tests.engines", engine, "train", "--backend", "trl", "--out", str(out),

@@ -8,6 +8,7 @@
     task_reward_funcs    a mechdiag task's reward components as TRL reward functions (one per component)
     grpo_args / peft_lora_config / config_from_grpo   our design lambda <-> GRPOConfig and peft's LoraConfig
     train_trl            `mechdiag train --backend trl`: the same config run through GRPOTrainer
+    save_adapter         trainer.save_model, with the adapter whole under FSDP1 (peft writes it empty there)
     read_trl_run         re-exported from mechdiag.integrations.readers
 """
 
@@ -26,7 +27,7 @@ from mechdiag import config as C
 from mechdiag import recorder as R
 from mechdiag import trackers as T
 from mechdiag.console import Progress
-from mechdiag.distributed import Engine
+from mechdiag.distributed import Engine, clean_name
 from mechdiag.errors import UserError, first_line
 from mechdiag.integrations.readers import (
     _contiguous_keys,
@@ -54,7 +55,7 @@ except ImportError:  # pragma: no cover - transformers is a dependency
     TrainerCallback = object
 
 __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "peft_lora_config", "config_from_grpo",
-           "train_trl", "read_trl_run", "read_verl_run"]
+           "train_trl", "save_adapter", "read_trl_run", "read_verl_run"]
 
 
 # ---- per-group reward CV through a reward-function wrapper -------------------------------------------------
@@ -583,7 +584,43 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     trainer.remove_callback(ProgressCallback)  # a tqdm bar that also writes each log dict
     trainer.add_callback(ProgressLines(args.max_steps))
     cb.attach(trainer)
+    # checkpoints (Trainer._save_checkpoint) and the final adapter: the adapter written whole under FSDP1 too
+    trainer.save_model = lambda output_dir=None, _internal_call=False: save_adapter(
+        trainer, output_dir or args.output_dir)
     return trainer, run, cb
+
+
+def save_adapter(trainer, folder) -> None:
+    """trainer.save_model(folder), except under FSDP1: there peft (0.21) finds no LoRA keys in the full state dict
+    (it matches its layers' module paths, which hold FSDP's _fsdp_wrapped_module segments) and writes an empty
+    adapter. So every rank gathers the LoRA factors, one wrapped unit at a time (a collective), and rank 0 writes
+    them in peft's layout with the adapter config. A collective under FSDP and ZeRO-3: call it on every rank."""
+    import torch  # noqa: PLC0415 - the TRL callback imports without torch until a run starts
+
+    engine = Engine.of(trainer.model_wrapped)
+    if engine.name != "fsdp1":
+        type(trainer).save_model(trainer, str(folder))
+        return
+    from safetensors.torch import save_file  # noqa: PLC0415 - only when saving under FSDP1
+
+    state = {}
+    for name, mod in engine.lora_modules(None):
+        for n, p in mod.named_parameters():
+            if "lora_" in n:  # whole while yielded; copied to the host before the unit reshards
+                state[f"{name}.{clean_name(n)}"] = p.detach().to("cpu", copy=True)
+    if not state or any(t.dim() != 2 for t in state.values()):
+        raise RuntimeError(f"FSDP1: gathered LoRA factors are not whole matrices ({len(state)} tensors)")
+    if trainer.accelerator.is_main_process:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        peft_model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        adapter = peft_model.active_adapter
+        peft_model.peft_config[adapter].save_pretrained(str(folder))
+        save_file({k.replace(f".{adapter}.", "."): v.contiguous() for k, v in state.items()},
+                  str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        if trainer.processing_class is not None:
+            trainer.processing_class.save_pretrained(str(folder))
+    torch.distributed.barrier()  # the folder is complete before any rank goes on
 
 
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
