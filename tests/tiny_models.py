@@ -7,9 +7,10 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "neox")
-# the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Nemotron (no gate_proj), Mistral,
-# OLMo-2 and one mixture-of-experts model (Qwen3-MoE: fused 3-D experts, a Linear router)
-MATRIX = (*FAMILIES, "gemma2", "nemotron", "mistral", "olmo2", "qwen3_moe")
+# the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Gemma-3 (text: sliding and full layers,
+# q/k norms, query_pre_attn_scalar), Nemotron (no gate_proj), Mistral, OLMo-2 and one mixture-of-experts model
+# (Qwen3-MoE: fused 3-D experts, a Linear router)
+MATRIX = (*FAMILIES, "gemma2", "gemma3", "nemotron", "mistral", "olmo2", "qwen3_moe")
 MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtral names them w1/w2/w3
 N_LAYERS = 2
 
@@ -37,6 +38,10 @@ def family_config(family: str, vocab_size: int = 64, bos_token_id: int = 0, eos_
                             eos_token_id=eos_token_id)
     if family == "gemma2":
         return T.Gemma2Config(num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0, **common)
+    if family == "gemma3":  # a window shorter than the prompts, so the sliding layer really slides
+        return T.Gemma3TextConfig(num_key_value_heads=1, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+                                  **common)
     if family == "nemotron":
         return T.NemotronConfig(num_key_value_heads=1, **common)
     if family == "mistral":
