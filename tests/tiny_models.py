@@ -15,10 +15,11 @@ MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtra
 # issue 26's "families the tests do not name" (tests/test_unnamed_families.py): fused q/k/v layouts of their own
 # (Falcon's three, Bloom, Persimmon, GPT-BigCode multi-query and not, DBRX, MPT, CodeGen's shards), head transforms
 # (Granite's logits_scaling, Cohere's logit_scale), other block and module names (GPT-J, OPT, Phi-1/2, StableLM,
-# Starcoder2) and experts (DBRX, OLMoE, Mixtral, Qwen2-MoE)
+# Starcoder2, GPT-Neo and XGLM), experts (DBRX, OLMoE, Mixtral, Qwen2-MoE), RecurrentGemma (logits_soft_cap) and
+# Mamba (peft refuses its out_proj: exit 2)
 UNNAMED = ("falcon", "falcon_mq", "falcon_rw", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "gptj", "opt", "stablelm",
            "starcoder2", "granite", "cohere", "persimmon", "phi", "dbrx", "mpt", "codegen", "olmoe", "mixtral",
-           "qwen2_moe")
+           "qwen2_moe", "gpt_neo", "xglm", "recurrent_gemma", "mamba")
 N_LAYERS = 2
 
 
@@ -116,6 +117,16 @@ def _unnamed_config(family: str, common: dict):
         return T.MptConfig(d_model=16, n_heads=2, n_layers=N_LAYERS, expansion_ratio=2, max_seq_len=pos, **ids)
     if family == "codegen":  # qkv_proj in 4 model-parallel shards of [q, v, k]
         return T.CodeGenConfig(n_embd=16, n_layer=N_LAYERS, n_head=4, rotary_dim=4, n_positions=pos, **ids)
+    if family == "gpt_neo":  # intermediate_size None (4 x hidden); global and local attention layers
+        return T.GPTNeoConfig(hidden_size=16, num_layers=N_LAYERS, num_heads=2, window_size=4,
+                              attention_types=[[["global", "local"], 1]], max_position_embeddings=pos, **ids)
+    if family == "xglm":  # the final norm is model.layer_norm
+        return T.XGLMConfig(d_model=16, num_layers=N_LAYERS, attention_heads=2, ffn_dim=32,
+                            max_position_embeddings=pos, **ids)
+    if family == "recurrent_gemma":  # soft-capped logits under its own name (logits_soft_cap)
+        return T.RecurrentGemmaConfig(num_key_value_heads=1, lru_width=16, attention_window_size=4, **common)
+    if family == "mamba":
+        return T.MambaConfig(hidden_size=16, num_hidden_layers=N_LAYERS, state_size=4, **ids)
     raise ValueError(family)
 
 

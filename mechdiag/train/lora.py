@@ -9,7 +9,7 @@ from peft.tuners.lora import LoraLayer
 
 from mechdiag import blocks
 from mechdiag.config import ALL_MODULES, LoraConfig, parse_layers
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.weights import tensor_site
 
 
@@ -44,7 +44,13 @@ def apply_lora(model, lora: LoraConfig):
                           target_modules=modules, layers_to_transform=layers, layers_pattern=path.rsplit(".", 1)[-1],
                           bias="none", task_type="CAUSAL_LM",
                           fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
-    return get_peft_model(model, pcfg)
+    try:
+        return get_peft_model(model, pcfg)
+    except ValueError as e:  # peft refuses some targets on some families (out_proj, conv1d on Mamba)
+        if not str(e).startswith("[PEFT:"):
+            raise
+        raise UserError(f"lora.target_modules {modules}: peft cannot adapt them on this model: {first_line(e)} "
+                        "(set lora.target_modules to the modules it can)") from e
 
 
 def lora_modules(model) -> list[dict]:
