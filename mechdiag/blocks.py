@@ -113,18 +113,29 @@ def final_norm(model: nn.Module) -> nn.Module:
     """The norm the model applies after its last block (the logit lens reads head(norm(h)))."""
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model
     for owner in (decoder, getattr(model, "transformer", None), model):
-        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f"):
+        for name in ("norm", "ln_f", "final_layernorm", "final_layer_norm", "final_norm", "norm_f", "layer_norm"):
             m = getattr(owner, name, None) if owner is not None else None
             if isinstance(m, nn.Module):
                 return m
     raise UserError(f"cannot find the final norm of {type(model).__name__} (needed for the logit lens)")
 
 
+def logit_softcap(config) -> float | None:
+    """The cap of cap * tanh(z / cap) a family applies to its logits, under its own name (Gemma-2/3
+    final_logit_softcapping, RecurrentGemma logits_soft_cap); None without one."""
+    text = getattr(config, "text_config", None) or config
+    for key in ("final_logit_softcapping", "logits_soft_cap"):
+        cap = getattr(text, key, None)
+        if isinstance(cap, (int, float)) and cap:
+            return float(cap)
+    return None
+
+
 def head_transform(config, logits):
-    """The model's own transform after its head: Gemma-2/3 soft-capping, Cohere's logit_scale, Granite's
+    """The model's own transform after its head: soft-capping (logit_softcap), Cohere's logit_scale, Granite's
     logits_scaling (the lens must end where the model's logits do)."""
     text = getattr(config, "text_config", None) or config
-    cap = getattr(text, "final_logit_softcapping", None)
+    cap = logit_softcap(config)
     scale = getattr(text, "logit_scale", None)
     div = getattr(text, "logits_scaling", None)
     if isinstance(scale, (int, float)) and getattr(text, "model_type", "").startswith("cohere"):

@@ -18,6 +18,7 @@ from transformers import DynamicCache
 
 from mechdiag import vocab
 from mechdiag.distributed import inference_mode
+from mechdiag.errors import UserError
 from mechdiag.models import encode_prompts, eos_ids, pad_id
 
 
@@ -34,6 +35,20 @@ def cache_kw(model) -> str:
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return "cache" if "cache" in inspect.signature(base.forward).parameters else "past_key_values"
+
+
+def kv_cache(model) -> DynamicCache:
+    """An empty KV cache for `model`. Layers that carry a recurrent state instead of keys and values (Mamba,
+    RecurrentGemma, hybrids) are refused: our batches are padded (left for sampling, between prompt and completion
+    for shared prompts), and padding runs through a recurrence where attention would mask it."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    layers = DynamicCache(config=config).layers if config is not None else []
+    if any(type(layer).__name__ == "LinearAttentionLayer" for layer in layers):
+        raise UserError(f"{type(base).__name__}: layers with a recurrent state (state-space or linear attention) "
+                        "cannot be sampled by mechdiag (padded batches); train and eval need attention-only models "
+                        "(displacement and shift work on it)")
+    return DynamicCache()
 
 
 def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
@@ -69,7 +84,7 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     eos_t = torch.tensor(eos or [-1], device=device)
     attn = prompt_mask.clone()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache = kv_cache(model)
     kv = {cache_kw(model): cache}
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,
                 **kv)
@@ -198,7 +213,7 @@ def _completion_forward(model, prompt_ids, prompt_mask, completion_ids, completi
     first = rows.new_full((int(inverse.max()) + 1,), len(inverse)).scatter_reduce(0, inverse, rows, reduce="amin")
     u_mask = prompt_mask[first]
     pos = (u_mask.cumsum(-1) - 1).clamp(min=0)
-    cache = DynamicCache()
+    cache = kv_cache(net)
     kv = {cache_kw(net): cache}
     head = getattr(net(input_ids=prompt_ids[first], attention_mask=u_mask, position_ids=pos, use_cache=True,
                        **head_kw(1), **kv), field)[:, -1:, :]

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mechdiag import blocks
+
 CHUNK_BYTES = 64 * 2**20  # float32 logits per chunk: ~110 positions at 151,936 entries, a whole batch at 177
 CHUNK_LIVE = 3  # vocabulary-wide float32 tensors of one chunk alive at once at worst (logits, softmax, its grad)
 
@@ -70,9 +72,7 @@ def head_of(model) -> Head | None:
         return None
     if hasattr(out.weight, "ds_id"):  # a ZeRO-3 partition: whole only inside its module's forward (hooks gather it)
         return None
-    cap = getattr(c, "final_logit_softcapping", None) or getattr(getattr(c, "text_config", None),
-                                                                  "final_logit_softcapping", None)
-    return Head(out.weight, out.bias, float(cap) if cap else None)
+    return Head(out.weight, out.bias, blocks.logit_softcap(c))
 
 
 def chunk_positions(vocab: int, chunk_bytes: int | None = None) -> int:

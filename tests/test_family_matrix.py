@@ -124,9 +124,10 @@ def _kl_rows(p_logits, q_logits):
     return (p.exp() * (p - q)).sum(-1)
 
 
-def test_shift_lens_and_output_kl_are_the_models_own(fam):
-    family, folder, runs, tmp = fam
-    run = runs["native"]
+def check_shift(folder, run, tmp):
+    """`mechdiag shift`'s last layer equals the models' own logits: its logit-lens KL the mean over prompts of the
+    last position's KL(base || tuned), its output KL the mean over every position, from plain transformers + peft,
+    each prompt alone (no padding), ids from tokenizer.json itself."""
     probe = tmp / "prompts.txt"
     probe.write_text("\n".join(PROMPTS) + "\n")
     code, out, err = cli("shift", folder, run, "--prompts", probe, "--format", "json")
@@ -134,7 +135,6 @@ def test_shift_lens_and_output_kl_are_the_models_own(fam):
     rows = json.loads(out)
     last = max(rows, key=lambda r: r["layer"])
     assert last["layer"] == 1
-    # independent: plain transformers + peft, each prompt alone (no padding), ids from tokenizer.json itself
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     ref = AutoModelForCausalLM.from_pretrained(folder).eval()
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), run / "final").eval()
@@ -146,8 +146,14 @@ def test_shift_lens_and_output_kl_are_the_models_own(fam):
             kl = _kl_rows(a, b)
             lens.append(float(kl[-1]))
             pooled.extend(kl.tolist())
+    assert max(lens) > 0  # the adapter moved the logits: equal KLs are not two zeros
     assert last["logit_kl"] == pytest.approx(sum(lens) / len(lens), rel=1e-4, abs=1e-9)
     assert last["output_kl"] == pytest.approx(sum(pooled) / len(pooled), rel=1e-4, abs=1e-9)
+
+
+def test_shift_lens_and_output_kl_are_the_models_own(fam):
+    family, folder, runs, tmp = fam
+    check_shift(folder, runs["native"], tmp)
 
 
 def test_attribute_reference_rows_are_the_summary(fam):

@@ -7,10 +7,19 @@ from pathlib import Path
 import torch
 
 FAMILIES = ("llama", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "neox")
-# the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Nemotron (no gate_proj), Mistral,
-# OLMo-2 and one mixture-of-experts model (Qwen3-MoE: fused 3-D experts, a Linear router)
-MATRIX = (*FAMILIES, "gemma2", "nemotron", "mistral", "olmo2", "qwen3_moe")
+# the family matrix of issue 26: FAMILIES plus Gemma-2 (soft-capped logits), Gemma-3 (text: sliding and full layers,
+# q/k norms, query_pre_attn_scalar), Nemotron (no gate_proj), Mistral, OLMo-2 and one mixture-of-experts model
+# (Qwen3-MoE: fused 3-D experts, a Linear router)
+MATRIX = (*FAMILIES, "gemma2", "gemma3", "nemotron", "mistral", "olmo2", "qwen3_moe")
 MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtral names them w1/w2/w3
+# issue 26's "families the tests do not name" (tests/test_unnamed_families.py): fused q/k/v layouts of their own
+# (Falcon's three, Bloom, Persimmon, GPT-BigCode multi-query and not, DBRX, MPT, CodeGen's shards), head transforms
+# (Granite's logits_scaling, Cohere's logit_scale), other block and module names (GPT-J, OPT, Phi-1/2, StableLM,
+# Starcoder2, GPT-Neo and XGLM), experts (DBRX, OLMoE, Mixtral, Qwen2-MoE), RecurrentGemma (logits_soft_cap) and
+# Mamba (peft refuses its out_proj: exit 2)
+UNNAMED = ("falcon", "falcon_mq", "falcon_rw", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "gptj", "opt", "stablelm",
+           "starcoder2", "granite", "cohere", "persimmon", "phi", "dbrx", "mpt", "codegen", "olmoe", "mixtral",
+           "qwen2_moe", "gpt_neo", "xglm", "recurrent_gemma", "mamba")
 N_LAYERS = 2
 
 
@@ -37,6 +46,10 @@ def family_config(family: str, vocab_size: int = 64, bos_token_id: int = 0, eos_
                             eos_token_id=eos_token_id)
     if family == "gemma2":
         return T.Gemma2Config(num_key_value_heads=1, head_dim=8, final_logit_softcapping=2.0, **common)
+    if family == "gemma3":  # a window shorter than the prompts, so the sliding layer really slides
+        return T.Gemma3TextConfig(num_key_value_heads=1, head_dim=8, sliding_window=4, query_pre_attn_scalar=8,
+                                  layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=3.0,
+                                  **common)
     if family == "nemotron":
         return T.NemotronConfig(num_key_value_heads=1, **common)
     if family == "mistral":
@@ -55,6 +68,65 @@ def family_config(family: str, vocab_size: int = 64, bos_token_id: int = 0, eos_
                                 shared_expert_intermediate_size=8, **common)
     if family == "neox":
         return T.GPTNeoXConfig(**common)
+    return _unnamed_config(family, common)
+
+
+def _unnamed_config(family: str, common: dict):
+    import transformers as T
+
+    ids = {k: common[k] for k in ("vocab_size", "bos_token_id", "eos_token_id", "pad_token_id")}
+    pos = 128 if common["vocab_size"] > 64 else 32
+    if family == "falcon":  # Falcon-40B/180B: kv groups [q x heads/kv, k, v]
+        return T.FalconConfig(hidden_size=16, num_hidden_layers=N_LAYERS, num_attention_heads=4, num_kv_heads=2,
+                              new_decoder_architecture=True, **ids)
+    if family == "falcon_mq":  # Falcon-7B: multi-query, parallel attention
+        return T.FalconConfig(hidden_size=16, num_hidden_layers=N_LAYERS, num_attention_heads=4, multi_query=True,
+                              parallel_attn=True, **ids)
+    if family == "falcon_rw":  # Falcon-RW: per-head [q, k, v], ALiBi, sequential attention and MLP, biases
+        return T.FalconConfig(hidden_size=16, num_hidden_layers=N_LAYERS, num_attention_heads=2, multi_query=False,
+                              alibi=True, parallel_attn=False, bias=True, **ids)
+    if family == "bloom":
+        return T.BloomConfig(hidden_size=16, n_layer=N_LAYERS, n_head=2, **ids)
+    if family in ("gpt_bigcode", "gpt_bigcode_mha"):  # StarCoder: multi-query c_attn (a Linear)
+        mq = family == "gpt_bigcode"
+        return T.GPTBigCodeConfig(n_embd=16, n_layer=N_LAYERS, n_head=4 if mq else 2, n_positions=pos,
+                                  multi_query=mq, **ids)
+    if family == "gptj":
+        return T.GPTJConfig(n_embd=16, n_layer=N_LAYERS, n_head=2, rotary_dim=4, n_positions=pos, **ids)
+    if family == "opt":
+        return T.OPTConfig(hidden_size=16, ffn_dim=32, num_hidden_layers=N_LAYERS, num_attention_heads=2,
+                           word_embed_proj_dim=16, max_position_embeddings=pos, **ids)
+    if family == "stablelm":
+        return T.StableLmConfig(num_key_value_heads=1, **common)
+    if family == "starcoder2":
+        return T.Starcoder2Config(num_key_value_heads=1, **common)
+    if family == "granite":  # logits / logits_scaling after the head, and multipliers inside
+        return T.GraniteConfig(num_key_value_heads=1, logits_scaling=4.0, embedding_multiplier=2.0,
+                               residual_multiplier=0.5, attention_multiplier=0.3, **common)
+    if family == "cohere":  # logits * logit_scale after the head; LayerNorm without bias
+        return T.CohereConfig(num_key_value_heads=1, logit_scale=0.5, **common)
+    if family == "persimmon":
+        return T.PersimmonConfig(**common)
+    if family == "phi":  # phi-1 / phi-2: q_proj k_proj v_proj dense, fc1 fc2, parallel blocks
+        return T.PhiConfig(**common)
+    if family == "dbrx":  # Wqkv [q, k, v], clipped; experts as fused parameters
+        return T.DbrxConfig(d_model=16, n_heads=2, n_layers=N_LAYERS, max_seq_len=pos, **ids,
+                            attn_config=dict(kv_n_heads=1, clip_qkv=8.0, rope_theta=10000.0),
+                            ffn_config=dict(ffn_hidden_size=32, moe_num_experts=4, moe_top_k=2))
+    if family == "mpt":  # Wqkv chunk(3), ALiBi
+        return T.MptConfig(d_model=16, n_heads=2, n_layers=N_LAYERS, expansion_ratio=2, max_seq_len=pos, **ids)
+    if family == "codegen":  # qkv_proj in 4 model-parallel shards of [q, v, k]
+        return T.CodeGenConfig(n_embd=16, n_layer=N_LAYERS, n_head=4, rotary_dim=4, n_positions=pos, **ids)
+    if family == "gpt_neo":  # intermediate_size None (4 x hidden); global and local attention layers
+        return T.GPTNeoConfig(hidden_size=16, num_layers=N_LAYERS, num_heads=2, window_size=4,
+                              attention_types=[[["global", "local"], 1]], max_position_embeddings=pos, **ids)
+    if family == "xglm":  # the final norm is model.layer_norm
+        return T.XGLMConfig(d_model=16, num_layers=N_LAYERS, attention_heads=2, ffn_dim=32,
+                            max_position_embeddings=pos, **ids)
+    if family == "recurrent_gemma":  # soft-capped logits under its own name (logits_soft_cap)
+        return T.RecurrentGemmaConfig(num_key_value_heads=1, lru_width=16, attention_window_size=4, **common)
+    if family == "mamba":
+        return T.MambaConfig(hidden_size=16, num_hidden_layers=N_LAYERS, state_size=4, **ids)
     raise ValueError(family)
 
 

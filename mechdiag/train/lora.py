@@ -9,7 +9,7 @@ from peft.tuners.lora import LoraLayer
 
 from mechdiag import blocks
 from mechdiag.config import ALL_MODULES, LoraConfig, parse_layers
-from mechdiag.errors import UserError
+from mechdiag.errors import UserError, first_line
 from mechdiag.weights import tensor_site
 
 
@@ -59,7 +59,14 @@ def peft_config(model, lora: LoraConfig) -> PeftLoraConfig:
 
 def apply_lora(model, lora: LoraConfig):
     """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
-    return get_peft_model(model, peft_config(model, lora))
+    pcfg = peft_config(model, lora)
+    try:
+        return get_peft_model(model, pcfg)
+    except ValueError as e:  # peft refuses some targets on some families (out_proj, conv1d on Mamba)
+        if not str(e).startswith("[PEFT:"):
+            raise
+        raise UserError(f"lora.target_modules {sorted(pcfg.target_modules or [])}: peft cannot adapt them on this "
+                        f"model: {first_line(e)} (set lora.target_modules to the modules it can)") from e
 
 
 def _is_param_lora(mod) -> bool:

@@ -15,7 +15,7 @@ import ctypes
 import ctypes.util
 from dataclasses import dataclass
 
-from mechdiag import vocab
+from mechdiag import blocks, vocab
 
 LOGIT_COPIES = 4  # the full-logits path: logits, their float32 log-softmax, its exp and the gradient
 ACT_HIDDEN, ACT_MLP = 16, 6  # saved float32 activations per token and layer, in hidden- and MLP-sized vectors
@@ -46,8 +46,11 @@ class Shape:
         heads = getattr(c, "num_attention_heads", 1)
         head_dim = getattr(c, "head_dim", None) or getattr(c, "hidden_size", 0) // max(heads, 1)
         kv = getattr(c, "num_key_value_heads", None) or heads
-        return cls(getattr(c, "num_hidden_layers", 1), getattr(c, "hidden_size", 0),
-                   getattr(c, "intermediate_size", 0), getattr(c, "vocab_size", 0), 2 * kv * head_dim, rows,
+        hidden = getattr(c, "hidden_size", 0) or 0
+        # the MLP width under its family's name; None in some configs (GPT-Neo, GPT-J: 4 x hidden by default)
+        mlp = next((v for k in ("intermediate_size", "n_inner", "ffn_dim", "ffn_hidden_size")
+                    if isinstance(v := getattr(c, k, None), int)), 4 * hidden)
+        return cls(blocks.n_layers_of(c) or 1, hidden, mlp, getattr(c, "vocab_size", 0), 2 * kv * head_dim, rows,
                    prompt, completion, chunked)
 
     @property

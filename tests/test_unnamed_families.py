@@ -1,0 +1,171 @@
+"""Issue 26, "the same holds on families the tests do not name": causal-LM families beyond the matrix, each with a
+quirk of its own (tests/tiny_models.UNNAMED: fused q/k/v layouts, head transforms, other block and module names,
+experts), through native `mechdiag train`, `mechdiag displacement` (equal to the adapter file's factors multiplied
+out in float64, fused parts sliced as the family's own modeling code slices them) and `mechdiag shift` (its last
+layer equal to the model's own logits: Granite's logits_scaling and Cohere's logit_scale included). Families that
+cannot work give one clear line and exit 2 (NOT_SUPPORTED)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from mechdiag.models import load_tokenizer
+from mechdiag.probes.capture import Probe, pad_batch
+from tests.test_family_matrix import SMALL, _dense_deltas, _rows, _sets, check_shift, cli
+from tests.tiny_models import UNNAMED, build, family_config, family_folder
+
+torch.set_num_threads(1)
+
+
+def _own_split(family: str, attn: torch.nn.Module, out: int) -> dict[str, set[int]]:
+    """part -> output features of a fused q/k/v module, read off the family's own split: an output whose feature j
+    holds the value j goes through the attention's own split method (Falcon, Bloom, Persimmon), or the lines of its
+    forward (GPT-BigCode, DBRX, MPT, CodeGen) with the module's own sizes."""
+    x = torch.arange(out, dtype=torch.float64).view(1, 1, out)
+    if family.startswith("falcon") or family == "persimmon":
+        q, k, v = attn._split_heads(x)
+    elif family == "bloom":
+        q, k, v = attn._reshape(x)
+    elif family.startswith("gpt_bigcode"):
+        if attn.multi_query:
+            q, k, v = x.unsqueeze(1).split((attn.embed_dim, attn.kv_dim, attn.kv_dim), dim=3)
+        else:
+            q, k, v = x.view(1, 1, attn.num_heads, 3 * attn.head_dim).transpose(1, 2).split(3 * [attn.head_dim], 3)
+    elif family == "dbrx":
+        q, k, v = x.split([attn.hidden_size, attn.num_key_value_heads * attn.head_dim,
+                           attn.num_key_value_heads * attn.head_dim], dim=2)
+    elif family == "mpt":
+        q, k, v = x.chunk(3, dim=2)
+    elif family == "codegen":
+        local = attn.head_dim * attn.num_attention_heads // attn.mp_num
+        q, v, k = x.view(1, 1, -1, 3 * local).split(local, dim=-1)
+    else:
+        raise ValueError(family)
+    return {p: {int(i) for i in t.reshape(-1).tolist()} for p, t in zip("qkv", (q, k, v), strict=True)}
+
+
+# family -> (module, the attention holding it, relative to a block)
+FUSED = {"falcon": ("query_key_value", "self_attention"), "falcon_mq": ("query_key_value", "self_attention"),
+         "falcon_rw": ("query_key_value", "self_attention"), "bloom": ("query_key_value", "self_attention"),
+         "persimmon": ("query_key_value", "self_attn"), "gpt_bigcode": ("c_attn", "attn"),
+         "gpt_bigcode_mha": ("c_attn", "attn"), "dbrx": ("Wqkv", "norm_attn_norm.attn"), "mpt": ("Wqkv", "attn"),
+         "codegen": ("qkv_proj", "attn")}
+# family -> what train's one stderr line says: Mamba's default targets include out_proj, which peft will not adapt;
+# with targets it can, Mamba and RecurrentGemma carry a recurrent state our padded batches would run through
+RECURRENT = "layers with a recurrent state"
+NOT_SUPPORTED = {"mamba": "peft cannot adapt them on this model", "recurrent_gemma": RECURRENT}
+
+
+def _block0(model):
+    from mechdiag.blocks import find_blocks
+
+    return find_blocks(model)[1][0]
+
+
+@pytest.mark.parametrize("family", sorted(FUSED))
+def test_fused_parts_are_the_models_own_split(family):
+    """mechdiag.parts' index sets are exactly the q, k, v features the modeling code reads, and cover the output."""
+    from mechdiag.parts import output_parts
+
+    cfg = family_config(family)
+    model = AutoModelForCausalLM.from_config(cfg)
+    module, attn_path = FUSED[family]
+    attn = _block0(model).get_submodule(attn_path)
+    out = getattr(attn, module).weight.shape[0]
+    parts = {p: idx for p, idx in output_parts(module, out, cfg.to_dict())}
+    assert set(parts) == {"q", "k", "v"}
+    own = _own_split(family, attn, out)
+    for p, idx in parts.items():
+        assert len(idx) == len(set(idx.tolist())) and set(idx.tolist()) == own[p], (family, p)
+    assert sorted(i for idx in parts.values() for i in idx.tolist()) == list(range(out))
+
+
+def _train(folder, out, *extra):
+    return cli("train", "--out", out, "--max-steps", "2", *_sets(f"model.name_or_path={folder}", *SMALL, *extra))
+
+
+@pytest.mark.parametrize("family", sorted(NOT_SUPPORTED))
+def test_unsupported_default_targets_exit_2_with_one_line(family, tmp_path):
+    folder = family_folder(family, tmp_path / "model")
+    code, _, err = _train(folder, tmp_path / "run")
+    assert code == 2 and "Traceback" not in err, err[-2000:]
+    errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
+    assert len(errors) == 1 and NOT_SUPPORTED[family] in errors[0], err[-2000:]
+    if family == "mamba":  # the modules peft can adapt there: then the recurrent state is what refuses it
+        code, _, err = _train(folder, tmp_path / "run2", "lora.target_modules=[in_proj,x_proj,dt_proj]")
+        errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
+        assert code == 2 and len(errors) == 1 and RECURRENT in errors[0], err[-2000:]
+
+
+def test_recurrent_gemma_lens_is_its_own_soft_capped_logits():
+    """Not trainable here, but its logit lens (shift) goes through its own soft cap (logits_soft_cap)."""
+    model = build("recurrent_gemma")
+    assert model.config.logits_soft_cap
+    probe = Probe(model)
+    batch = pad_batch([[3, 4, 5, 6], [7, 8]], 0)
+    cap = probe.run(batch)  # raises where the lens misses the model's logits
+    rows = torch.arange(2)
+    assert torch.allclose(probe.lens(cap.resid[-1][rows, batch.last]), cap.logits[rows, batch.last], atol=1e-6)
+    assert (cap.logits.abs() < model.config.logits_soft_cap).all()
+
+
+@pytest.fixture(scope="module", params=[f for f in UNNAMED if f not in NOT_SUPPORTED])
+def fam(request, tmp_path_factory):
+    """One family's model folder and its native run of two steps."""
+    tmp = tmp_path_factory.mktemp(request.param)
+    folder = family_folder(request.param, tmp / "model")
+    code, _, err = _train(folder, tmp / "native")
+    assert code == 0, err[-3000:]
+    return request.param, folder, tmp / "native", tmp
+
+
+def test_displacement_is_the_adapter_files(fam):
+    family, folder, run, _ = fam
+    deltas = _dense_deltas(run)
+    base = {k: v.double() for k, v in load_file(folder / "model.safetensors").items()}
+    rows = {r["name"]: r for r in _rows(folder, run)}
+    assert any(float(d.norm()) > 0 for d in deltas.values())
+    for name, d in deltas.items():
+        r = rows[name]
+        assert r["delta_fro"] == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12), name
+        assert r["ref_fro"] == pytest.approx(float(base[name].norm()), rel=1e-9), name
+    assert {n for n, r in rows.items() if r["delta_fro"] > 0 and not r.get("part_of")} <= set(deltas)
+    parts = [r for r in rows.values() if r.get("part_of")]
+    if family not in FUSED:
+        assert not parts, family
+        return
+    module, attn_path = FUSED[family]
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    attn = _block0(model).get_submodule(attn_path)
+    own = _own_split(family, attn, getattr(attn, module).weight.shape[0])
+    fused = [n for n in deltas if n.endswith(f".{module}.weight")]
+    assert fused, family
+    for name in fused:  # each part is the dense delta's rows the model reads as q, k, v
+        for p, idx in own.items():
+            r = rows[f"{name}[{p}]"]
+            rows_ = torch.tensor(sorted(idx))
+            assert r["module"] == f"{module}.{p}" and r["part_of"] == module
+            assert r["delta_fro"] == pytest.approx(float(deltas[name][rows_].norm()), rel=1e-9, abs=1e-12)
+            assert r["ref_fro"] == pytest.approx(float(base[name][rows_].norm()), rel=1e-9)
+        assert math.fsum(rows[f"{name}[{p}]"]["delta_fro"] ** 2 for p in "qkv") == \
+            pytest.approx(rows[name]["delta_fro"] ** 2, rel=1e-9, abs=1e-18)
+
+
+def test_shift_last_layer_is_the_models_own_logits(fam):
+    family, folder, run, tmp = fam
+    check_shift(folder, run, tmp)
+
+
+def test_the_head_transforms_are_exercised():
+    """Granite divides its logits by logits_scaling and Cohere multiplies them by logit_scale: the sweep's configs
+    really have them (else the shift cell would pass on a plain head)."""
+    tok = load_tokenizer("bundled")
+    assert family_config("granite", vocab_size=len(tok)).logits_scaling == 4.0
+    assert family_config("cohere", vocab_size=len(tok)).logit_scale == 0.5
+    assert json.loads(family_config("falcon_mq").to_json_string())["multi_query"] is True
