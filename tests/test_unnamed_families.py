@@ -12,12 +12,11 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from mechdiag.models import load_tokenizer
 from mechdiag.probes.capture import Probe, pad_batch
-from tests.test_family_matrix import SMALL, _dense_deltas, _rows, _sets, check_shift, cli
+from tests.test_family_matrix import SMALL, _deltas, _rows, _sets, check_shift, cli
 from tests.tiny_models import UNNAMED, build, family_config, family_folder
 
 torch.set_num_threads(1)
@@ -127,8 +126,9 @@ def fam(request, tmp_path_factory):
 
 def test_displacement_is_the_adapter_files(fam):
     family, folder, run, _ = fam
-    deltas = _dense_deltas(run)
-    base = {k: v.double() for k, v in load_file(folder / "model.safetensors").items()}
+    pairs = _deltas(run, folder)  # (delta, base weight) under the model's names: expert stacks per expert
+    deltas = {k: d for k, (d, _) in pairs.items()}
+    base = {k: b.double() for k, (_, b) in pairs.items()}
     rows = {r["name"]: r for r in _rows(folder, run)}
     assert any(float(d.norm()) > 0 for d in deltas.values())
     for name, d in deltas.items():
@@ -137,8 +137,8 @@ def test_displacement_is_the_adapter_files(fam):
         assert r["ref_fro"] == pytest.approx(float(base[name].norm()), rel=1e-9), name
     assert {n for n, r in rows.items() if r["delta_fro"] > 0 and not r.get("part_of")} <= set(deltas)
     parts = [r for r in rows.values() if r.get("part_of")]
-    if family not in FUSED:
-        assert not parts, family
+    if family not in FUSED:  # only an expert stack's gate / up halves (tests/test_moe_lora.py checks their values)
+        assert all(r["part_of"] == "experts.gate_up_proj" for r in parts), family
         return
     module, attn_path = FUSED[family]
     model = AutoModelForCausalLM.from_pretrained(folder)
