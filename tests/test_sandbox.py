@@ -8,13 +8,13 @@ import json
 import os
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from mechdiag.sandbox import isolation, run_many, run_tests
+from mechdiag.tasks.code import CodeTask
 from tests.sandbox_conditions import env_without_bwrap, without_landlock
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -657,6 +657,7 @@ def test_strict_with_bwrap_runs():
 
 
 GOLD_LOAD = "while True:\n    pass\n"
+GOLD_TIMEOUT = CodeTask.timeout_s  # the tasks' own CPU limit: every gold program must pass at it
 
 
 def _gold_jobs(n: int | None):
@@ -680,10 +681,10 @@ def test_gold_verdicts_do_not_depend_on_load():
     all_ids, all_jobs = _gold_jobs(None)
     i = all_ids.index("mbpp/123")
     ids, jobs = ids + [all_ids[i]], jobs + [all_jobs[i]]
-    quiet = run_many(jobs, workers=2, timeout_s=5.0)
+    quiet = run_many(jobs, workers=2, timeout_s=GOLD_TIMEOUT)
     hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
     try:
-        loaded = run_many(jobs, workers=2, timeout_s=5.0)
+        loaded = run_many(jobs, workers=2, timeout_s=GOLD_TIMEOUT)
     finally:
         for h in hogs:
             h.kill()
@@ -694,25 +695,19 @@ def test_gold_verdicts_do_not_depend_on_load():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["strict", "landlock"])
-def test_all_gold_solutions_pass_under_load(mode):
-    # the full gold sets (MBPP 974, HumanEval 164) beside two CPU hogs under bwrap; under landlock every third
-    # program (the suite's time; the full set under landlock is in docs/benchmarks.md)
+def test_all_gold_solutions_pass(mode):
+    # the full gold sets (MBPP 974, HumanEval 164) under bwrap; under landlock every third program (the suite's
+    # time; the full sets under load are in docs/reliability.md, load independence is the test above)
     from mechdiag import sandbox
 
     ids, jobs = _gold_jobs(None)
     if mode == "landlock":
         ids, jobs = ids[::3], jobs[::3]
-    hogs = [subprocess.Popen([sys.executable, "-c", GOLD_LOAD]) for _ in range(2)]
     try:
         iso = sandbox.use(mode)
-        t0 = time.monotonic()
-        results = run_many(jobs, workers=2, timeout_s=5.0)
-        wall = time.monotonic() - t0
+        results = run_many(jobs, workers=2, timeout_s=GOLD_TIMEOUT)
     finally:
         sandbox.use("auto")
-        for h in hogs:
-            h.kill()
-            h.wait()
     failed = [(x, r.status) for x, r in zip(ids, results, strict=True) if not r.passed]
     assert failed == [], failed
-    assert {r.isolation for r in results} == {iso} and wall < 900
+    assert {r.isolation for r in results} == {iso}
