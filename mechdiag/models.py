@@ -172,11 +172,28 @@ def eos_ids(model, tokenizer) -> list[int]:
     return sorted(set(int(i) for i in ids))
 
 
+TAIL_CHARS_PER_TOKEN = 8  # a first guess at the characters an over-long prompt's kept tokens span
+
+
+def tail_ids(tokenizer, text: str, n: int) -> list[int]:
+    """The last n ids of `text`'s encoding, without encoding all of a very long text: the ids of two suffixes of
+    it, one twice the other, must agree on their last n (so the cut no longer reaches them), else the suffixes
+    double, up to the whole text. Equal to tokenizer(text)["input_ids"][-n:] (tests/test_models.py)."""
+    size = TAIL_CHARS_PER_TOKEN * n
+    while 2 * size < len(text):
+        short, long_ = (tokenizer(text[-k:])["input_ids"] for k in (size, 2 * size))
+        if len(short) > n and short[-n:] == long_[-n:]:
+            return short[-n:]
+        size *= 2
+    return tokenizer(text)["input_ids"][-n:]
+
+
 def encode_prompts(tokenizer, prompts: list[str], max_prompt_tokens: int | None = None):
     """Left-padded (ids, mask); over-long prompts keep their end (the question and the answer cue)."""
-    rows = [tokenizer(p)["input_ids"] for p in prompts]
     if max_prompt_tokens:
-        rows = [r[-max_prompt_tokens:] for r in rows]
+        rows = [tail_ids(tokenizer, p, max_prompt_tokens) for p in prompts]
+    else:
+        rows = [tokenizer(p)["input_ids"] for p in prompts]
     width = max(len(r) for r in rows)
     pid = pad_id(tokenizer)
     ids = torch.full((len(rows), width), pid, dtype=torch.long)

@@ -129,3 +129,36 @@ def test_pad_token_set_when_missing(tmp_path):
     loaded = load_tokenizer(tmp_path)
     assert loaded.pad_token == loaded.eos_token == "</s>"
     assert loaded.padding_side == "left"
+
+
+def long_word_tokenizer():
+    """Whole words as tokens, 20 characters each: a prompt's last ids span more text than a fixed guess."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<unk>", "supercalifragilistic", "tiny", "Q?", "1", "+", "="]
+    t = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("form", ["bundled", "stories260k", "long-words"])
+def test_tail_ids_are_the_full_encodings_last_ids(form, stories260k):
+    """Over-long prompts keep their last max_prompt_tokens ids without encoding the whole text: the same ids as
+    encoding all of it, whatever the text's make-up (digits and operators, no spaces at all, multi-byte
+    characters a byte-fallback tokenizer splits, runs of newlines)."""
+    from mechdiag.models import encode_prompts, tail_ids
+
+    tok = long_word_tokenizer() if form == "long-words" else load_tokenizer(
+        "bundled" if form == "bundled" else stories260k)
+    texts = ["supercalifragilistic " * 2000 + "Q?", "tiny " * 900 + "supercalifragilistic " * 300,
+             "1 + " * 3000 + "1 =", "abcd" * 4000, "é🙂 ü" * 2000 + " end", "line\n\n" * 3000 + "last",
+             "Q: what is 3 + 4?", "x" * 40 + " y" * 2]
+    for text in texts:
+        full = tok(text)["input_ids"]
+        for n in (1, 7, 64, 3000):
+            assert tail_ids(tok, text, n) == full[-n:], (text[:20], n)
+    ids, mask = encode_prompts(tok, texts, 64)
+    assert ids.shape == (len(texts), 64)
+    for row, m, text in zip(ids, mask, texts, strict=True):
+        assert row[m.bool()].tolist() == tok(text)["input_ids"][-64:]

@@ -18,7 +18,7 @@ from mechdiag import sandbox
 from mechdiag import sandbox_landlock as landlock
 from mechdiag.run import RunDir
 from tests.sandbox_conditions import USER, as_user, env_without_bwrap, without_landlock
-from tests.test_sandbox import CORPUS, GOLD_LOAD, OS_FAMILIES, SLACK, WALL, _gold_jobs, corpus_figures
+from tests.test_sandbox import CORPUS, GOLD_LOAD, GOLD_TIMEOUT, OS_FAMILIES, SLACK, WALL, _gold_jobs, corpus_figures
 
 ROOT = Path(__file__).resolve().parent.parent
 
