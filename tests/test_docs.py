@@ -12,7 +12,6 @@ from click.testing import CliRunner
 from mechdiag.cli import main
 from mechdiag.models import bundled_path
 from mechdiag.paths import REPO_ROOT
-from tests.helpers import run_cli
 
 SMALL = ["--set", "max_steps=2", "--set", "eval_n=4", "--set", "threads=1", "--set", "prompts_per_step=2",
          "--set", "group_size=2", "--set", "record.shift_n=2"]
@@ -52,15 +51,16 @@ def _expected(argv: list[str], comment: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_quickstart_commands_run_and_make_their_files(tmp_path, stories260k):
+def test_quickstart_commands_run_and_make_their_files(tmp_path, stories260k, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # in this process (click's runner): a subprocess per command adds only imports
     subs = {"base_dir": str(bundled_path()), "tuned_dir": "runs/a/final", "adapter_dir": "runs/a/final"}
     shown = _shown("docs/quickstart.md")
     assert len(shown) >= 9, shown
     for command, comment in shown:
         argv = [subs.get(a, a) for a in shlex.split(command)[1:]]
         argv = _small(argv)
-        proc = run_cli(*argv, cwd=tmp_path)
-        assert proc.returncode == 0, (command, proc.stderr[-2000:])
+        result = CliRunner().invoke(main, argv, catch_exceptions=False)
+        assert result.exit_code == 0, (command, result.stderr[-2000:])
         for f in _expected(argv, comment):
             assert (tmp_path / f).exists(), (command, f, sorted(p.name for p in tmp_path.iterdir()))
 
