@@ -9,7 +9,7 @@ import pytest
 from hypothesis import settings
 
 from mechdiag.paths import shared_dir
-from tests.helpers import run_cli
+from tests.helpers import invoke_cli, run_cli
 
 # CI runs the same examples every time (a failure found once is found again); locally set
 # HYPOTHESIS_PROFILE=explore for fresh random examples.
@@ -42,7 +42,8 @@ def data_dir(shared) -> Path:
 
 @pytest.fixture
 def cli():
-    return run_cli
+    """The CLI in this process (tests/helpers.invoke_cli); tests that need a real process call run_cli."""
+    return invoke_cli
 
 
 # The reliability tests' one small run of `mechdiag train` on the bundled default (tests/test_crash.py is the

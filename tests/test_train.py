@@ -15,7 +15,7 @@ from mechdiag.metrics import pass_at_k
 from mechdiag.run import RunDir
 from mechdiag.train import objective
 from mechdiag.train.trainer import Trainer, train
-from tests.helpers import assert_bad_input
+from tests.helpers import assert_bad_input, run_cli
 
 TRAIN_KEYS = ["reward", "reward_cv", "kl", "completion_clipped_ratio", "entropy", "completion_length", "reward_std",
               "frac_zero_std", "policy_clip_fraction", "loss", "grad_norm", "lr", "step_time", "tokens_per_s",
@@ -67,7 +67,8 @@ def test_existing_run_needs_resume(stories260k, tmp_path):
         train(cfg, tmp_path / "run")
 
 
-def test_resume_after_kill9_matches_uninterrupted(stories260k, tmp_path, cli):
+def test_resume_after_kill9_matches_uninterrupted(stories260k, tmp_path):
+    cli = run_cli  # real processes: the hook kills its own with SIGKILL
     sets = small(stories260k, "max_steps=5", "save_every=2", "lora.dropout=0.1")
     flags = [x for s in sets for x in ("--set", s)]
     ref = cli("train", *flags, "--out", str(tmp_path / "ref"))
