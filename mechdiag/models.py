@@ -115,9 +115,12 @@ def fit_prompt_budget(context: int | None, max_prompt: int | None, max_new: int,
 def fit_to_context(cfg) -> int | None:
     """A training config's prompt budget fitted to its model's context (fit_prompt_budget: rollouts and held-out
     evals decode max_completion_tokens after prompts cut to cfg.max_prompt_tokens), before the model loads; the
-    run's config.yaml then holds the budget that ran. Returns the context (None: no limit known)."""
+    run's config.yaml then holds the budget that ran; a forget probe's continuation length that leaves no prompt
+    room fails here too (the probe cuts its prompts itself). Returns the context (None: no limit known)."""
     context = context_of(cfg.model.name_or_path)
     cfg.max_prompt_tokens = fit_prompt_budget(context, cfg.max_prompt_tokens, cfg.max_completion_tokens)
+    if cfg.record.forget_prompts:
+        fit_prompt_budget(context, None, cfg.record.forget_tokens, new_name="record.forget_tokens")
     return context
 
 

@@ -103,13 +103,17 @@ def test_eval_cuts_a_prompt_budget_that_does_not_fit_with_one_note(small):
     assert acc["base"] == pytest.approx(RunDir(run).summary()["base_accuracy"])  # the same 38-token prompts
 
 
-@pytest.mark.parametrize("command", ["train", "eval"])
+@pytest.mark.parametrize("command", ["train", "forget", "eval"])
 def test_a_completion_budget_past_the_context_is_one_line_before_any_load(small, command):
     folder, _, _, tmp = small
     out = tmp / f"refused-{command}"
     if command == "train":
         code, _, err = cells.train(folder, out, "native", f"max_completion_tokens={CONTEXT}")
         name = "max_completion_tokens"
+    elif command == "forget":  # the forget probe's greedy continuations
+        code, _, err = cells.train(folder, out, "native", "record.forget_prompts=tests.toy:Toy",
+                                   f"record.forget_tokens={CONTEXT}")
+        name = "record.forget_tokens"
     else:  # eval's default --max-new-tokens is 256
         code, _, err = cells.cli("eval", folder, "--task", "tests.toy:Toy", "--n", 3, "--out", out)
         name = "--max-new-tokens"

@@ -53,7 +53,7 @@ class ForgetProbe:
         if self._cache is None:
             tok, cache = self.tokenizer, []
             budget = fit_prompt_budget(context_length(getattr(base, "config", None)), self.max_prompt_tokens,
-                                       self.max_new_tokens, "the forget prompts' budget", "record.forget_tokens")
+                                       self.max_new_tokens, "max_prompt_tokens", "record.forget_tokens")
             for s in range(0, len(self.prompts), self.batch_size):
                 ids, mask = encode_prompts(tok, self.prompts[s:s + self.batch_size], budget)
                 ids, mask = ids.to(device), mask.to(device)
