@@ -7,6 +7,7 @@ summary for the reference rows."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -58,13 +59,25 @@ def family_runs(family: str, tmp: Path, *extra: str) -> tuple[str, Path, dict[st
     return family, folder, runs, tmp
 
 
+@functools.lru_cache(maxsize=2)
+def base(folder: Path):
+    """The base model of a family's folder, loaded once for the cells that only read it (never modify it)."""
+    return AutoModelForCausalLM.from_pretrained(folder).eval()
+
+
 def deltas(run, folder) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """tensor name (as the model names it: expert stacks per expert) -> (s * B @ A, base weight) in float64, straight
     from the saved adapter file."""
-    return adapter_deltas(run / "final", AutoModelForCausalLM.from_pretrained(folder))
+    return adapter_deltas(run / "final", base(folder))
 
 
 def displacement_rows(*args) -> list[dict]:
+    """`mechdiag displacement ARGS --format json`, run once per ARGS (the cells only read the rows)."""
+    return _displacement(tuple(str(a) for a in args))
+
+
+@functools.lru_cache(maxsize=8)
+def _displacement(args: tuple[str, ...]) -> list[dict]:
     code, out, err = cli("displacement", *args, "--format", "json")
     assert code == 0, err
     return json.loads(out)
@@ -139,7 +152,7 @@ def check_shift(folder, run, tmp):
     last = max(rows, key=lambda r: r["layer"])
     assert last["layer"] == N_LAYERS - 1
     tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ref = base(folder)
     tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(folder), run / "final").eval()
     lens, pooled = [], []
     with torch.no_grad():
