@@ -90,15 +90,23 @@ def test_fused_parts_are_the_models_own_split(family):
 
 @pytest.mark.parametrize("family", sorted(NOT_SUPPORTED))
 def test_unsupported_default_targets_exit_2_with_one_line(family, tmp_path):
+    """train (either backend: the model and its LoRA are refused before either starts) and eval refuse in one
+    line; displacement and shift need no sampling and work on these models."""
     folder = family_folder(family, tmp_path / "model")
-    code, _, err = cells.train(folder, tmp_path / "run")
-    assert code == 2 and "Traceback" not in err, err[-2000:]
+    code, _, err = cells.cli("eval", folder, "--task", "tests.toy:Toy", "--n", 2, "--k", 1, "--max-new-tokens", 2,
+                             "--out", tmp_path / "eval")
     errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
-    assert len(errors) == 1 and NOT_SUPPORTED[family] in errors[0], err[-2000:]
-    if family == "mamba":  # the modules peft can adapt there: then the recurrent state is what refuses it
-        code, _, err = cells.train(folder, tmp_path / "run2", "native", "lora.target_modules=[in_proj,x_proj,dt_proj]")
+    assert code == 2 and len(errors) == 1 and RECURRENT in errors[0] and "Traceback" not in err, err[-2000:]
+    for backend in cells.BACKENDS:
+        code, _, err = cells.train(folder, tmp_path / backend, backend)
+        assert code == 2 and "Traceback" not in err, (backend, err[-2000:])
         errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
-        assert code == 2 and len(errors) == 1 and RECURRENT in errors[0], err[-2000:]
+        assert len(errors) == 1 and NOT_SUPPORTED[family] in errors[0], (backend, err[-2000:])
+        if family == "mamba":  # the modules peft can adapt there: then the recurrent state is what refuses it
+            code, _, err = cells.train(folder, tmp_path / f"{backend}2", backend,
+                                       "lora.target_modules=[in_proj,x_proj,dt_proj]")
+            errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
+            assert code == 2 and len(errors) == 1 and RECURRENT in errors[0], (backend, err[-2000:])
 
 
 def test_recurrent_gemma_lens_is_its_own_soft_capped_logits():

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -47,7 +48,7 @@ from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks import resolve_rewards
-from mechdiag.train.lora import peft_config
+from mechdiag.train.lora import peft_config, peft_refusals
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -585,8 +586,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           max_time_s=getattr(cfg, "max_time_s", None),
                           forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
                           if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
-    trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
-                          peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    with peft_refusals(peft_cfg) if peft_cfg is not None else contextlib.nullcontext():  # TRL wraps the model
+        trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data,
+                              processing_class=tok, peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     from transformers.trainer_callback import (  # noqa: PLC0415 - next to the trainer whose callbacks it edits
         PrinterCallback,
         ProgressCallback,
