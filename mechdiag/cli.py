@@ -183,6 +183,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
         from mechdiag.train.trainer import check_data, param_bytes, prepare_model
 
         check_data(cfg)
+        M.fit_to_context(cfg)  # the budget that would run
         click.echo(C.to_yaml(cfg), nl=False)
         model, _, _, sampler = prepare_model(cfg, device_)
         if sampler is not None:

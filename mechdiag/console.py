@@ -29,6 +29,11 @@ TEXT_MIN = 20  # the narrowest a wrapping text column is allowed to become when 
 DIGITS = (4, 3, 2)
 
 
+def note(message: str) -> None:
+    """One line on stderr that says what mechdiag changed or assumed, without stopping (errors are UserError)."""
+    print(f"mechdiag: note: {message}", file=sys.stderr, flush=True)
+
+
 def terminal_width() -> int:
     """The terminal's columns ($COLUMNS wins; 100 when there is no terminal, as in a pipe or a log file)."""
     return shutil.get_terminal_size((100, 24)).columns

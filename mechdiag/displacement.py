@@ -179,6 +179,8 @@ def fused_stats(files: SafeFiles, ref_a, ref_b=None) -> tuple[float, float, int,
         return None
     if isinstance(ref_a, ConcatRef) or isinstance(ref_b, ConcatRef):  # several tensors' rows, not one span
         return None
+    if ref_b is not None and ref_a.transposed != ref_b.transposed:  # the spans would pair other entries
+        return None
     buf_a, off_a, dt_a, n = files.span(ref_a)
     buf_b, off_b, dt_b = (None, 0, "F32") if ref_b is None else files.span(ref_b)[:3]
     if dt_a not in _KERNEL_DTYPES or dt_b not in _KERNEL_DTYPES:
@@ -695,12 +697,12 @@ def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
     """Rows of a LoRA on a parameter (peft's ParamWrapper, target_parameters): one per expert of a 3-D expert
     stack [E, ., .], named as transformers saves the experts (mlp.experts.5.gate_up_proj.weight), with the fused
     parts of each. peft's layout: lora_A (E*r, in) -> A_e (r, in); lora_B (out, r*E) -> B_e = B[:, :, e] after
-    (out, r, E); the stored [E, in, out] is (B_e A_e)^T (A_e^T, B_e^T as factors), a stack peft swapped to
-    [E, out, in] is B_e A_e."""
+    (out, r, E); each expert's update is B_e A_e out x in: a stack stored [E, in, out] (is_transposed, peft did not
+    swap it: GPT-OSS) is read per expert as its transpose, out x in as displacement reads the files."""
     param = mod.get_param()
-    stack = param if param.ndim == 3 else param[None]
-    E = stack.shape[0]
     swapped = bool(getattr(mod, "_did_swap_in_out_features", False)) or param.ndim == 2
+    stack = param[None] if param.ndim == 2 else param if swapped else param.transpose(1, 2)
+    E = stack.shape[0]
     per_expert: list[list[_Term]] = [[] for _ in range(E)]
     for name in mod.active_adapters:
         if name not in mod.lora_A:
@@ -709,8 +711,7 @@ def _expert_rows(path: str, mod, config: dict, geometry: bool) -> list[dict]:
         A3 = A.reshape(E, -1, A.shape[-1])  # (E, r, in)
         B3 = B.reshape(B.shape[0], -1, E).permute(2, 0, 1)  # (E, out, r)
         for e in range(E):
-            f = (B3[e], A3[e]) if swapped else (A3[e].T, B3[e].T)
-            per_expert[e].append(_Term(float(mod.scaling[name]), *f))
+            per_expert[e].append(_Term(float(mod.scaling[name]), B3[e], A3[e]))
     prefix = path.removeprefix("base_model.model.").replace(".base_layer", "")  # peft nests one wrapper per parameter
     rows = []
     for e, terms in enumerate(per_expert):

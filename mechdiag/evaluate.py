@@ -28,7 +28,7 @@ import os
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -321,6 +321,13 @@ def score_problems(task, examples: list, greedy: list, sampled: list[list], tall
     return records
 
 
+def fit_eval_budget(context: int | None, s: Settings) -> int | None:
+    """The prompt budget that keeps prompt + --max-new-tokens inside the model's context (models.fit_prompt_budget:
+    the default is what fits; a --max-prompt-tokens that does not is cut, with a note)."""
+    return models.fit_prompt_budget(context, s.max_prompt_tokens, s.max_new_tokens, "--max-prompt-tokens",
+                                    "--max-new-tokens")
+
+
 def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write=None) -> dict[str, float]:
     """Metrics of one model on one benchmark, streaming sample records to `write(records)`."""
 
@@ -328,11 +335,7 @@ def evaluate_model(model, tokenizer, bench: Benchmark, settings: Settings, write
     weights = task.reward_weights()
     tally = Tally(s.ks, s.samples, votable=task.votable)
     model.eval()  # no LoRA dropout
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    max_prompt = s.max_prompt_tokens
-    if max_pos:  # keep prompt + completion inside the positions the model was trained on
-        room = max(int(max_pos) - s.max_new_tokens, 1)
-        max_prompt = min(max_prompt or room, room)
+    max_prompt = fit_eval_budget(models.context_length(getattr(model, "config", None)), s)
     per_chunk = max(1, s.batch_size // s.samples)  # problems per chunk: samples x problems <= batch_size rows
     for start in range(0, len(bench.examples), per_chunk):
         chunk = bench.examples[start:start + per_chunk]
@@ -417,11 +420,13 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
     """
 
     settings.check()
+    # a budget the model's context cannot hold: one line before any load (the note of a cut budget said once)
+    settings = replace(settings, max_prompt_tokens=fit_eval_budget(models.context_of(model_name), settings))
     # code benchmarks run model code: without OS isolation they stop here unless sandbox_mode is guard-only
     code = any(getattr(b.task, "domain", "") == "code" for b in benches)
     iso = sandbox.use(sandbox_mode) if code else "none"
     mode_of = {b.name: iso if getattr(b.task, "domain", "") == "code" else "none" for b in benches}
-    models = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
+    loaded = Models(model_name, tuned, dtype, device)  # load (and fail on a bad model or adapter) before writing
     run = RunDir(out_dir, create=True)
     group_of = {t.label: t.group for t in tuned}
     names = {b.name for b in benches}
@@ -438,7 +443,7 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
                     if not redone(r):
                         f.write(atomic.dumps(r) + "\n")
             for bench in benches:
-                for label in models.labels():
+                for label in loaded.labels():
                     t0 = time.perf_counter()
                     head = {"step": 0, "split": "eval", "benchmark": bench.name, "model": label,
                             "group": group_of.get(label, BASE)}
@@ -457,8 +462,8 @@ def run_eval(model_name: str, tuned: list[Tuned], benches: list[Benchmark], sett
                         shown.extend({**head, "source": "mechdiag eval", **{k: r[k] for k in SHOWN if k in r}}
                                      for r in greedy)
 
-                    with models.use(label) as model:
-                        metrics = evaluate_model(model, models.tokenizer, bench, settings, write)
+                    with loaded.use(label) as model:
+                        metrics = evaluate_model(model, loaded.tokenizer, bench, settings, write)
                     for m in sorted(metrics, key=metric_order):
                         per_model.append({"step": 0, "benchmark": bench.name, "metric": m, "model": label,
                                           "group": group_of.get(label, BASE), "value": metrics[m],

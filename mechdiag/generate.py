@@ -19,7 +19,7 @@ from transformers import DynamicCache
 from mechdiag import vocab
 from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
-from mechdiag.models import encode_prompts, eos_ids, pad_id
+from mechdiag.models import context_length, encode_prompts, eos_ids, pad_id
 
 
 @dataclass
@@ -84,6 +84,11 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
     eos_t = torch.tensor(eos or [-1], device=device)
     attn = prompt_mask.clone()
     pos = (attn.cumsum(-1) - 1).clamp(min=0)
+    context = context_length(getattr(model, "config", None))
+    if context is not None and prompt_ids.numel() and int(attn.sum(-1).max()) + max_new_tokens > context:
+        # the callers fit their budgets first (models.fit_prompt_budget); this is what any other call would run into
+        raise UserError(f"a prompt of {int(attn.sum(-1).max())} tokens and {max_new_tokens} new tokens pass the "
+                        f"model's context of {context} positions; cut the prompts or the new tokens to fit")
     cache = kv_cache(model)
     kv = {cache_kw(model): cache}
     out = model(input_ids=prompt_ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1,

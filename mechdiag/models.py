@@ -26,6 +26,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from mechdiag.console import note
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint, is_run_dir
@@ -57,6 +58,70 @@ def resolve(name_or_path: str | Path, need: str = "config.json") -> str:
     if str(name_or_path).startswith((".", "/", "~")) or str(name_or_path).count("/") > 1:
         raise UserError(f"model folder {name_or_path} does not exist")
     return str(name_or_path)  # hub name (needs network or the local HF cache)
+
+
+# a family's name for the positions it was built for (attribute_map gives GPT-2's n_positions, GPT-J's, CodeGen's,
+# DBRX's max_seq_len as max_position_embeddings); MPT says max_seq_len, ChatGLM / Qwen-1 seq_length
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length")
+
+
+def context_length(config) -> int | None:
+    """The positions a model was built for: learned position tables end there (an index past them crashes), rotary
+    and sinusoidal ones were trained up to it (past it, output is extrapolation). None for a family without one
+    (Bloom's ALiBi) or a config that is not there."""
+    text = getattr(config, "text_config", None) or config
+    for key in _CONTEXT_KEYS:
+        v = getattr(text, key, None)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v
+    return None
+
+
+def context_of(name_or_path: str | Path) -> int | None:
+    """context_length of a model argument (bundled, a model, adapter or run folder), from its config.json alone:
+    known before any weight is loaded. None when the config cannot be read (the load reports that, in one line)."""
+    from transformers import AutoConfig  # noqa: PLC0415 - the config only
+
+    try:
+        folder = checkpoint_folder(name_or_path)
+        if is_adapter(folder):
+            folder = local_base(folder)
+        return context_length(AutoConfig.from_pretrained(resolve(folder if folder.exists() else name_or_path)))
+    except Exception:  # noqa: BLE001 - a bad model is reported by the load that follows
+        return None
+
+
+def fit_prompt_budget(context: int | None, max_prompt: int | None, max_new: int, prompt_name: str = "max_prompt_tokens",
+                      new_name: str = "max_completion_tokens") -> int | None:
+    """The prompt budget (prompts keep their last tokens) that keeps prompt + completion inside the model's
+    context: `max_prompt` where it fits (None: no cut, no context), else context - max_new, said in a note on
+    stderr when the user's budget is the one cut (None means "what fits"). UserError when the completion budget
+    alone leaves no room for a prompt."""
+    if context is None:
+        return max_prompt
+    if max_new >= context:
+        raise UserError(f"{new_name}={max_new} leaves no room for a prompt in the model's context of {context} "
+                        f"positions (prompt + completion must fit in it); set {new_name} below {context}")
+    room = context - max_new
+    if max_prompt is None:
+        return room
+    if max_prompt > room:
+        note(f"prompts keep their last {room} tokens: the model's context is {context} positions and "
+             f"{new_name}={max_new}, so {prompt_name}={max_prompt} does not fit")
+        return room
+    return max_prompt
+
+
+def fit_to_context(cfg) -> int | None:
+    """A training config's prompt budget fitted to its model's context (fit_prompt_budget: rollouts and held-out
+    evals decode max_completion_tokens after prompts cut to cfg.max_prompt_tokens), before the model loads; the
+    run's config.yaml then holds the budget that ran; a forget probe's continuation length that leaves no prompt
+    room fails here too (the probe cuts its prompts itself). Returns the context (None: no limit known)."""
+    context = context_of(cfg.model.name_or_path)
+    cfg.max_prompt_tokens = fit_prompt_budget(context, cfg.max_prompt_tokens, cfg.max_completion_tokens)
+    if cfg.record.forget_prompts:
+        fit_prompt_budget(context, None, cfg.record.forget_tokens, new_name="record.forget_tokens")
+    return context
 
 
 def _check_weights(folder: Path) -> None:
@@ -263,8 +328,9 @@ def load_model(name_or_path: str | Path = BUNDLED, dtype: str = "float32", check
 
 
 def load_model_and_tokenizer(name_or_path: str | Path = BUNDLED, dtype: str = "float32",
-                             checkpoint: int | None = None):
-    tok = load_tokenizer(name_or_path, checkpoint)
+                             checkpoint: int | None = None, tokenizer=None):
+    """(model, tokenizer) of a model argument; `tokenizer`: its tokenizer, already loaded with load_tokenizer."""
+    tok = tokenizer if tokenizer is not None else load_tokenizer(name_or_path, checkpoint)
     model = load_model(name_or_path, dtype, checkpoint)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = tok.pad_token_id

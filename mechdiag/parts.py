@@ -5,9 +5,10 @@ splits the output): Phi-3's qkv_proj (q, then k, then v), GPT-NeoX's, Bloom's an
 head [q, k, v]), Falcon's query_key_value (per head, multi-query q then one k and v head, or the new decoder's kv
 groups [q x heads/kv, k, v]), GPT-2's c_attn (Conv1D: q, k, v thirds), GPT-BigCode's c_attn (multi-query: q, then
 one k and one v head), DBRX's and MPT's Wqkv, CodeGen's qkv_proj (4 shards of [q, v, k]) and gate_up_proj (gate
-half, then up half; GPT-OSS interleaves them). A fused module of a family not listed is reported whole. Each part
-is a set of output features; `displacement` reports it beside the stored tensor as MODULE.PART (qkv_proj.v), from
-the LoRA factors restricted to the part's rows of B (the slice of B A is B[rows] A), never from the product.
+half, then up half; GPT-OSS interleaves them, in a stack stored [E, in, out]: each expert is read out x in). A fused
+module of a family not listed is reported whole. Each part is a set of output features; `displacement` reports it
+beside the stored tensor as MODULE.PART (qkv_proj.v), from the LoRA factors restricted to the part's rows of B (the
+slice of B A is B[rows] A), never from the product.
 
 A part row carries `part_of` (the stored module): sums over whole tensors (per layer, the whole model) leave part
 rows out, or they would count a fused tensor twice.
@@ -114,7 +115,18 @@ def output_parts(module: str, out_features: int, config: dict) -> list[tuple[str
     return _heads(groups, pattern, head_dim)
 
 
+# families whose expert stacks are stored [E, in, out]: transformers' @use_experts_implementation(is_transposed=True)
+_EXPERTS_IN_OUT = ("gpt_oss", "aria_text")
+
+
+def experts_in_out(config: dict) -> bool:
+    """Whether the family stores its expert stacks [E, in, out] (GPT-OSS, Aria) rather than [E, out, in]: in memory
+    the experts module says so (is_transposed); in files only a square stack needs this to be read the right way."""
+    return _text(config or {}).get("model_type") in _EXPERTS_IN_OUT
+
+
 def output_axis(config: dict, ndim: int) -> int:
     """The axis of a stored tensor that holds the output features: 1 for GPT-2's Conv1D weights (in x out),
-    else 0 (Linear weights are out x in; biases are 1-D)."""
+    else 0 (Linear weights are out x in; biases are 1-D; an expert of a stack is read out x in whatever the
+    stack's layout)."""
     return 1 if ndim == 2 and _text(config or {}).get("model_type") == "gpt2" else 0

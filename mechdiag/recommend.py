@@ -343,10 +343,18 @@ def too_few_records(s: Signals):
 
 
 def _raise_budget(cfg: Config) -> Change | None:
+    """A longer completion budget, inside the model's context (the refined config must train: prompts then keep
+    fewer tokens, models.fit_prompt_budget)."""
+    from mechdiag.models import context_of  # noqa: PLC0415 - transformers, only when a budget is raised
+
     cur = cfg.max_completion_tokens
-    if cur >= COMPLETION_TOKENS_MAX:
+    top = COMPLETION_TOKENS_MAX
+    context = context_of(cfg.model.name_or_path)
+    if context is not None:
+        top = min(top, context - 1)
+    if cur >= top:
         return None
-    new = min(COMPLETION_TOKENS_MAX, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    new = min(top, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
     return Change("max_completion_tokens", cur, new)
 
 

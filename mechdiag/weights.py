@@ -24,6 +24,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from mechdiag.errors import UserError, first_line
+from mechdiag.parts import experts_in_out
 
 INDEX_NAME = "model.safetensors.index.json"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -142,7 +143,8 @@ class SafeFiles:
         if isinstance(ref, ConcatRef):
             shapes = [self.shape(p) for p in ref.parts]
             return (sum(s[0] for s in shapes), *shapes[0][1:])
-        return tuple(self._info(ref)["shape"])
+        shape = tuple(self._info(ref)["shape"])
+        return shape[::-1] if ref.transposed else shape
 
     def dtype(self, ref: TensorRef | ConcatRef) -> str:
         return self._info(ref.parts[0] if isinstance(ref, ConcatRef) else ref)["dtype"]
@@ -165,6 +167,9 @@ class SafeFiles:
                     pieces.append(self.read(p, lo, max(lo, hi)))
                 row += n
             return torch.cat(pieces)
+        if ref.transposed:  # an [in, out] expert read as [out, in]: rows of the transpose, a strided view
+            whole = self.read(TensorRef(ref.path, ref.key, ref.expert)).T
+            return whole if start is None else whole[start:stop]
         info = self._info(ref)
         dtype = _DTYPES.get(info["dtype"])
         if dtype is None:
@@ -215,10 +220,13 @@ def _read_header(path: str) -> tuple[dict, int]:
 @dataclass(frozen=True)
 class TensorRef:
     """Where a dense tensor lives. Two refs that are equal hold the same bytes (used to skip base == base).
-    expert: one expert [e] of a 3-D expert stack (contiguous in the file), read as a tensor of its own."""
+    expert: one expert [e] of a 3-D expert stack (contiguous in the file), read as a tensor of its own;
+    transposed: that expert of a stack stored [E, in, out] (GPT-OSS) read as its transpose, out x in as a Linear's
+    weight and every other family's expert (a 2-D [in, out] expert, so shape and parts read the output rows)."""
     path: str
     key: str
     expert: int | None = None
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -249,8 +257,9 @@ class Side:
     entries: dict[str, Entry]
     config: dict
     is_adapter: bool = False
-    # an adapter's parameter LoRA names its experts as the model does: new name -> [(saved name, expert or None)]
-    regroup: dict[str, list[tuple[str, int | None]]] = field(default_factory=dict)
+    # an adapter's parameter LoRA names its experts as the model does: new name -> [(saved name, expert or None,
+    # read transposed)] (regroup)
+    regroup: dict[str, list[tuple[str, int | None, bool]]] = field(default_factory=dict)
 
 
 # --- opening sources --------------------------------------------------------------------------------------------
@@ -420,10 +429,10 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             continue
         factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
 
-    plan: dict[str, list[tuple[str, int | None]]] = {}  # expert tensors renamed as the model names them
+    plan: dict[str, list[tuple[str, int | None, bool]]] = {}  # expert tensors renamed as the model names them
     for mod, f in factors.items():
         if _targets_parameter(mod, cfg.get("target_parameters")):
-            _parameter_lora(folder, cfg, mod, f, entries, files, plan)
+            _parameter_lora(folder, cfg, mod, f, entries, files, plan, config)
             continue
         target = redirect.get(mod + ".weight", mod + ".weight")
         if target not in entries:
@@ -471,34 +480,35 @@ def _targets_parameter(mod: str, targets) -> bool:
     return False
 
 
-def regroup(entries: dict[str, Entry], plan: dict[str, list[tuple[str, int | None]]]) -> None:
+def regroup(entries: dict[str, Entry], plan: dict[str, list[tuple[str, int | None, bool]]]) -> None:
     """Rename saved tensors as the model's parameters: each new name is the saved tensors listed (one expert of a
-    3-D stack when the expert is set), stacked by rows (ConcatRef), their LoRA terms kept; the saved names go.
-    A side without all of a group's tensors keeps them as they are."""
+    3-D stack when the expert is set, read transposed when the flag is), stacked by rows (ConcatRef), their LoRA
+    terms kept; the saved names go. A side without all of a group's tensors keeps them as they are."""
     gone = set()
     for new, olds in plan.items():
-        if not all(o in entries for o, _ in olds) or olds == [(new, None)]:
+        if not all(o in entries for o, _, _ in olds) or olds == [(new, None, False)]:
             continue
-        refs = [entries[o].dense if e is None else TensorRef(entries[o].dense.path, entries[o].dense.key, e)
-                for o, e in olds]
-        lora = [t for o, e in olds for t in entries[o].lora]
+        refs = [entries[o].dense if e is None else TensorRef(entries[o].dense.path, entries[o].dense.key, e, t)
+                for o, e, t in olds]
+        lora = [f for o, _, _ in olds for f in entries[o].lora]
         if lora and len(olds) > 1:  # rows of several LoRA'd tensors are not one pair of factors
             raise UserError(f"{olds[0][0]}: carries LoRA of its own and is also part of {new}")
-        gone.update(o for o, _ in olds)
+        gone.update(o for o, _, _ in olds)
         entries[new] = Entry(refs[0] if len(refs) == 1 else ConcatRef(tuple(refs)), lora)
     for o in gone - set(plan):
         entries.pop(o, None)
 
 
 def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, files: SafeFiles,
-                    plan: dict[str, list[tuple[str, int | None]]]) -> None:
+                    plan: dict[str, list[tuple[str, int | None, bool]]], model_config: dict) -> None:
     """LoRA on a parameter (peft's target_parameters: an expert stack [E, out, in], a router's weight), put on the
     tensors the base files hold, as factors. peft's layout: lora_A (E*r, in) and lora_B (out, r*E) give expert e
     A_e = A.reshape(E, r, in)[e], B_e = B.reshape(out, r, E)[:, :, e]; its update is s B_e A_e, the stack stored
-    [E, out, in] (transformers 5's experts; an [E, in, out] stack stores the transpose). Each expert is one entry
-    named as the model names it (model.layers.0.mlp.experts.5.gate_up_proj.weight, as lora_rows records it): the
-    files' stack split per expert, or the expert's saved tensors (gate_proj and up_proj, Mixtral's block_sparse_moe
-    w1 and w3) stacked by rows (`plan`, applied to the other side too)."""
+    [E, out, in] (transformers 5's experts). A stack stored [E, in, out] (GPT-OSS: the shapes tell, a square one
+    its family, mechdiag.parts.experts_in_out) holds the transpose: its experts are read transposed, out x in like
+    every other. Each expert is one entry named as the model names it (model.layers.0.mlp.experts.5.gate_up_proj
+    .weight, as lora_rows records it): the files' stack split per expert, or the expert's saved tensors (gate_proj
+    and up_proj, Mixtral's block_sparse_moe w1 and w3) stacked by rows (`plan`, applied to the other side too)."""
     if "lora_A.weight" not in f or "lora_B.weight" not in f:
         raise UserError(f"{folder}: adapter parameter {mod} has only one of its two LoRA factors")
     A, B = f["lora_A.weight"], f["lora_B.weight"]
@@ -520,7 +530,8 @@ def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, f
             if len(shape) == 2 and tuple(shape) == (out_f, in_f):
                 fits.append((param, "matrix", [key]))
             elif len(shape) == 3 and tuple(shape[1:]) in ((out_f, in_f), (in_f, out_f)):
-                fits.append((param, "stack" if tuple(shape[1:]) == (out_f, in_f) else "stack_t", [key]))
+                in_out = tuple(shape[1:]) != (out_f, in_f) or (out_f == in_f and experts_in_out(model_config))
+                fits.append((param, "stack_t" if in_out else "stack", [key]))
             continue
         for sources in _STACK_SOURCES.get(param, ()):
             found = sorted(k for k in entries if k.startswith(layer_prefix)
@@ -550,25 +561,25 @@ def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, f
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     A3, B3 = A.reshape(E, r, in_f), B.reshape(out_f, r, E)
     if layout == "matrix":  # a router's weight (E = 1): named as the model names it (mlp.gate.weight)
-        group = {f"{owner}.{param}": [(keys[0], None)]}
+        group = {f"{owner}.{param}": [(keys[0], None, False)]}
     elif layout == "experts":  # per expert and source (gate_proj, up_proj): stacked by rows, as the stack holds them
         per = len(keys) // E
         if per * E != len(keys):
             raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, the base {len(keys)} tensors")
-        group = {f"{owner}.{e}.{param}.weight": [(k, None) for k in keys[e * per:(e + 1) * per]] for e in range(E)}
+        group = {f"{owner}.{e}.{param}.weight": [(k, None, False) for k in keys[e * per:(e + 1) * per]]
+                 for e in range(E)}
     else:
         if files.shape(entries[keys[0]].dense)[0] != E:
             raise UserError(f"{folder}: adapter parameter {mod} has {E} experts, {keys[0]} has "
                             f"{files.shape(entries[keys[0]].dense)[0]}")
-        group = {f"{owner}.{e}.{param}.weight": [(keys[0], e)] for e in range(E)}
+        group = {f"{owner}.{e}.{param}.weight": [(keys[0], e, layout == "stack_t")] for e in range(E)}
     plan.update(group)
     regroup(entries, group)
     for e, new in enumerate(group):
         Be, Ae = B3[:, :, e].contiguous(), A3[e]
         if layout == "matrix":
             Be, Ae = B, A
-        entries[new].lora.append(LoraFactor(scale, Be, Ae) if layout != "stack_t"
-                                 else LoraFactor(scale, Ae.T.contiguous(), Be.T.contiguous()))
+        entries[new].lora.append(LoraFactor(scale, Be, Ae))
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,

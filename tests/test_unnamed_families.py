@@ -1,9 +1,10 @@
 """Issue 26, "the same holds on families the tests do not name": causal-LM families beyond the matrix, each with a
 quirk of its own (tests/tiny_models.UNNAMED: fused q/k/v layouts, head transforms, other block and module names,
-experts), through native `mechdiag train`, `mechdiag displacement` (equal to the adapter file's factors multiplied
-out in float64, fused parts sliced as the family's own modeling code slices them) and `mechdiag shift` (its last
-layer equal to the model's own logits: Granite's logits_scaling and Cohere's logit_scale included). Families that
-cannot work give one clear line and exit 2 (NOT_SUPPORTED)."""
+experts, GPT-OSS's [E, in, out] expert stacks with gate / up interleaved), through every cell of
+tests/family_cells.py as the matrix is: train (native and TRL), displacement (by tensor, module, layer, --spectral;
+fused parts sliced as the family's own modeling code slices them), shift (its last layer equal to the model's own
+logits: Granite's logits_scaling and Cohere's logit_scale included), attribute, recommend and training its refined
+config, report and eval. Families that cannot work give one clear line and exit 2 (NOT_SUPPORTED)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from mechdiag.models import load_tokenizer
 from mechdiag.probes.capture import Probe, pad_batch
-from tests.test_family_matrix import SMALL, _deltas, _rows, _sets, check_shift, cli
+from tests import family_cells as cells
 from tests.tiny_models import UNNAMED, build, family_config, family_folder
 
 torch.set_num_threads(1)
@@ -58,6 +59,8 @@ FUSED = {"falcon": ("query_key_value", "self_attention"), "falcon_mq": ("query_k
 # family -> what train's one stderr line says: Mamba's default targets include out_proj, which peft will not adapt;
 # with targets it can, Mamba and RecurrentGemma carry a recurrent state our padded batches would run through
 RECURRENT = "layers with a recurrent state"
+# 4 tokens still give the toy reward a spread within a group (else the adapter never leaves zero)
+FAST = ("max_completion_tokens=4", "eval_n=2")
 NOT_SUPPORTED = {"mamba": "peft cannot adapt them on this model", "recurrent_gemma": RECURRENT}
 
 
@@ -85,21 +88,25 @@ def test_fused_parts_are_the_models_own_split(family):
     assert sorted(i for idx in parts.values() for i in idx.tolist()) == list(range(out))
 
 
-def _train(folder, out, *extra):
-    return cli("train", "--out", out, "--max-steps", "2", *_sets(f"model.name_or_path={folder}", *SMALL, *extra))
-
-
 @pytest.mark.parametrize("family", sorted(NOT_SUPPORTED))
 def test_unsupported_default_targets_exit_2_with_one_line(family, tmp_path):
+    """train (either backend: the model and its LoRA are refused before either starts) and eval refuse in one
+    line; displacement and shift need no sampling and work on these models."""
     folder = family_folder(family, tmp_path / "model")
-    code, _, err = _train(folder, tmp_path / "run")
-    assert code == 2 and "Traceback" not in err, err[-2000:]
+    code, _, err = cells.cli("eval", folder, "--task", "tests.toy:Toy", "--n", 2, "--k", 1, "--max-new-tokens", 2,
+                             "--out", tmp_path / "eval")
     errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
-    assert len(errors) == 1 and NOT_SUPPORTED[family] in errors[0], err[-2000:]
-    if family == "mamba":  # the modules peft can adapt there: then the recurrent state is what refuses it
-        code, _, err = _train(folder, tmp_path / "run2", "lora.target_modules=[in_proj,x_proj,dt_proj]")
+    assert code == 2 and len(errors) == 1 and RECURRENT in errors[0] and "Traceback" not in err, err[-2000:]
+    for backend in cells.BACKENDS:
+        code, _, err = cells.train(folder, tmp_path / backend, backend)
+        assert code == 2 and "Traceback" not in err, (backend, err[-2000:])
         errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
-        assert code == 2 and len(errors) == 1 and RECURRENT in errors[0], err[-2000:]
+        assert len(errors) == 1 and NOT_SUPPORTED[family] in errors[0], (backend, err[-2000:])
+        if family == "mamba":  # the modules peft can adapt there: then the recurrent state is what refuses it
+            code, _, err = cells.train(folder, tmp_path / f"{backend}2", backend,
+                                       "lora.target_modules=[in_proj,x_proj,dt_proj]")
+            errors = [ln for ln in err.splitlines() if ln.startswith("mechdiag: error: ")]
+            assert code == 2 and len(errors) == 1 and RECURRENT in errors[0], (backend, err[-2000:])
 
 
 def test_recurrent_gemma_lens_is_its_own_soft_capped_logits():
@@ -116,50 +123,96 @@ def test_recurrent_gemma_lens_is_its_own_soft_capped_logits():
 
 @pytest.fixture(scope="module", params=[f for f in UNNAMED if f not in NOT_SUPPORTED])
 def fam(request, tmp_path_factory):
-    """One family's model folder and its native run of two steps."""
-    tmp = tmp_path_factory.mktemp(request.param)
-    folder = family_folder(request.param, tmp / "model")
-    code, _, err = _train(folder, tmp / "native")
-    assert code == 0, err[-3000:]
-    return request.param, folder, tmp / "native", tmp
+    """One family's model folder and its two trained runs (native, TRL), shared by every cell; shorter completions
+    and evals than the matrix's (the cells are the same, their cost is decoding)."""
+    return cells.family_runs(request.param, tmp_path_factory.mktemp(request.param), *FAST)
 
 
-def test_displacement_is_the_adapter_files(fam):
-    family, folder, run, _ = fam
-    pairs = _deltas(run, folder)  # (delta, base weight) under the model's names: expert stacks per expert
-    deltas = {k: d for k, (d, _) in pairs.items()}
-    base = {k: b.double() for k, (_, b) in pairs.items()}
-    rows = {r["name"]: r for r in _rows(folder, run)}
-    assert any(float(d.norm()) > 0 for d in deltas.values())
-    for name, d in deltas.items():
-        r = rows[name]
-        assert r["delta_fro"] == pytest.approx(float(d.norm()), rel=1e-9, abs=1e-12), name
-        assert r["ref_fro"] == pytest.approx(float(base[name].norm()), rel=1e-9), name
-    assert {n for n, r in rows.items() if r["delta_fro"] > 0 and not r.get("part_of")} <= set(deltas)
+def test_train_native_and_trl_record_exact_displacement(fam):
+    _, folder, runs, _ = fam
+    cells.check_train_records(folder, runs)
+
+
+def test_displacement_and_fused_parts_are_the_adapter_files(fam):
+    """The matrix's displacement cell, and each fused part's row the rows of the float64 delta the family's own
+    code reads as that part (q / k / v of a fused attention; an expert's gate and up)."""
+    family, folder, runs, _ = fam
+    run = runs["native"]
+    rows = cells.check_displacement(folder, run)
+    pairs = cells.deltas(run, folder)
     parts = [r for r in rows.values() if r.get("part_of")]
-    if family not in FUSED:  # only an expert stack's gate / up halves (tests/test_moe_lora.py checks their values)
+    _check_gate_up(folder, pairs, rows)
+    if family not in FUSED:  # only an expert stack's gate / up halves
         assert all(r["part_of"] == "experts.gate_up_proj" for r in parts), family
         return
     module, attn_path = FUSED[family]
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    attn = _block0(model).get_submodule(attn_path)
+    attn = _block0(cells.base(folder)).get_submodule(attn_path)
     own = _own_split(family, attn, getattr(attn, module).weight.shape[0])
-    fused = [n for n in deltas if n.endswith(f".{module}.weight")]
+    fused = [n for n in pairs if n.endswith(f".{module}.weight")]
     assert fused, family
     for name in fused:  # each part is the dense delta's rows the model reads as q, k, v
+        d, w = pairs[name]
         for p, idx in own.items():
             r = rows[f"{name}[{p}]"]
             rows_ = torch.tensor(sorted(idx))
             assert r["module"] == f"{module}.{p}" and r["part_of"] == module
-            assert r["delta_fro"] == pytest.approx(float(deltas[name][rows_].norm()), rel=1e-9, abs=1e-12)
-            assert r["ref_fro"] == pytest.approx(float(base[name][rows_].norm()), rel=1e-9)
+            assert r["delta_fro"] == pytest.approx(float(d[rows_].norm()), rel=1e-9, abs=1e-12)
+            assert r["ref_fro"] == pytest.approx(float(w.double()[rows_].norm()), rel=1e-9)
         assert math.fsum(rows[f"{name}[{p}]"]["delta_fro"] ** 2 for p in "qkv") == \
             pytest.approx(rows[name]["delta_fro"] ** 2, rel=1e-9, abs=1e-18)
 
 
+def _gate_features(experts, n_out: int) -> dict[str, torch.Tensor]:
+    """gate / up output features of a gate_up projection as the experts module's own _apply_gate splits them: the
+    activation is nonlinear in a gate feature and linear in an up feature, so the diagonal of the Hessian of its
+    summed output (at 0.5: inside GPT-OSS's clamps) is nonzero exactly on the gate features."""
+    x = torch.full((n_out,), 0.5, dtype=torch.float64)
+    h = torch.autograd.functional.hessian(lambda v: experts._apply_gate(v[None]).sum(), x).diagonal()
+    gate = (h.abs() > 1e-12).nonzero().reshape(-1)
+    up = (h.abs() <= 1e-12).nonzero().reshape(-1)
+    assert len(gate) == len(up) == n_out // 2
+    return {"gate": gate, "up": up}
+
+
+def _check_gate_up(folder, pairs, rows):
+    """Each expert's gate and up parts are the rows of the float64 delta its own code reads as gate and up (the
+    output axis: features of x @ W[e] where the stack is stored [E, in, out], is_transposed, of W[e] x where
+    [E, out, in])."""
+    names = [n for n in pairs if n.endswith(".gate_up_proj.weight")]
+    model = AutoModelForCausalLM.from_pretrained(folder).double() if names else None
+    for name in names:
+        experts = model.get_submodule(name.rsplit(".", 3)[0])
+        d, w = pairs[name]
+        axis = 1 if getattr(experts, "is_transposed", False) else 0
+        for p, idx in _gate_features(experts, d.shape[axis]).items():
+            r = rows[f"{name}[{p}]"]
+            assert r["delta_fro"] == pytest.approx(float(d.index_select(axis, idx).norm()), rel=1e-9), (name, p)
+            assert r["ref_fro"] == pytest.approx(float(w.double().index_select(axis, idx).norm()), rel=1e-9), name
+
+
 def test_shift_last_layer_is_the_models_own_logits(fam):
-    family, folder, run, tmp = fam
-    check_shift(folder, run, tmp)
+    _, folder, runs, tmp = fam
+    cells.check_shift(folder, runs["native"], tmp)
+
+
+def test_attribute_reference_rows_are_the_summary(fam):
+    _, _, runs, _ = fam
+    cells.check_attribute(runs)
+
+
+def test_recommend_then_train_its_refined_config(fam):
+    _, folder, runs, tmp = fam
+    cells.check_recommend_train(folder, runs["native"], tmp)
+
+
+def test_report_shows_the_recorded_module_mass(fam):
+    _, folder, runs, tmp = fam
+    cells.check_report(folder, runs, tmp)
+
+
+def test_eval_reproduces_the_runs_base_and_final_accuracy(fam):
+    _, folder, runs, tmp = fam
+    cells.check_eval(folder, runs["native"], tmp)
 
 
 def test_the_head_transforms_are_exercised():

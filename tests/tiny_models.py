@@ -15,16 +15,27 @@ MOE = ("qwen3_moe", "olmoe", "mixtral", "qwen2_moe")  # saved per expert; mixtra
 # issue 26's "families the tests do not name" (tests/test_unnamed_families.py): fused q/k/v layouts of their own
 # (Falcon's three, Bloom, Persimmon, GPT-BigCode multi-query and not, DBRX, MPT, CodeGen's shards), head transforms
 # (Granite's logits_scaling, Cohere's logit_scale), other block and module names (GPT-J, OPT, Phi-1/2, StableLM,
-# Starcoder2, GPT-Neo and XGLM), experts (DBRX, OLMoE, Mixtral, Qwen2-MoE), RecurrentGemma (logits_soft_cap) and
-# Mamba (peft refuses its out_proj: exit 2)
+# Starcoder2, GPT-Neo and XGLM), experts (DBRX, OLMoE, Mixtral, Qwen2-MoE; GPT-OSS: stacks stored [E, in, out],
+# gate / up interleaved, biases, attention sinks), RecurrentGemma (logits_soft_cap) and Mamba (peft refuses its
+# out_proj: exit 2)
 UNNAMED = ("falcon", "falcon_mq", "falcon_rw", "bloom", "gpt_bigcode", "gpt_bigcode_mha", "gptj", "opt", "stablelm",
            "starcoder2", "granite", "cohere", "persimmon", "phi", "dbrx", "mpt", "codegen", "olmoe", "mixtral",
-           "qwen2_moe", "gpt_neo", "xglm", "recurrent_gemma", "mamba")
+           "qwen2_moe", "gpt_oss", "gpt_neo", "xglm", "recurrent_gemma", "mamba")
 N_LAYERS = 2
 
 
 def family_config(family: str, vocab_size: int = 64, bos_token_id: int = 0, eos_token_id: int = 1,
-                  pad_token_id: int = 0):
+                  pad_token_id: int = 0, positions: int | None = None):
+    """A tiny config of `family`; positions: its context, under the family's own key (max_position_embeddings,
+    which attribute_map sends to GPT-2's n_positions; MPT's max_seq_len)."""
+    cfg = _family_config(family, vocab_size, bos_token_id, eos_token_id, pad_token_id)
+    if positions is not None:
+        key = next(k for k in ("max_position_embeddings", "max_seq_len") if hasattr(cfg, k))
+        setattr(cfg, key, positions)
+    return cfg
+
+
+def _family_config(family, vocab_size, bos_token_id, eos_token_id, pad_token_id):
     import transformers as T
 
     common = dict(vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=N_LAYERS,
@@ -125,6 +136,9 @@ def _unnamed_config(family: str, common: dict):
                             max_position_embeddings=pos, **ids)
     if family == "recurrent_gemma":  # soft-capped logits under its own name (logits_soft_cap)
         return T.RecurrentGemmaConfig(num_key_value_heads=1, lru_width=16, attention_window_size=4, **common)
+    if family == "gpt_oss":  # experts stored in x out ([E, H, 2I], is_transposed), gate / up interleaved, biases
+        return T.GptOssConfig(num_key_value_heads=1, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                              sliding_window=4, layer_types=["sliding_attention", "full_attention"], **common)
     if family == "mamba":
         return T.MambaConfig(hidden_size=16, num_hidden_layers=N_LAYERS, state_size=4, **ids)
     raise ValueError(family)
@@ -142,9 +156,9 @@ def save(model, folder: Path, **kw) -> Path:
     return folder
 
 
-def family_folder(family: str, folder: Path, seed: int = 0) -> Path:
+def family_folder(family: str, folder: Path, seed: int = 0, positions: int | None = None) -> Path:
     """A model folder users could train: a tiny random model of the family sized to the bundled tokenizer, which
-    ships beside it (tokenizer.json as is)."""
+    ships beside it (tokenizer.json as is); positions: its context (family_config)."""
     import shutil
 
     from transformers import AutoModelForCausalLM
@@ -154,7 +168,7 @@ def family_folder(family: str, folder: Path, seed: int = 0) -> Path:
     tok = load_tokenizer("bundled")
     torch.manual_seed(seed)
     cfg = family_config(family, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                        pad_token_id=tok.pad_token_id)
+                        pad_token_id=tok.pad_token_id, positions=positions)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     for f in bundled_path().iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
@@ -166,7 +180,8 @@ def adapter_deltas(final, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
     """name -> (s * B @ A, the base weight), float64, multiplied out from a saved peft adapter folder in peft's
     layout, independently of mechdiag: a module's delta out x in (Conv1D's in x out left to the caller); an expert
     stack's (peft's target_parameters: lora_A [E*r, in], lora_B [out, r*E]) per expert e as
-    einsum("o r e, e r i -> e o i", B, A)[e] under the model's name owner.e.param.weight; a router's (2-D) owner.weight.
+    einsum("o r e, e r i -> e o i", B, A)[e] under the model's name owner.e.param.weight (its transpose, "e i o", on
+    a stack stored [E, in, out]); a router's (2-D) owner.weight.
     model: the base in memory (the stacks' names and shapes)."""
     import json
 
@@ -185,7 +200,8 @@ def adapter_deltas(final, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
         mod = model.get_submodule(owner)
         params = [t.rpartition(".")[2] for t in cfg.get("target_parameters") or ()
                   if owner == t.rpartition(".")[0] or owner.endswith("." + t.rpartition(".")[0])]
-        fit = [p for p in params if getattr(mod, p).shape[-2:] == (B.shape[0], A.shape[1])]
+        out_in, in_out = (B.shape[0], A.shape[1]), (A.shape[1], B.shape[0])
+        fit = [p for p in params if getattr(mod, p).shape[-2:] in (out_in, in_out)]
         if not fit:  # a module LoRA
             out[path + ".weight"] = (s * (B @ A), mod.weight.detach().double())
             continue
@@ -195,7 +211,9 @@ def adapter_deltas(final, model) -> dict[str, tuple[torch.Tensor, torch.Tensor]]
             out[f"{owner}.{fit[0]}"] = (s * (B @ A), w)
             continue
         E = w.shape[0]
-        delta = s * torch.einsum("o r e, e r i -> e o i", B.reshape(B.shape[0], -1, E), A.reshape(E, -1, A.shape[1]))
+        # peft's einsum: [E, out, in] stacks get B_e A_e, [E, in, out] ones (is_transposed: GPT-OSS) its transpose
+        how = "e o i" if w.shape[-2:] == out_in and not getattr(mod, "is_transposed", False) else "e i o"
+        delta = s * torch.einsum(f"o r e, e r i -> {how}", B.reshape(B.shape[0], -1, E), A.reshape(E, -1, A.shape[1]))
         for e in range(E):
             out[f"{owner}.{e}.{fit[0]}.weight"] = (delta[e], w[e])
     assert out

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -41,13 +42,13 @@ from mechdiag.integrations.readers import (
     read_verl_run,
 )
 from mechdiag.integrations.trl_args import config_from_grpo
-from mechdiag.models import device, load_model_and_tokenizer
+from mechdiag.models import context_of, device, fit_to_context, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks import resolve_rewards
-from mechdiag.train.lora import peft_config
+from mechdiag.train.lora import peft_config, peft_refusals
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -552,14 +553,26 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
     resolve_rewards(cfg)
     torch.manual_seed(cfg.seed)
-    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
-    peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
+    context = context_of(cfg.model.name_or_path)
+    tok = load_tokenizer(cfg.model.name_or_path)
     heldout = R.HeldOut.from_config(cfg, tok)
     task, eval_prompts = heldout.task, heldout.prompts
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     if not train_ex:
         raise UserError(f"task {cfg.task.name} has no training examples")
-    data = Dataset.from_list([{"prompt": task.prompt(ex, tok), "example_id": ex.id} for ex in train_ex])
+    prompts = [task.prompt(ex, tok) for ex in train_ex]
+    if context is not None:  # TRL decodes each prompt whole: past the context a model crashes or extrapolates
+        longest = max(len(ids) for ids in tok(prompts)["input_ids"])
+        if longest + cfg.max_completion_tokens > context:
+            room = (f"lower max_completion_tokens to {context - longest} or less, or " if longest < context else "")
+            raise UserError(f"--backend trl: the longest training prompt is {longest} tokens, and with "
+                            f"max_completion_tokens={cfg.max_completion_tokens} it passes the model's context of "
+                            f"{context} positions (TRL does not cut prompts); {room}train with the native backend, "
+                            "which cuts them")
+    fit_to_context(cfg)  # our held-out evals cut prompts to what fits
+    model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, tokenizer=tok)
+    peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
+    data = Dataset.from_list([{"prompt": p, "example_id": ex.id} for p, ex in zip(prompts, train_ex, strict=True)])
     funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights)
     cv = GroupCV(funcs, weights, group_size=cfg.group_size)
     args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
@@ -573,8 +586,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                           max_time_s=getattr(cfg, "max_time_s", None),
                           forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
                           if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
-    trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data, processing_class=tok,
-                          peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
+    with peft_refusals(peft_cfg) if peft_cfg is not None else contextlib.nullcontext():  # TRL wraps the model
+        trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data,
+                              processing_class=tok, peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
     from transformers.trainer_callback import (  # noqa: PLC0415 - next to the trainer whose callbacks it edits
         PrinterCallback,
         ProgressCallback,

@@ -18,7 +18,7 @@ from mechdiag import vocab
 from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
 from mechdiag.generate import policy_hidden, policy_logits, sample_tokens
-from mechdiag.models import encode_prompts, eos_ids, pad_id, reference_context
+from mechdiag.models import context_length, encode_prompts, eos_ids, fit_prompt_budget, pad_id, reference_context
 from mechdiag.probes.prompts import read_prompts, task_prompts
 
 
@@ -52,8 +52,10 @@ class ForgetProbe:
     def _continuations(self, base, device) -> list:
         if self._cache is None:
             tok, cache = self.tokenizer, []
+            budget = fit_prompt_budget(context_length(getattr(base, "config", None)), self.max_prompt_tokens,
+                                       self.max_new_tokens, "max_prompt_tokens", "record.forget_tokens")
             for s in range(0, len(self.prompts), self.batch_size):
-                ids, mask = encode_prompts(tok, self.prompts[s:s + self.batch_size], self.max_prompt_tokens)
+                ids, mask = encode_prompts(tok, self.prompts[s:s + self.batch_size], budget)
                 ids, mask = ids.to(device), mask.to(device)
                 comp, cmask, _ = sample_tokens(base, ids, mask, max_new_tokens=self.max_new_tokens,
                                                eos=eos_ids(base, tok), pad=pad_id(tok), temperature=0.0)

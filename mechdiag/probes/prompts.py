@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.models import context_length
 from mechdiag.tasks import get_task
 
 NO_LIMIT = 1_000_000  # tokenizers without a limit report model_max_length ~1e30
@@ -49,7 +50,8 @@ def task_prompts(name: str, tokenizer, split: str = "test", n: int | None = None
 
 
 def max_length_of(tokenizer, config) -> int:
-    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    """The longest prompt shift reads: the model's context (models.context_length) or the tokenizer's limit."""
+    limits = [context_length(config), getattr(tokenizer, "model_max_length", None)]
     limits = [int(x) for x in limits if isinstance(x, (int, float)) and 0 < x < NO_LIMIT]
     return min(limits) if limits else 2048
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from peft import LoraConfig as PeftLoraConfig
 from peft import get_peft_model
@@ -57,16 +59,24 @@ def peft_config(model, lora: LoraConfig) -> PeftLoraConfig:
                           fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
 
 
-def apply_lora(model, lora: LoraConfig):
-    """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
-    pcfg = peft_config(model, lora)
+@contextlib.contextmanager
+def peft_refusals(pcfg: PeftLoraConfig):
+    """peft's refusal of some targets on some families (out_proj, conv1d on Mamba), raised while it wraps the
+    model (here, or inside TRL's GRPOTrainer), as one UserError line."""
     try:
-        return get_peft_model(model, pcfg)
-    except ValueError as e:  # peft refuses some targets on some families (out_proj, conv1d on Mamba)
+        yield
+    except ValueError as e:
         if not str(e).startswith("[PEFT:"):
             raise
         raise UserError(f"lora.target_modules {sorted(pcfg.target_modules or [])}: peft cannot adapt them on this "
                         f"model: {first_line(e)} (set lora.target_modules to the modules it can)") from e
+
+
+def apply_lora(model, lora: LoraConfig):
+    """Wrap `model` with a peft LoRA adapter on the chosen layers x modules; only the factors train."""
+    pcfg = peft_config(model, lora)
+    with peft_refusals(pcfg):
+        return get_peft_model(model, pcfg)
 
 
 def _is_param_lora(mod) -> bool:

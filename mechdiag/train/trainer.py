@@ -132,6 +132,7 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
+        models.fit_to_context(cfg)  # a completion budget the model's context cannot hold fails before the load too
         self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
         # what the copies cost: the reference (full fine-tuning) or the merged sampler (LoRA) is one more model
         self.memory = {"weights_bytes": param_bytes(self.model),
