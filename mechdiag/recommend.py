@@ -342,14 +342,16 @@ def too_few_records(s: Signals):
                     n_records=s.n_train, min_records=MIN_RECORDS)
 
 
-def _raise_budget(cfg: Config) -> Change | None:
+def _raise_budget(s: Signals) -> Change | None:
     """A longer completion budget, inside the model's context (the refined config must train: prompts then keep
-    fewer tokens, models.fit_prompt_budget)."""
+    fewer tokens, models.fit_prompt_budget) when the run shows its model (a foreign run that does not is never
+    held to our default model's context)."""
     from mechdiag.models import context_of  # noqa: PLC0415 - transformers, only when a budget is raised
 
+    cfg = s.cfg
     cur = cfg.max_completion_tokens
     top = COMPLETION_TOKENS_MAX
-    context = context_of(cfg.model.name_or_path)
+    context = context_of(cfg.model.name_or_path) if s.known("model.name_or_path") else None
     if context is not None:
         top = min(top, context - 1)
     if cur >= top:
@@ -392,7 +394,7 @@ def no_signal(s: Signals):
                f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
         if too_small:
             ev += f"; a budget under {NO_SIGNAL_MIN_BUDGET} tokens cannot hold the reasoning and answer blocks"
-        change = _raise_budget(s.cfg)
+        change = _raise_budget(s)
         reason = ("budget too short: a longer completion budget lets the answer be written" if change else
                   "budget too short and at its cap: shorten the reasoning (prompt, format warm-up) or the task")
         changes = [change] if change else []
@@ -566,7 +568,7 @@ def truncation(s: Signals):
         margin = (fill - LENGTH_NEAR_BUDGET) / (1 - LENGTH_NEAR_BUDGET)
     else:
         return None
-    change, reason = _raise_budget(s.cfg), "longer budget so reasoning and answer fit"
+    change, reason = _raise_budget(s), "longer budget so reasoning and answer fit"
     changes = [change] if change else []
     if not change:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
