@@ -8,6 +8,7 @@ config, report and eval. Families that cannot work give one clear line and exit 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 
@@ -28,7 +29,9 @@ def _own_split(family: str, attn: torch.nn.Module, out: int) -> dict[str, set[in
     holds the value j goes through the attention's own split method (Falcon, Bloom, Persimmon), or the lines of its
     forward (GPT-BigCode, DBRX, MPT, CodeGen) with the module's own sizes."""
     x = torch.arange(out, dtype=torch.float64).view(1, 1, out)
-    if family.startswith("falcon") or family == "persimmon":
+    if family.startswith("falcon"):
+        q, k, v = _forward_split(attn, "query_key_value", x)
+    elif family == "persimmon":
         q, k, v = attn._split_heads(x)
     elif family == "bloom":
         q, k, v = attn._reshape(x)
@@ -48,6 +51,38 @@ def _own_split(family: str, attn: torch.nn.Module, out: int) -> dict[str, set[in
     else:
         raise ValueError(family)
     return {p: {int(i) for i in t.reshape(-1).tolist()} for p, t in zip("qkv", (q, k, v), strict=True)}
+
+
+def _forward_split(attn: torch.nn.Module, module: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The query, key and value states the attention's own forward hands its attention function when its fused
+    module outputs x (rotary as the identity: cos 1, sin 0), whatever private helpers the modeling code splits with."""
+    from transformers import AttentionInterface
+
+    seen = []
+
+    def capture(_module, q, k, v, *_args, **_kwargs):
+        seen.append((q, k, v))
+        return torch.zeros(*q.shape[:-3], 1, q.shape[-3] * q.shape[-1], dtype=q.dtype), None
+
+    attn = copy.deepcopy(attn)  # its config and module are changed below: the caller's model stays as it was
+    AttentionInterface.register("mechdiag_capture", capture)
+    attn.config._attn_implementation = "mechdiag_capture"
+    setattr(attn, module, _Const(x))
+    head_dim = attn.head_dim
+    hidden = torch.zeros(1, 1, attn.hidden_size, dtype=x.dtype)
+    ones, zeros = torch.ones(1, 1, head_dim, dtype=x.dtype), torch.zeros(1, 1, head_dim, dtype=x.dtype)
+    attn.double().forward(hidden, attention_mask=None, position_embeddings=(ones, zeros))
+    assert len(seen) == 1
+    return seen[0]
+
+
+class _Const(torch.nn.Module):
+    def __init__(self, value: torch.Tensor):
+        super().__init__()
+        self.value = value
+
+    def forward(self, _x):
+        return self.value
 
 
 # family -> (module, the attention holding it, relative to a block)
