@@ -244,6 +244,32 @@ def test_shared_prompt_logprobs_equal_full_forward(stories260k, tmp_path):
     assert torch.allclose(roll.sample_logp[m], full[m], atol=1e-4)  # decode-time log-probs agree too
 
 
+def test_reference_passes_by_length_equal_one_full_forward(stories260k, tmp_path):
+    """Rows whose completions stop early run in their own pass, not padded to the longest (length_passes); the
+    log-probs are the full forward's; equal lengths stay one pass."""
+    from mechdiag.train.rollout import collect, length_passes, policy_logits, sequence_logprobs
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "group_size=4", "prompts_per_step=3",
+                             "max_completion_tokens=48"))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    width = roll.completion_ids.size(1)
+    keep = torch.tensor([width, 3, 4, 2, 5, 3, width, 2, 4, 3, 2, 5])  # two rows run long, ten stop early
+    roll.completion_mask = (torch.arange(width)[None, :] < keep[:, None]).long()
+    roll.completion_ids = roll.completion_ids.masked_fill(roll.completion_mask == 0, 0)
+    passes = length_passes(roll)
+    assert sorted(torch.cat(passes).tolist()) == list(range(12)) and len(passes) >= 2
+    assert sorted(passes[0].tolist()) == [0, 6]  # the two long rows together, the others without their padding
+    got = sequence_logprobs(tr.model, roll, cfg.temperature)
+    with torch.no_grad():
+        logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask)
+    full = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature) * roll.completion_mask
+    assert got.shape == full.shape and (got[roll.completion_mask == 0] == 0).all()
+    assert torch.allclose(got, full, atol=1e-5)
+    roll.completion_mask = torch.ones_like(roll.completion_mask)
+    assert len(length_passes(roll)) == 1
+
+
 def test_update_pass_runs_each_prompt_once_with_the_same_gradient(stories260k, tmp_path):
     """policy_logits with prompt_of (the update pass) gives the full forward's logits and LoRA gradients, also for
     a subset of rows cutting groups (what the zero-advantage skip keeps)."""

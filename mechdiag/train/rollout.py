@@ -1,7 +1,7 @@
 """One GRPO rollout: G samples per prompt, rewards, group advantages, and the old/reference log-probs.
 
 The reference policy is the same model with the adapter disabled under LoRA (no second copy), or a frozen copy
-under full fine-tuning. Each of the old and reference log-probs is one batched forward in inference mode.
+under full fine-tuning. The old and reference log-probs are forwards in inference mode, rows batched by length.
 """
 
 from __future__ import annotations
@@ -59,12 +59,49 @@ class Rollout:
                        t(self.ref_logp), t(self.sample_logp), t(self.sample_entropy))
 
 
+PASS_TOKENS = 32  # a forward pass's fixed cost, in tokens (another read of the weights): what a split must save
+
+
+def length_passes(r: Rollout) -> list[torch.Tensor]:
+    """The rows of r in forward passes of similar completion length: rows sorted by length, cut where the tokens
+    the passes compute (each distinct prompt once per pass, every row padded to its pass's longest completion, and
+    PASS_TOKENS a pass) add up to the least (dynamic programming over the sorted rows). One pass when the lengths
+    are equal; when a few rows run to the budget and most stop early, those few do not pad the rest."""
+    lengths = r.completion_mask.sum(-1).tolist()
+    order = sorted(range(len(r)), key=lambda i: -lengths[i])
+    prompt_len = r.prompt_mask.sum(-1).tolist()
+    n = len(order)
+    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
+    for i in range(n):
+        seen, prompts = set(), 0
+        for j in range(i + 1, n + 1):
+            row = order[j - 1]
+            if r.group_ids[row] not in seen:
+                seen.add(r.group_ids[row])
+                prompts += prompt_len[row]
+            cost = best[i] + PASS_TOKENS + prompts + (j - i) * lengths[order[i]]
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    passes, j = [], n
+    while j > 0:
+        passes.append(torch.tensor(order[cut[j]:j]))
+        j = cut[j]
+    return passes[::-1]
+
+
 @torch.inference_mode()
 def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
-    """Token log-probs of the completions under `model` (no grad, 0 at padding), each group's prompt run once and
-    the head applied a chunk of positions at a time."""
-    return policy_logprobs(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask, temperature,
-                           prompt_of=torch.tensor(r.group_ids))
+    """Token log-probs of the completions under `model` (no grad, 0 at padding): rows in passes of similar length
+    (length_passes), each group's prompt run once per pass and the head applied a chunk of positions at a time."""
+    out = None
+    for rows in length_passes(r):
+        s = r.select(rows)
+        lp = policy_logprobs(model, s.prompt_ids, s.prompt_mask, s.completion_ids, s.completion_mask, temperature,
+                             prompt_of=torch.tensor(s.group_ids))
+        if out is None:
+            out = lp.new_zeros(r.completion_mask.shape)
+        out[rows.to(out.device), :lp.size(1)] = lp
+    return out
 
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
