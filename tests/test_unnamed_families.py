@@ -26,8 +26,8 @@ torch.set_num_threads(1)
 
 def _own_split(family: str, attn: torch.nn.Module, out: int) -> dict[str, set[int]]:
     """part -> output features of a fused q/k/v module, read off the family's own split: an output whose feature j
-    holds the value j goes through the attention's own split method (Falcon, Bloom, Persimmon), or the lines of its
-    forward (GPT-BigCode, DBRX, MPT, CodeGen) with the module's own sizes."""
+    holds the value j goes through the attention's own forward (Falcon: _forward_split), its own split method
+    (Bloom, Persimmon), or the lines of its forward (GPT-BigCode, DBRX, MPT, CodeGen) with the module's own sizes."""
     x = torch.arange(out, dtype=torch.float64).view(1, 1, out)
     if family.startswith("falcon"):
         q, k, v = _forward_split(attn, "query_key_value", x)
