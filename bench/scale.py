@@ -18,6 +18,14 @@ then the table of medians:
         --log bench/_work/grid.jsonl
     python bench/scale.py --table bench/_work/grid.jsonl   # the table again from the log
 
+A random model never emits EOS at a real vocabulary, so every completion runs to the budget, where neither
+trainer can skip anything. `--stops MEAN` runs on a copy whose completions stop (with_stops: only the EOS row of
+the head changes, a per-token EOS probability of 1/MEAN at the model's own samples), built beside --model-dir
+as DIR-stopMEAN:
+
+    python bench/scale.py --real-vocab --stops 150 --grid --rounds 1 --cap 10G --model-dir bench/_work/q05-real \
+        --log bench/_work/grid-stop.jsonl
+
 beta is 0.04 so that both trainers run the backward on every row (a random model's rewards are all equal, and
 with beta 0 mechdiag would skip them all).
 """
@@ -117,6 +125,61 @@ def build(folder: Path, real_vocab: bool | int = False, shape: dict | None = Non
     return folder
 
 
+def with_stops(src: Path, folder: Path, mean_tokens: float, prompts: int = 4, probe_tokens: int = 96) -> Path:
+    """A copy of the model in `src` whose completions stop: its EOS row of the (tied) output head is set to
+    beta * n, n the unit mean of the final hidden states at sampled completion positions, with beta found by
+    bisection so that the mean per-token EOS probability there is 1 / mean_tokens (lengths then spread about
+    like a constant hazard's: geometric, mean ~ mean_tokens, some rows running to the budget). The hidden states
+    are those of the model's own samples from the bench task's train prompts; no other weight changes."""
+    if (folder / "model.safetensors").exists():
+        return folder
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from mechdiag.generate import sample_tokens
+    from mechdiag.models import encode_prompts, eos_ids, load_tokenizer
+    from mechdiag.tasks import get_task
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    tok = load_tokenizer(src)
+    eos = eos_ids(model, tok)[0]
+    task = get_task("arith")
+    ids, mask = encode_prompts(tok, [task.prompt(e, tok) for e in task.examples("train", prompts)], 96)
+    gen = torch.Generator().manual_seed(0)
+    c, cm, _ = sample_tokens(model, ids, mask, max_new_tokens=probe_tokens, eos=[eos], pad=tok.pad_token_id,
+                             temperature=1.0, gen=gen, repeat=2)
+    with torch.inference_mode():
+        full = torch.cat([ids.repeat_interleave(2, 0), c], 1)
+        am = torch.cat([mask.repeat_interleave(2, 0), cm], 1)
+        h = model.model(input_ids=full, attention_mask=am).last_hidden_state[:, ids.size(1) - 1:-1]
+        h = h[cm.bool()].double()  # the positions that predict a completion token
+        w = model.lm_head.weight.double()
+        z = h @ w.T
+        z[:, eos] = -torch.inf
+        rest = torch.logsumexp(z, -1)  # every other token's mass, unchanged by the EOS row
+        del z
+        n = h.mean(0) / h.mean(0).norm()
+        proj = h @ n
+        hazard = lambda b: torch.sigmoid(b * proj - rest).mean().item()  # noqa: E731
+        lo, hi = 0.0, 1.0
+        while hazard(hi) < 1 / mean_tokens:
+            hi *= 2
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if hazard(mid) < 1 / mean_tokens else (lo, mid)
+        model.lm_head.weight[eos] = (hi * n).to(model.lm_head.weight.dtype)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    (tmp / "STOPS.json").write_text(json.dumps({"src": str(src), "mean_tokens": mean_tokens, "beta": hi,
+                                                "probe_positions": int(h.size(0))}))
+    os.replace(tmp, folder)
+    return folder
+
+
 def common(args, model_dir: Path) -> list[str]:
     return [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", f"device={args.device}",
             "max_steps=1", f"group_size={args.group}", f"prompts_per_step={args.prompts}",
@@ -171,6 +234,9 @@ class MemoryCap:
             self.dir = v2 / "memory" / name
             files = {"memory.limit_in_bytes": limit, "memory.memsw.limit_in_bytes": limit}
             self.events, self.key = self.dir / "memory.oom_control", "oom_kill"
+            now = self.dir / "memory.limit_in_bytes"
+            if now.exists() and limit > int(now.read_text()):  # v1 keeps memsw >= the limit: raise memsw first
+                files = dict(reversed(files.items()))
         self.dir.mkdir(exist_ok=True)
         for f, v in files.items():
             if (self.dir / f).exists():
@@ -234,21 +300,23 @@ def table(log: Path, weights: int | None = None, trl: str = "trl") -> str:
     rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()]
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     out = ["| shape (completion x G) | native peak GiB | model prediction GiB | TRL peak GiB | ratio (native / TRL) "
-           "| native s/step | TRL s/step | speed ratio (TRL / native) | rounds (native, TRL) |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| native s/step | TRL s/step | speed ratio (TRL / native) | mean completion tokens (native, TRL) "
+           "| rounds (native, TRL) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for completion, group in GRID:
         got = {c: [r for r in rows if r["case"] == c and r["completion"] == completion and r["group"] == group]
                for c in ("native", trl)}
         if not got["native"] and not got[trl]:
-            out.append(f"| {completion} x {group} | not run | | not run | | | | | 0, 0 |")
+            out.append(f"| {completion} x {group} | not run | | not run | | | | | | 0, 0 |")
             continue
         fig = {}
         for c, rs in got.items():
             ok = [r for r in rs if not r["oom"]]
             cap = next((r["cap_bytes"] for r in rs if r["oom"]), None)
             fig[c] = (statistics.median(r["peak_rss_bytes"] for r in ok) if ok else None,
-                      statistics.median(r["s_per_step"] for r in ok) if ok else None, cap, len(ok))
-        (n_peak, n_s, n_cap, n_k), (t_peak, t_s, t_cap, t_k) = fig["native"], fig[trl]
+                      statistics.median(r["s_per_step"] for r in ok) if ok else None, cap, len(ok),
+                      f"{statistics.median(r['completion_length'] for r in ok):.0f}" if ok else "-")
+        (n_peak, n_s, n_cap, n_k, n_len), (t_peak, t_s, t_cap, t_k, t_len) = fig["native"], fig[trl]
         pred = [r["memory"]["predicted_peak_bytes"] for r in got["native"]
                 if not r["oom"] and "predicted_peak_bytes" in (r.get("memory") or {})]
         pred = statistics.median(pred) if pred else None
@@ -260,7 +328,7 @@ def table(log: Path, weights: int | None = None, trl: str = "trl") -> str:
         x_w = f" ({n_peak / weights:.2f}x weights)" if weights and n_peak else ""
         out.append(f"| {completion} x {group} | {n_peak_s}{x_w} | {gib(pred) if pred else '-'} | {t_peak_s} | "
                    f"{ratio} | {f'{n_s:.1f}' if n_s else '-'} | {f'{t_s:.1f}' if t_s else '-'} | {speed} | "
-                   f"{n_k}, {t_k} |")
+                   f"{n_len}, {t_len} | {n_k}, {t_k} |")
     return "\n".join(out)
 
 
@@ -273,6 +341,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--completion", type=int, default=32)
     ap.add_argument("--real-vocab", action="store_true", help="Qwen2.5-0.5B's 151,936-entry vocabulary (tied)")
+    ap.add_argument("--stops", type=float, default=None,
+                    help="run on a copy whose completions stop: mean EOS wait in tokens (with_stops)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--grid", action="store_true", help="completion 256/512 x G 8/16, rounds, medians")
@@ -296,6 +366,9 @@ def main():
             sys.exit("scale.py: --grid needs --log FILE")
         with tempfile.TemporaryDirectory() as d:
             model_dir = build(args.model_dir or Path(d) / "qwen05b-shape", real_vocab=args.real_vocab)
+            if args.stops:
+                model_dir = with_stops(model_dir, model_dir.with_name(f"{model_dir.name}-stop{args.stops:g}"),
+                                       args.stops)
             cases = "native,trl" if args.cases == ap.get_default("cases") else args.cases
             run_grid(argparse.Namespace(**{**vars(args), "cases": cases}), model_dir, Path(d))
         weights = (model_dir / "model.safetensors").stat().st_size if args.model_dir else None
