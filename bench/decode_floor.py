@@ -48,7 +48,7 @@ def floor_per_token(mats: list[torch.Tensor], rows: int, tokens: int) -> float:
 def mechdiag_per_token(model, ids, mask, rows: int, tokens: int, pad: int) -> float:
     gen = torch.Generator().manual_seed(0)
     t = time.perf_counter()
-    c, cm, _ = sample_tokens(model, ids, mask, max_new_tokens=tokens, eos=[], pad=pad, temperature=1.0, gen=gen,
+    _, cm, _ = sample_tokens(model, ids, mask, max_new_tokens=tokens, eos=[], pad=pad, temperature=1.0, gen=gen,
                              entropy=[], logprobs=[], repeat=rows)
     assert int(cm.sum()) == rows * tokens
     return (time.perf_counter() - t) / tokens
@@ -84,9 +84,8 @@ def main():
         "mechdiag sample_tokens": lambda: mechdiag_per_token(model, ids, mask, a.rows, a.tokens, tok.pad_token_id),
         "transformers generate": lambda: generate_per_token(model, ids, mask, a.rows, a.tokens, tok.pad_token_id),
     }
-    for name in ("mechdiag sample_tokens", "transformers generate"):  # warm-up: first-call costs are not decode
-        (mechdiag_per_token if name.startswith("mechdiag") else generate_per_token)(model, ids, mask, a.rows, 2,
-                                                                                   tok.pad_token_id)
+    for warm_up in (mechdiag_per_token, generate_per_token):  # first-call costs are not decode
+        warm_up(model, ids, mask, a.rows, 2, tok.pad_token_id)
     times: dict[str, list[float]] = {k: [] for k in cases}
     for r in range(a.rounds):
         for name in list(cases) if r % 2 == 0 else list(cases)[::-1]:
