@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -197,6 +198,20 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # ---- layer selection ---------------------------------------------------------------------------------------
 _NAMED = re.compile(r"^(first|last)(\d+)$")
+
+
+def load_object(spec: str, what: str, kind: str = "Name"):
+    """The object a config names by "package.module:Name" (a hook, signal, task or trainer: `what`); one UserError
+    line when it cannot be loaded."""
+    mod_name, sep, attr = spec.partition(":")
+    if not sep or not mod_name or not attr:
+        raise UserError(f"{what} {spec!r}: use the form package.module:{kind}")
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except ImportError as e:
+        raise UserError(f"cannot import {what} {spec!r}: {first_line(e)}") from None
+    except AttributeError:
+        raise UserError(f"cannot import {what} {spec!r}: {mod_name} has no attribute {attr}") from None
 
 
 def parse_layers(spec: str | list[int], n_layers: int | None) -> list[int] | None:

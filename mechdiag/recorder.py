@@ -16,10 +16,9 @@ MechdiagCallback(signals=[...]); its records go to the run directory's stream of
 
 from __future__ import annotations
 
-import importlib
-
 from mechdiag import tasks
 from mechdiag.alerts import Watcher
+from mechdiag.config import load_object
 from mechdiag.displacement import lora_rows
 from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
@@ -302,16 +301,7 @@ class Alerts(Signal):
 
 def user_signal(spec: str) -> Signal:
     """The Signal named by "package.module:Class" (called with no arguments); a UserError when it cannot be."""
-    if ":" not in spec:
-        raise UserError(f"signal {spec!r}: use the form package.module:Class")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except ImportError as e:
-        raise UserError(f"signal {spec!r}: cannot import {mod_name} ({e})") from None
-    except AttributeError:
-        raise UserError(f"signal {spec!r}: {mod_name} has no attribute {attr}") from None
-    sig = factory()
+    sig = load_object(spec, "signal", "Class")()
     if not isinstance(sig, Signal) or not sig.name or not sig.name.isidentifier():
         raise UserError(f"signal {spec!r}: must give a mechdiag.recorder.Signal with a name (an identifier)")
     return sig

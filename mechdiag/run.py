@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import os
 import re
 import shutil
@@ -36,6 +35,7 @@ from pathlib import Path
 from mechdiag import atomic
 from mechdiag import config as configlib
 from mechdiag.errors import UserError
+from mechdiag.metrics import is_number
 
 SIGNALS_DIR = "signals"  # user signals' streams
 CALLBACK_DIR = "mechdiag"  # MechdiagCallback's run directory inside a TRL output_dir
@@ -306,23 +306,19 @@ def load_runs(paths, load: Callable[[str | os.PathLike], Run] = load_run) -> lis
 
 
 # ---- held-out metrics ------------------------------------------------------------------------------------------
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def _summary_eval(summary: dict, which: str) -> dict:
     return {k.removeprefix(f"{which}_"): v for k, v in summary.items() if k.startswith(f"{which}_")}
 
 
 def _eval_rows(run: Run) -> list[dict]:
-    return sorted((r for r in run.eval if _number(r.get("step"))), key=lambda r: r["step"])
+    return sorted((r for r in run.eval if is_number(r.get("step"))), key=lambda r: r["step"])
 
 
 def final_eval(run: Run) -> dict[str, float]:
     """The final model's held-out numbers: the last eval record, with summary.json's final_* over it."""
     rows = _eval_rows(run)
     rec = {**(rows[-1] if rows else {}), **_summary_eval(run.summary, "final")}
-    return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
+    return {k: float(v) for k, v in rec.items() if k != "step" and is_number(v)}
 
 
 def base_eval(run: Run) -> dict[str, float]:
@@ -330,7 +326,7 @@ def base_eval(run: Run) -> dict[str, float]:
     base_* over it."""
     rows = _eval_rows(run)
     rec = {**(rows[0] if len(rows) > 1 else {}), **_summary_eval(run.summary, "base")}
-    return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
+    return {k: float(v) for k, v in rec.items() if k != "step" and is_number(v)}
 
 
 # ---- seeds of one config ---------------------------------------------------------------------------------------

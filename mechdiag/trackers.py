@@ -29,6 +29,7 @@ from pathlib import Path
 from mechdiag import atomic
 from mechdiag.config import TRACKERS
 from mechdiag.errors import UserError
+from mechdiag.metrics import is_number
 from mechdiag.recorder import Alerts, Signal
 from mechdiag.run import flatten_config
 
@@ -49,10 +50,6 @@ def require(names) -> None:
             raise UserError(f"report_to {name} needs the {lib} library: {EXTRA}")
 
 
-def _number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 def scalars(stream: str, records) -> dict[str, float]:
     """The records of one stream (one event's) as {namespaced key: value}; text and non-finite values left out."""
     out: dict[str, float] = {}
@@ -61,17 +58,17 @@ def scalars(stream: str, records) -> dict[str, float]:
     for r in records:
         if stream == "displacement":
             site = f"{r['layer']}.{r['module']}" if r.get("layer") is not None else r.get("name")
-            out.update({f"{PREFIX}/displacement/{site}/{c}": float(r[c]) for c in SITE_COLUMNS if _number(r.get(c))})
+            out.update({f"{PREFIX}/displacement/{site}/{c}": float(r[c]) for c in SITE_COLUMNS if is_number(r.get(c))})
         elif stream == "shift":
-            out.update({f"{PREFIX}/shift/{r['layer']}/{c}": float(r[c]) for c in SHIFT_COLUMNS if _number(r.get(c))})
+            out.update({f"{PREFIX}/shift/{r['layer']}/{c}": float(r[c]) for c in SHIFT_COLUMNS if is_number(r.get(c))})
         else:
-            out.update({f"{PREFIX}/{stream}/{k}": float(v) for k, v in r.items() if k != "step" and _number(v)})
+            out.update({f"{PREFIX}/{stream}/{k}": float(v) for k, v in r.items() if k != "step" and is_number(v)})
     return out
 
 
 def heatmap(rows: list[dict]) -> tuple[list[int], list[str], list[list[float]]]:
     """(layers, modules, rel_fro[layer][module]) of one step's displacement rows (nan where a site is absent)."""
-    rows = [r for r in rows if r.get("layer") is not None and _number(r.get("rel_fro"))]
+    rows = [r for r in rows if r.get("layer") is not None and is_number(r.get("rel_fro"))]
     layers = sorted({r["layer"] for r in rows})
     modules = list(dict.fromkeys(r["module"] for r in rows))
     grid = [[math.nan] * len(modules) for _ in layers]

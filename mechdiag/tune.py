@@ -9,14 +9,13 @@ changes that led to it and its held-out metrics. The loop stops early when no ru
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from pathlib import Path
 
 from mechdiag import atomic
 from mechdiag import config as configlib
-from mechdiag.config import Config
+from mechdiag.config import Config, load_object
 from mechdiag.errors import UserError
 from mechdiag.recommend import Change, recommend
 from mechdiag.run import RunDir, final_eval, load_run
@@ -27,13 +26,7 @@ TrainFn = Callable[[Config, Path], "RunDir | os.PathLike | str"]
 
 def load_train_fn(target: str = DEFAULT_TRAINER) -> TrainFn:
     """Import "package.module:function"; a trainer is any train(cfg, out_dir) -> RunDir."""
-    mod_name, _, fn_name = target.partition(":")
-    if not mod_name or not fn_name:
-        raise UserError(f"trainer must look like package.module:function, got {target!r}")
-    try:
-        fn = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"cannot import trainer {target}: {e}") from None
+    fn = load_object(target, "trainer", "function")
     if not callable(fn):
         raise UserError(f"trainer {target} is not a function (a {type(fn).__name__})")
     return fn

@@ -133,7 +133,7 @@ HOMES = {
     "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
     "tensor_site": "weights.py", "expert_index": "weights.py",
     "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",
-    "LOGIT_COPIES": "train/memory.py", "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
+    "LOGIT_COPIES": "train/memory.py", "is_number": "metrics.py", "load_object": "config.py", "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {
@@ -152,6 +152,8 @@ PATTERNS = {
     "a whole jsonl file": (r"dumps\(\w+\) \+ ['\"]\\n['\"] for \w+ in", "atomic.py"),
     "gathering a sharded parameter": (r"summon_full_params|GatheredParameters|\.full_tensor\(", "distributed.py"),
     "activation bytes per token": (r"16 \* \w*hidden", "train/memory.py"),
+    "is a finite number": (r"not isinstance\(\w+, bool\) and math\.isfinite", "metrics.py"),
+    "package.module:Name loader": (r"importlib\.import_module\(", "config.py"),
 }
 
 
@@ -197,7 +199,9 @@ def test_inline_copies_do_not_come_back():
            "adapter detection": 'if (folder / "adapter_config.json").is_file():',
            "a whole jsonl file": 'atomic.write_text(path, "".join(atomic.dumps(r) + "\\n" for r in rows))',
            "gathering a sharded parameter": "with FSDP.summon_full_params(model, writeback=False):",
-           "activation bytes per token": 'per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)'}
+           "activation bytes per token": 'per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)',
+           "is a finite number": "return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)",
+           "package.module:Name loader": "mod = importlib.import_module(mod_name)"}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
 
 

@@ -21,6 +21,7 @@ import re
 from pathlib import Path
 
 from mechdiag.errors import UserError
+from mechdiag.metrics import is_number
 from mechdiag.weights import PICKLE_SUFFIXES
 
 _CONSOLE_STEP = re.compile(r"(?:^|[\s)\]:|])step(?::(\d+)| (\d+):) - ")  # "step:N - ", a fork's "step N: - "
@@ -136,7 +137,7 @@ def console_records(path: Path) -> list[tuple[int, dict]]:
 def _step_of(rec: dict):
     for k in STEP_KEYS:
         v = rec.get(k)
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if is_number(v):
             return int(v)
         if isinstance(v, str) and _value(v) is not None:
             return int(_value(v))
@@ -152,7 +153,7 @@ def _flat_numbers(rec: dict) -> dict:
         k = k.rsplit(" - ", 1)[1] if " - " in k else k
         if k in STEP_KEYS or k.startswith("_"):  # W&B's _runtime, _timestamp
             continue
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+        if is_number(v):
             out[k] = float(v)
         elif isinstance(v, str) and _value(v) is not None:
             out[k] = _value(v)

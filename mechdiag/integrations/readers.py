@@ -47,6 +47,7 @@ from mechdiag.integrations.trl_args import (
     find_training_args,
     lora_targets,
 )
+from mechdiag.metrics import is_number as _num
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import Run, RunDir, callback_run, flatten_config, held, is_run_dir, load_run
@@ -111,10 +112,6 @@ _VERL_VAL = re.compile(r"^val-(?:core|aux)/(?P<ds>.+?)/(?P<var>[^/]+)/"
 _VERL_OLD_VAL = re.compile(r"^val/test_score/(?P<ds>.+)$")
 _MEAN_AT = re.compile(r"^mean@(\d+)$")
 _BEST_AT = re.compile(r"^best@(\d+)/mean$")
-
-
-def _num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def map_trl_log(logs: dict, eval_: bool = False) -> dict:

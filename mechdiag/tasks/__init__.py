@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import difflib
-import importlib
 
-from mechdiag.config import Config
+from mechdiag.config import Config, load_object
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
 
@@ -37,11 +36,7 @@ def task_class(name: str) -> type[Task]:
         near = difflib.get_close_matches(name, REGISTRY, n=1)
         raise UserError(f"unknown task {name!r}" + (f" (did you mean {near[0]}?)" if near else "")
                         + f"; known: {', '.join(sorted(REGISTRY))}")
-    mod, cls = target.split(":", 1)
-    try:
-        return getattr(importlib.import_module(mod), cls)
-    except (ImportError, AttributeError) as e:
-        raise UserError(f"task {name!r}: cannot load it ({e})") from None
+    return load_object(target, "task", "Class")
 
 
 def get_task(name: str, path: str | None = None, **options) -> Task:

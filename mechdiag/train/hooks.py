@@ -12,12 +12,11 @@ trainer and returns an object with any subset of these methods.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 
+from mechdiag.config import load_object
 from mechdiag.console import Progress
-from mechdiag.errors import UserError
 
 
 class Hook:
@@ -41,17 +40,7 @@ def load_user_hook(spec: str, trainer):
 
 def hook_factory(spec: str):
     """The factory named by "package.module:factory" (a UserError when it cannot be found)."""
-    if ":" not in spec:
-        raise UserError(f"hook {spec!r}: use the form package.module:factory")
-    mod_name, attr = spec.split(":", 1)
-    try:
-        mod = importlib.import_module(mod_name)
-    except ImportError as e:
-        raise UserError(f"hook {spec!r}: cannot import {mod_name} ({e})") from None
-    factory = getattr(mod, attr, None)
-    if factory is None:
-        raise UserError(f"hook {spec!r}: {mod_name} has no attribute {attr}")
-    return factory
+    return load_object(spec, "hook", "factory")
 
 
 # ---- built-in hooks -------------------------------------------------------------------------------------
