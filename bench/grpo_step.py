@@ -35,6 +35,7 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 from mechdiag import config as C  # noqa: E402
+from mechdiag import recorder as R  # noqa: E402
 from mechdiag.train import hooks as H  # noqa: E402
 
 
@@ -51,17 +52,19 @@ def bench_mechdiag(args, out: Path) -> dict:
     cfg = C.load(None, common(args) + ["record.displacement_every=10", "record.samples_every=10",
                                        "record.shift_at_eval=true"])
     tr = Trainer(cfg, out / "mechdiag")
-    recorders = [h for h in tr.hooks if not isinstance(h, H.Checkpointer)]
-    H.call(recorders, "on_train_start", tr)  # as fit() does: setup, not step time
+    tr.recorder.start()  # as fit() does: setup, not step time
+    H.call(tr.hooks, "on_train_start", tr)
     step_times, hook_times, lengths, zero = [], [], [], []
     prof = getattr(args, "profiler", None)
     if prof is not None:
         prof.enable()
     for step in range(1, args.steps + args.warmup + 1):
         t0 = time.perf_counter()
-        metrics, roll = tr.train_step(step)
+        record, roll = tr.train_step(step)
         t1 = time.perf_counter()
-        H.call(recorders, "on_step_end", tr, step, metrics, roll)
+        metrics = tr.recorder.train(record)  # as fit() does: the recorder, then the hooks
+        tr.recorder.weights(step, tr.model, last=False)
+        H.call(tr.hooks, "on_step_end", tr, step, metrics, roll)
         t2 = time.perf_counter()
         print(f"mechdiag step {step}: {t1 - t0:.2f} s", file=sys.stderr, flush=True)
         if step > args.warmup:
@@ -73,7 +76,7 @@ def bench_mechdiag(args, out: Path) -> dict:
         prof.disable()
     # the eval-time recorders (metrics writer, shift) run once per eval; charge them per eval_every=100 steps
     t0 = time.perf_counter()
-    H.call(recorders, "on_eval", tr, 1, {"accuracy": 0.0, "eval_reward": 0.0})
+    H.call(tr.hooks, "on_eval", tr, 1, {"accuracy": 0.0, "eval_reward": 0.0})
     eval_hook = time.perf_counter() - t0
     mean_step = statistics.mean(step_times)
     return {"s_per_step": mean_step, "completion_length": statistics.mean(lengths),
@@ -111,7 +114,8 @@ def bench_skip(args, out: Path) -> dict:
             patch = mock.patch.object(obj, "group_advantages", _float32_advantages) if name == "float32" else \
                 mock.patch.object(obj, "group_advantages", obj.group_advantages)
             with patch:
-                metrics, roll = peers[name].train_step(step)
+                record, roll = peers[name].train_step(step)
+            metrics = R.step_metrics(record)
             r = roll.rewards.view(-1, cfg.group_size)
             equal = (r == r[:, :1]).all(dim=1)
             a = roll.advantages.cpu().view(-1, cfg.group_size)

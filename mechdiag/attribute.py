@@ -21,16 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
 
 from mechdiag import config as configlib
-from mechdiag import models, tasks, vocab
+from mechdiag import models, vocab
 from mechdiag.displacement import lora_rows
-from mechdiag.errors import UserError, first_line
+from mechdiag.errors import UserError
 from mechdiag.generate import policy_hidden, policy_logits
 from mechdiag.metrics import ATTRIBUTION_REFERENCE, update_mass
-from mechdiag.recorder import heldout_eval
+from mechdiag.recorder import HeldOut, heldout_eval
 from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into, site_name
 from mechdiag.train.trainer import auto_threads, prepare_model
@@ -114,15 +112,10 @@ class Attribution:
             self.model, self._sampler = models.load_adapters(model, {"default": src.adapter}), None
         else:
             self.model, self.tokenizer, _, self._sampler = prepare_model(cfg)
-            try:
-                set_peft_model_state_dict(self.model, load_file(src.adapter / ADAPTER_WEIGHTS))
-            except Exception as e:  # a damaged or mismatched adapter file
-                raise UserError(f"cannot load {src.adapter / ADAPTER_WEIGHTS}: {first_line(e)}") from None
+            models.load_adapter_weights(self.model, src.adapter)
         self.model.eval()
-        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
-        examples = self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)  # the trainer's held-out set
-        self.examples = examples[:n] if n else examples
-        self.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.examples]
+        heldout = HeldOut.from_config(cfg, self.tokenizer)  # the trainer's held-out set
+        self.task, self.examples, self.prompts = heldout.task, heldout.examples[:n or None], heldout.prompts[:n or None]
         self.sites = {r["name"]: r for r in lora_modules(self.model)}
         self._factors = {}  # module path -> (B weight, saved copy)
         for name, mod in self.model.named_modules():

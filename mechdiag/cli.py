@@ -153,7 +153,6 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     from pathlib import Path
 
     from mechdiag import config as C
-    from mechdiag import tasks
 
     overrides = list(overrides)
     if trl_args and backend != "trl":
@@ -174,16 +173,15 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     else:
         cfg = C.load(config, overrides)
         check_output(out, "--out", "dir")
-    tasks.resolve_rewards(cfg)
     from mechdiag import models as M
 
     device_ = M.device(cfg.device)  # a device that is not here: one line, exit 2, nothing loaded
     if dry_run:
         from mechdiag.train.lora import lora_modules, trainable_parameters
-        from mechdiag.train.trainer import check_data, param_bytes, prepare_model
+        from mechdiag.train.trainer import check_data, param_bytes, prepare_model, run_config
 
         check_data(cfg)
-        M.fit_to_context(cfg)  # the budget that would run
+        run_config(cfg)  # the weights and budget that would run
         click.echo(C.to_yaml(cfg), nl=False)
         model, _, _, sampler = prepare_model(cfg, device_)
         if sampler is not None:

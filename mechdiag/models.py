@@ -21,8 +21,9 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import PeftModel
+from peft import PeftModel, set_peft_model_state_dict
 from safetensors import SafetensorError
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
@@ -30,7 +31,7 @@ from mechdiag.console import note
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint, is_run_dir
-from mechdiag.weights import is_adapter, local_base, refuse_pickle
+from mechdiag.weights import ADAPTER_WEIGHTS, is_adapter, local_base, refuse_pickle
 
 BUNDLED = "bundled"
 BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
@@ -162,6 +163,16 @@ def load_adapters(model, adapters: dict[str, Path]):
         except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:
             raise UserError(f"cannot load adapter {path}: {first_line(e)}") from None
     return out.eval()
+
+
+def load_adapter_weights(peft_model, folder: Path) -> None:
+    """A saved adapter's factors (folder/adapter_model.safetensors) into `peft_model`, whose adapter has the same
+    targets: a native run's resume, its final adapter in `mechdiag attribute`; one UserError line when the file is
+    damaged or does not fit."""
+    try:
+        set_peft_model_state_dict(peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
+    except Exception as e:  # noqa: BLE001 - a damaged or mismatched file raises many types
+        raise UserError(f"cannot load {Path(folder) / ADAPTER_WEIGHTS}: {first_line(e)}") from None
 
 
 def adapter_context(model, name: str | None):

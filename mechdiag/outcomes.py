@@ -1,15 +1,18 @@
-"""Group outcomes: why a GRPO group carries no signal, or a signal that is not about correctness.
+"""Group statistics of a rollout: within-group reward CV, zero-std groups and the group outcomes (why a group
+carries no signal, or a signal that is not about correctness). The one definition every trainer and reader uses.
 
 A group is the G completions of one prompt. For each completion there is a total reward r (the weighted sum of
-the reward components) and a correctness c (the unweighted `correctness` component, in [0, 1]). Then
+the reward components) and, where the task has it, a correctness c (the unweighted `correctness` component):
 
-    zero-std        std(r) <= EQ_TOL                       (no advantage: the group teaches nothing)
-    all correct     zero-std and every c == 1              (too easy)
-    all wrong       zero-std and every c == 0              (too hard)
-    shaping only    not zero-std, max(c) - min(c) <= EQ_TOL (the advantages come only from format/shaping terms)
+    zero-std        every r in the group is equal               (A = 0 exactly: the group teaches nothing)
+    reward_cv       mean over groups of std(r) / |mean(r)|     (Bessel std; groups with mean 0 left out)
+    all correct     zero-std and every c == 1                  (too easy)
+    all wrong       zero-std and every c == 0                  (too hard)
+    shaping only    not zero-std, every c equal                (the advantages come only from format/shaping terms)
 
-frac_groups_all_correct, frac_groups_all_wrong and frac_groups_shaping_only are shares of all groups with at
-least two scored completions (docs/metrics.md). all_correct + all_wrong <= frac_zero_std.
+frac_zero_std and the three frac_groups_* are shares of the groups with at least two scored completions
+(docs/metrics.md); all_correct + all_wrong <= frac_zero_std. "Equal" is exact equality, the test
+train.objective.group_advantages applies, so frac_zero_std counts exactly the groups whose advantages are 0.
 """
 
 from __future__ import annotations
@@ -17,43 +20,55 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
+from mechdiag.metrics import is_number
+
 CORRECTNESS = "correctness"  # the reward component that says whether a completion is right
-EQ_TOL = 1e-8  # as frac_zero_std: a std (or spread) at or below this is "equal"
 KEYS = ("frac_groups_all_correct", "frac_groups_all_wrong", "frac_groups_shaping_only")
 
 
-def group_outcomes(rewards: Iterable[float], correctness: Iterable[float], keys: Iterable) -> dict[str, float]:
-    """The three shares over groups of equal `keys`; {} when no group has two scored completions.
+def all_equal(values: list[float]) -> bool:
+    """A zero-std group: every value equal (exactly)."""
+    return max(values) == min(values)
 
-    A completion whose reward or correctness is None/NaN (unscorable) is left out of its group."""
+
+def _groups(keys: Iterable, *columns: Iterable) -> list[list[tuple]]:
+    """Rows grouped by equal key, a row left out when any of its values is None/NaN (unscorable); groups of >= 2."""
     groups: dict = {}
-    for r, c, k in zip(rewards, correctness, keys, strict=True):
-        if r is None or c is None or not (math.isfinite(r) and math.isfinite(c)):
-            continue
-        groups.setdefault(k, []).append((float(r), float(c)))
-    n = correct = wrong = shaping = 0
-    for vals in groups.values():
-        if len(vals) < 2:
-            continue
-        n += 1
-        rs, cs = [v[0] for v in vals], [v[1] for v in vals]
+    for k, *vals in zip(keys, *columns, strict=True):
+        if all(is_number(v) for v in vals):
+            groups.setdefault(k, []).append(tuple(float(v) for v in vals))
+    return [g for g in groups.values() if len(g) >= 2]
+
+
+def group_stats(rewards: Iterable[float], keys: Iterable, correctness: Iterable[float] | None = None) -> dict:
+    """reward_cv and frac_zero_std over groups of equal `keys`, and with `correctness` the three outcome shares;
+    {} when no group has two scored completions."""
+    rewards, keys = list(rewards), list(keys)
+    groups = [[r for (r,) in g] for g in _groups(keys, rewards)]
+    if not groups:
+        return {}
+    cvs = []
+    for rs in groups:
         mean = math.fsum(rs) / len(rs)
-        zero_std = math.sqrt(math.fsum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) <= EQ_TOL
-        if zero_std:
+        if abs(mean) > 1e-12:
+            cvs.append(math.sqrt(math.fsum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) / abs(mean))
+    out = {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan,
+           "frac_zero_std": sum(all_equal(rs) for rs in groups) / len(groups)}
+    if correctness is not None:
+        out.update(group_outcomes(rewards, correctness, keys))
+    return out
+
+
+def group_outcomes(rewards: Iterable[float], correctness: Iterable[float], keys: Iterable) -> dict[str, float]:
+    """The three shares over groups of equal `keys`; {} when no group has two scored completions."""
+    groups = _groups(keys, rewards, correctness)
+    correct = wrong = shaping = 0
+    for g in groups:
+        rs, cs = [r for r, _ in g], [c for _, c in g]
+        if all_equal(rs):
             correct += all(x >= 1.0 for x in cs)
             wrong += all(x <= 0.0 for x in cs)
         else:
-            shaping += max(cs) - min(cs) <= EQ_TOL
-    if n == 0:
-        return {}
-    return dict(zip(KEYS, (correct / n, wrong / n, shaping / n), strict=True))
-
-
-def outcomes_from(rewards, components: dict, keys) -> dict[str, float]:
-    """group_outcomes with correctness taken from `components` (name -> values; tensors or lists); {} when the
-    task has no correctness component."""
-    c = components.get(CORRECTNESS)
-    if c is None:
-        return {}
-    as_list = lambda x: x.tolist() if hasattr(x, "tolist") else list(x)  # noqa: E731
-    return group_outcomes(as_list(rewards), as_list(c), list(keys))
+            shaping += all_equal(cs)
+    n = len(groups)
+    return dict(zip(KEYS, (correct / n, wrong / n, shaping / n), strict=True)) if n else {}

@@ -3,10 +3,14 @@
 A `Recorder` holds the run directory and a list of signals, and turns five events into records:
 
     start()                                   after setup (a resumed run's records already on disk)
-    train(step, metrics, rollout)             a step's metrics (rollout: a native Rollout or ready sample rows)
+    train(record)                             a step: its StepRecord (the rollout and what the updates did)
     weights(step, model, last)                the policy after a step's updates (model: the PEFT model or None)
     eval(step, model, tokenizer, ...)         a held-out evaluation; returns the eval record
-    end(step, model, tokenizer)               once, after the last step
+    end(step, model, tokenizer, summary)      once, after the last step; returns summary.json (Summary)
+
+Both trainers only produce StepRecords (the native trainer from its Rollout, MechdiagCallback from TRL's events);
+every per-step number (reward_cv, frac_zero_std, the outcomes, lengths, tokens_per_s ...) is computed here from
+the record, by the signals, once. A new per-step signal: a Signal whose on_train reads the record.
 
 Each `Signal` has one job. Its `on_*` methods COMPUTE (they may run on every rank: a collective belongs there)
 and return the records of its stream, or add keys to the eval record; `write` runs on the writer rank only.
@@ -16,26 +20,95 @@ MechdiagCallback(signals=[...]); its records go to the run directory's stream of
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict, dataclass, field
+
 from mechdiag import tasks
 from mechdiag.alerts import Watcher
-from mechdiag.config import load_object
+from mechdiag.config import load_object, save
 from mechdiag.displacement import lora_rows
 from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
 from mechdiag.generate import generate, greedy, step_seed
-from mechdiag.metrics import max_reward, pass_at_k
+from mechdiag.metrics import is_number, max_reward, pass_at_k
+from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.probes.shift import shift_inmemory
 from mechdiag.run import RunDir
 
 
+@dataclass
+class Update:
+    """What one step's updates did, as the trainer measured it (None: not measured)."""
+
+    loss: float | None = None
+    kl: float | None = None  # k3 of the sampling policy against the reference, token mean over the rollout
+    entropy: float | None = None  # token mean over the rollout
+    clip_fraction_low: float | None = None
+    clip_fraction_high: float | None = None
+    policy_clip_fraction: float | None = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    step_time: float | None = None
+    rollout_time: float | None = None
+    skipped_updates: int | None = None
+
+
+@dataclass
+class StepRecord:
+    """One training step as both trainers hand it to the recorder: its rollout, one entry per completion (empty
+    when the trainer saw none), and what its updates did. `extra`: what a trainer logged beyond these fields, in
+    canonical keys (a computed value of the same name wins)."""
+
+    step: int
+    group_ids: list = field(default_factory=list)
+    components: dict[str, list[float]] = field(default_factory=dict)  # name -> unweighted values
+    weights: dict[str, float] = field(default_factory=dict)
+    rewards: list[float] = field(default_factory=list)  # the weighted total (NaN: unscorable)
+    lengths: list[int] | None = None  # completion tokens, EOS counted
+    truncated: list[bool] | None = None  # no EOS within the budget
+    texts: list[str] | None = None
+    prompts: list[str] | None = None
+    example_ids: list | None = None
+    advantages: list[float] | None = None
+    update: Update = field(default_factory=Update)
+    extra: dict = field(default_factory=dict)
+
+
+def _mean(xs) -> float:
+    xs = [float(x) for x in xs if is_number(x)]
+    return math.fsum(xs) / len(xs) if xs else math.nan
+
+
+def step_metrics(r: StepRecord) -> dict:
+    """metrics.jsonl's record of a step, computed from its StepRecord: the one definition of each per-step signal."""
+    out = dict(r.extra)
+    if r.rewards:
+        ok = [float(x) for x in r.rewards if is_number(x)]
+        out["reward"] = _mean(ok)
+        if len(ok) > 1:
+            out["reward_std"] = math.sqrt(math.fsum((x - out["reward"]) ** 2 for x in ok) / (len(ok) - 1))
+        out.update(group_stats(r.rewards, r.group_ids, r.components.get(CORRECTNESS)))
+        out.update({f"reward/{k}": _mean(v) for k, v in r.components.items()})
+    if r.lengths:
+        out["completion_length"] = _mean(r.lengths)
+        if r.update.step_time:
+            out["tokens_per_s"] = sum(r.lengths) / r.update.step_time
+    if r.truncated:
+        out["completion_clipped_ratio"] = _mean([float(x) for x in r.truncated])
+    out.update({k: v for k, v in asdict(r.update).items() if v is not None})
+    return out
+
+
 class Signal:
-    """One signal. `stream`: the run-directory stream its records go to (a user signal: its `name`)."""
+    """One signal. `stream`: the run-directory stream its records go to (a user signal: its `name`). on_train
+    reads the step's StepRecord; rec.latest holds the records the signals before it gave at this event
+    (rec.latest["metrics"][0]: the step's computed metrics)."""
 
     stream: str | None = None
     name: str | None = None
 
     def on_start(self, rec: Recorder) -> None: ...
-    def on_train(self, rec: Recorder, step: int, metrics: dict, rollout) -> list | None: ...
+    def on_train(self, rec: Recorder, step: int, record: StepRecord) -> list | None: ...
     def on_weights(self, rec: Recorder, step: int, model, last: bool) -> list | None: ...
     def on_eval(self, rec: Recorder, step: int, record: dict, ctx: dict) -> list | None: ...
     def on_end(self, rec: Recorder, step: int, ctx: dict) -> list | None: ...
@@ -63,12 +136,19 @@ class Recorder:
                 if self.writer:
                     s.write(self.run, out)
 
+    def write_config(self, cfg, header: str) -> None:
+        """config.yaml: the config as it runs (reward weights, LoRA targets resolved); the writer rank's."""
+        if self.writer:
+            save(cfg, self.run.config_path, header=header)
+
     def start(self) -> None:
         for s in self.signals:
             s.on_start(self)
 
-    def train(self, step: int, metrics: dict, rollout=None) -> None:
-        self._emit("on_train", step, metrics, rollout)
+    def train(self, record: StepRecord) -> dict:
+        """Record a step; returns its computed metrics (metrics.jsonl's record)."""
+        self._emit("on_train", record.step, record)
+        return (self.latest.get("metrics") or [{}])[0]
 
     def weights(self, step: int, model, last: bool = False) -> None:
         self._emit("on_weights", step, model, last)
@@ -79,8 +159,10 @@ class Recorder:
                                              "ref_model": ref_model})
         return record
 
-    def end(self, step: int, model, tokenizer) -> None:
-        self._emit("on_end", step, {"model": model, "tokenizer": tokenizer})
+    def end(self, step: int, model, tokenizer, summary: dict | None = None) -> dict:
+        """The last event; `summary`: what the trainer adds to summary.json (wall time, memory, source...)."""
+        self._emit("on_end", step, {"model": model, "tokenizer": tokenizer, "summary": summary or {}})
+        return (self.latest.get("summary") or [{}])[0]
 
     def find(self, kind: type):
         return next((s for s in self.signals if isinstance(s, kind)), None)
@@ -88,39 +170,35 @@ class Recorder:
 
 # ---- the built-in signals ------------------------------------------------------------------------------------
 class TrainMetrics(Signal):
-    """metrics.jsonl: one record per step."""
+    """metrics.jsonl: one record per step (step_metrics)."""
 
     stream = "metrics"
 
-    def on_train(self, rec, step, metrics, rollout):
-        return [{"step": step, **metrics}]
+    def on_train(self, rec, step, record):
+        return [{"step": step, **step_metrics(record)}]
 
 
 class Samples(Signal):
-    """samples.jsonl: the rollout's completions every `every` steps, with group ids (native: from the Rollout;
-    TRL: the rows of its completions parquet, given ready)."""
+    """samples.jsonl: the rollout's completions every `every` steps (where the record holds their texts)."""
 
     stream = "samples"
 
     def __init__(self, every: int):
         self.every = every
 
-    def on_train(self, rec, step, metrics, rollout):
-        if isinstance(rollout, list):
-            return rollout
-        if rollout is not None and self.every and step % self.every == 0:
-            return sample_records(step, rollout)
+    def on_train(self, rec, step, record):
+        if record.texts and self.every and step % self.every == 0:
+            return sample_records(record)
         return None
 
 
-def sample_records(step: int, r) -> list[dict]:
-    comps = {k: v.tolist() for k, v in r.components.items()}
-    rewards, adv, trunc = r.rewards.tolist(), r.advantages.tolist(), r.truncated.tolist()
-    lengths = r.completion_mask.sum(-1).tolist()
-    return [{"step": step, "split": "train", "group": r.group_ids[i], "example_id": r.example_ids[i],
-             "prompt": r.prompts[i], "completion": r.texts[i], "reward": rewards[i], "advantage": adv[i],
-             "truncated": trunc[i], "length": lengths[i], **{f"reward/{k}": v[i] for k, v in comps.items()}}
-            for i in range(len(r.texts))]
+def sample_records(r: StepRecord) -> list[dict]:
+    cols = {"group": r.group_ids, "example_id": r.example_ids, "prompt": r.prompts, "completion": r.texts,
+            "reward": [x if is_number(x) else None for x in r.rewards], "advantage": r.advantages,
+            "truncated": r.truncated, "length": r.lengths,
+            **{f"reward/{k}": [x if is_number(x) else None for x in v] for k, v in r.components.items()}}
+    cols = {k: v for k, v in cols.items() if v is not None}
+    return [{"step": r.step, "split": "train", **{k: v[i] for k, v in cols.items()}} for i in range(len(r.texts))]
 
 
 class Displacement(Signal):
@@ -242,9 +320,38 @@ class EvalRecords(Signal):
     def __init__(self):
         self.records: list[dict] = []
 
+    def on_start(self, rec):
+        self.records = rec.run.read("eval") if rec.run is not None else []  # a resumed run's, base eval included
+
     def on_eval(self, rec, step, record, ctx):
         self.records.append(record)
         return [record]
+
+
+class Summary(Signal):
+    """summary.json, composed once at the end: the run (config), its steps, the base and final held-out numbers
+    (the eval records: step 0 and the last) and what the trainer adds (ctx["summary"])."""
+
+    stream = "summary"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+    def on_end(self, rec, step, ctx):
+        cfg = self.cfg
+        out = {"steps": step, "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
+               "eval_n": cfg.eval_n}
+        evals = [e for e in rec.find(EvalRecords).records if "accuracy" in e]
+        if evals:
+            out.update(final_accuracy=evals[-1]["accuracy"], final_eval_reward=evals[-1].get("eval_reward"))
+            base = next((e for e in evals if e["step"] == 0), None)
+            if base is not None:
+                out.update(base_accuracy=base["accuracy"], base_eval_reward=base.get("eval_reward"),
+                           accuracy_gain=evals[-1]["accuracy"] - base["accuracy"])
+        return [{**out, **ctx["summary"]}]
+
+    def write(self, run, records):
+        run.write_summary(records[0])
 
 
 class Shift(Signal):
@@ -286,7 +393,7 @@ class Alerts(Signal):
         self.new = self.watcher.update(rec.latest.get("metrics", ()), rec.latest.get("eval", ()),
                                        rec.latest.get("displacement", ()))
 
-    def on_train(self, rec, step, metrics, rollout):
+    def on_train(self, rec, step, record):
         self._update(rec)
 
     def on_weights(self, rec, step, model, last):
@@ -307,20 +414,17 @@ def user_signal(spec: str) -> Signal:
     return sig
 
 
-def signals(cfg, tokenizer, heldout: HeldOut | None, lora: bool, forget=None, shift_prompts=None,
-            shift_batch_size: int = 64, extra: list | None = None) -> list[Signal]:
-    """The signal set of a config, in the order they run; the same for both trainers."""
+def signals(cfg, evaluate: Signal | None = None, lora: bool = True, forget=None, shift_prompts=None,
+            shift_batch_size: int = 64, extra: list | None = None, writer: bool = True) -> list[Signal]:
+    """The signal set of a config, in the order they run; the same for both trainers, their differences options:
+    `evaluate` the held-out evaluation (HeldOut, or a user's), `forget` the forget probe, `shift_prompts` the
+    activation-shift prompts (None: off), `extra` signals passed in code; alerts print on the writer only."""
     rec = cfg.record
     out: list[Signal] = [TrainMetrics(), Samples(rec.samples_every)]
     if lora:
         out.append(Displacement(rec.displacement_every, rec.final_geometry))
-    if heldout is not None:
-        out.append(heldout)
-    if forget is not None:
-        out.append(Forget(forget))
-    out.append(EvalRecords())
-    if rec.shift_at_eval and lora and shift_prompts:
-        out.append(Shift(shift_prompts[:rec.shift_n], min(len(shift_prompts[:rec.shift_n]), shift_batch_size)))
+    out += [s for s in (evaluate, forget and Forget(forget)) if s is not None] + [EvalRecords()]
+    if lora and shift_prompts:
+        out.append(Shift(shift_prompts, min(len(shift_prompts), shift_batch_size)))
     out += [user_signal(s) for s in rec.signals] + list(extra or [])
-    out.append(Alerts(cfg))
-    return out
+    return out + ([Alerts(cfg)] if writer else []) + [Summary(cfg)]

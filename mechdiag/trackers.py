@@ -38,7 +38,7 @@ EXTRA = "pip install 'mechdiag[trackers]'"
 PREFIX = "mechdiag"
 SITE_COLUMNS = ("rel_fro", "delta_fro", "subspace_overlap", "intruders")  # per layer x module, when present
 SHIFT_COLUMNS = ("shift", "cos_dist", "logit_kl")
-SKIP_STREAMS = ("samples",)  # text, not scalars
+SKIP_STREAMS = ("samples", "summary")  # text, not scalars; summary.json, the run's totals
 HEATMAP = f"{PREFIX}/displacement/rel_fro"  # the heatmap's tag / table name
 
 
@@ -120,7 +120,7 @@ class Report(Signal):
             return None
         return [{"step": step, "scalars": out, "displacement": disp, "end": end}]
 
-    def on_train(self, rec, step, metrics, rollout):
+    def on_train(self, rec, step, record):
         return self._collect(rec, step)
 
     def on_weights(self, rec, step, model, last):

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from mechdiag.outcomes import group_stats
 from mechdiag.train import objective as obj
 
 torch.set_num_threads(1)
@@ -46,7 +47,11 @@ def test_equal_reward_groups_get_exactly_zero_advantage(value, scale):
 
 
 def test_group_stats_cv_and_zero_std():
-    s = obj.group_stats(torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 0.0]), 2)
+    rewards = torch.tensor([1.0, 3.0, 2.0, 2.0, 0.0, 0.0])
+    s = group_stats(rewards.tolist(), [0, 0, 1, 1, 2, 2])
+    # the zero-std groups are exactly those whose advantages are all 0
+    a = obj.group_advantages(rewards, 2).view(-1, 2)
+    assert s["frac_zero_std"] == (a == 0).all(dim=1).double().mean().item()
     # group 1: std sqrt2, mean 2 -> cv 0.7071; group 2: cv 0; group 3: mean 0 left out
     assert s["reward_cv"] == pytest.approx((math.sqrt(2) / 2 + 0) / 2)
     assert s["frac_zero_std"] == pytest.approx(2 / 3)

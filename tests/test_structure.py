@@ -133,7 +133,8 @@ HOMES = {
     "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
     "tensor_site": "weights.py", "expert_index": "weights.py",
     "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",
-    "LOGIT_COPIES": "train/memory.py", "is_number": "metrics.py", "load_object": "config.py", "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
+    "LOGIT_COPIES": "train/memory.py", "is_number": "metrics.py", "load_object": "config.py",
+    "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
 }
 # inline forms of those ideas that must not come back outside their home
 PATTERNS = {

@@ -16,7 +16,7 @@ import torch
 
 from mechdiag import config as C
 from mechdiag import trackers as T
-from mechdiag.recorder import Alerts, Recorder, TrainMetrics
+from mechdiag.recorder import Alerts, Recorder, StepRecord, TrainMetrics
 from mechdiag.run import RunDir
 from mechdiag.train.trainer import train
 from tests.helpers import assert_bad_input
@@ -216,7 +216,7 @@ def test_alerts_reach_the_tracker(tmp_path):
     rec = Recorder(run, [TrainMetrics(), Alerts(cfg), T.Report(sink)])
     rec.start()
     for step in range(1, 8):
-        rec.train(step, {"reward": 0.1 * step, "frac_zero_std": 0.9})
+        rec.train(StepRecord(step, extra={"reward": 0.1 * step, "frac_zero_std": 0.9}))
     rec.end(7, None, None)
     fired = rec.find(Alerts).watcher.fired
     assert list(fired) == ["zero_std"]

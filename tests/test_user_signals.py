@@ -18,7 +18,8 @@ class RewardGap(Signal):
 
     name = "reward_gap"
 
-    def on_train(self, rec, step, metrics, rollout):
+    def on_train(self, rec, step, record):
+        metrics = rec.latest["metrics"][0]  # the step's metrics, computed from its record before this signal
         parts = [v for k, v in metrics.items() if k.startswith("reward/")]
         return [{"step": step, "gap": max(parts) - metrics["reward"]}]
 
@@ -27,7 +28,7 @@ class RewardGap(Signal):
 
 
 class Nameless(Signal):
-    def on_train(self, rec, step, metrics, rollout):
+    def on_train(self, rec, step, record):
         return [{"step": step}]
 
 

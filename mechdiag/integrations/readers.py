@@ -23,7 +23,6 @@ import math
 import re
 import shutil
 import tempfile
-from collections.abc import Iterable
 from pathlib import Path
 
 from mechdiag import atomic, tasks
@@ -48,7 +47,7 @@ from mechdiag.integrations.trl_args import (
     lora_targets,
 )
 from mechdiag.metrics import is_number as _num
-from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.run import Run, RunDir, callback_run, flatten_config, held, is_run_dir, load_run
 from mechdiag.tasks.rewards import weighted_total
@@ -155,30 +154,6 @@ def is_eval_log(logs: dict) -> bool:
     return any(k.startswith("eval_") for k in logs)
 
 
-# ---- per-group reward statistics ---------------------------------------------------------------------------
-def group_reward_stats(rewards: Iterable[float], keys: Iterable) -> dict[str, float]:
-    """Within-group statistics, groups = equal keys (a prompt): reward_cv = mean over groups of std/|mean|
-    (Bessel std, groups with mean 0 left out, as mechdiag.train.objective.group_stats) and frac_zero_std, the share
-    of groups whose rewards are all equal. NaN rewards (an unscorable completion) are left out of their group."""
-    groups: dict = {}
-    for r, k in zip(rewards, keys, strict=True):
-        if r is not None and math.isfinite(r):
-            groups.setdefault(k, []).append(float(r))
-    cvs, zero, n = [], 0, 0
-    for vals in groups.values():
-        if len(vals) < 2:
-            continue
-        n += 1
-        mean = math.fsum(vals) / len(vals)
-        std = math.sqrt(math.fsum((v - mean) ** 2 for v in vals) / (len(vals) - 1))
-        zero += std <= 1e-8
-        if abs(mean) > 1e-12:
-            cvs.append(std / abs(mean))
-    if n == 0:
-        return {}
-    return {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan, "frac_zero_std": zero / n}
-
-
 def _contiguous_keys(n: int, group_size: int | None, prompts: list) -> list:
     """Group ids: contiguous blocks of group_size (how TRL lays out a generation batch), else the prompt text."""
     if group_size and n % group_size == 0:
@@ -218,9 +193,8 @@ def completions_rows(path: Path, reward_names: list[str], weights: dict[str, flo
     total = total.where(~comp.isna().all(axis=1))  # a row every function left None is unscorable (TRL: NaN)
     prompts = [p if isinstance(p, str) else json.dumps(p, default=str) for p in df["prompt"].tolist()]
     keys = _contiguous_keys(len(df), group_size, prompts)
-    stats = group_reward_stats(total.tolist(), keys)
-    if CORRECTNESS in names:  # a reward function named correctness (task_reward_funcs) gives the outcomes
-        stats.update(group_outcomes(total.tolist(), comp[CORRECTNESS].tolist(), keys))
+    # a reward function named correctness (task_reward_funcs) gives the outcomes
+    stats = group_stats(total.tolist(), keys, comp[CORRECTNESS].tolist() if CORRECTNESS in names else None)
     first: dict = {}
     group_of = [first.setdefault(k, len(first)) for k in keys]
     steps = df["step"].tolist() if "step" in df.columns else [None] * len(df)
@@ -567,9 +541,8 @@ def _verl_rollouts(rollout_dir: Path) -> dict[int, tuple[dict, list[dict]]]:
         groups = [first.setdefault(k, len(first)) for k in keys]
         samples = [{"step": step, "split": "train", "group": g, "prompt": r["input"], "completion": r.get("output"),
                     "reward": float(r["score"])} for r, g in zip(rows, groups, strict=True)]
-        stats = group_reward_stats([float(r["score"]) for r in rows], keys)
-        if rows and all(_num(r.get("acc")) for r in rows):  # verl dumps a reward function's "acc" beside score
-            stats.update(group_outcomes([float(r["score"]) for r in rows], [float(r["acc"]) for r in rows], keys))
+        acc = [r["acc"] for r in rows] if rows and all(_num(r.get("acc")) for r in rows) else None  # verl's "acc"
+        stats = group_stats([float(r["score"]) for r in rows], keys, acc)
         out[step] = (stats, samples)
     return out
 

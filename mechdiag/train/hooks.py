@@ -44,24 +44,6 @@ def hook_factory(spec: str):
 
 
 # ---- built-in hooks -------------------------------------------------------------------------------------
-class Recording(Hook):
-    """The native trainer's side of the one recorder (mechdiag.recorder): its events become the recorder's."""
-
-    def __init__(self, recorder):
-        self.recorder = recorder
-
-    def on_train_start(self, trainer):
-        self.recorder.start()
-
-    def on_step_end(self, trainer, step, metrics, rollout):
-        self.recorder.train(step, metrics, rollout)
-        self.recorder.weights(step, trainer.model if trainer.cfg.lora.enabled else None,
-                              last=step == trainer.total_steps)
-
-    def on_train_end(self, trainer, summary):
-        self.recorder.end(trainer.step, trainer.model if trainer.cfg.lora.enabled else None, trainer.tokenizer)
-
-
 class Checkpointer(Hook):
     """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states.
 

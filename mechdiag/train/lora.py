@@ -43,8 +43,11 @@ def resolve(model, lora: LoraConfig) -> tuple[list[str], list[int]]:
 def peft_config(model, lora: LoraConfig) -> PeftLoraConfig:
     """peft's LoraConfig for our lora section on this model (both backends): Linear / Conv1D targets as
     target_modules on the chosen layers, expert stacks and routers as target_parameters, named in full for the
-    chosen layers (peft's layers_to_transform does not apply to parameters)."""
+    chosen layers (peft's layers_to_transform does not apply to parameters). `lora.target_modules` becomes the
+    modules it really adapts (the family's defaults resolved): what config.yaml records and every reader filters
+    by."""
     names, layers = resolve(model, lora)
+    lora.target_modules = names
     chosen = set(layers)
     params = [(q, t) for q, layer, t in blocks.adaptable_parameters(model) if t in names and layer in chosen]
     modules = [n for n in names if n not in {t for _, t in params}]

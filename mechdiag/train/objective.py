@@ -41,16 +41,6 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group
     return (centred / (std + STD_EPS)).reshape(-1).to(torch.float32)
 
 
-def group_stats(rewards: torch.Tensor, group_size: int) -> dict[str, float]:
-    """reward_cv = mean over groups of std/|mean| (groups with mean 0 are left out), frac_zero_std beside it."""
-    r = rewards.view(-1, group_size).to(torch.float64)
-    std, mean = r.std(dim=1), r.mean(dim=1)
-    zero = (r == r[:, :1]).all(dim=1)  # the groups group_advantages gives A = 0
-    ok = mean.abs() > 1e-12
-    cv = (std[ok] / mean[ok].abs()).mean().item() if ok.any() else float("nan")
-    return {"reward_cv": cv, "frac_zero_std": zero.double().mean().item(), "reward_std": r.std().item()}
-
-
 # ---- per-token quantities ---------------------------------------------------------------------------------
 def kl_k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
     """K = pi_ref/pi_theta - log(pi_ref/pi_theta) - 1 (Schulman's k3: unbiased, non-negative)."""

@@ -1,6 +1,7 @@
-"""The GRPO training recipe, read top to bottom in the order it runs: setup (__init__); fit: evaluate the base,
-then per step (train_step) rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics,
-recorders, checkpoint); evaluate; checkpoints (written through mechdiag.run).
+"""The GRPO training recipe, read top to bottom in the order it runs: setup (__init__, named steps); fit: evaluate
+the base, then per step (train_step) rollout -> num_iterations clipped-surrogate updates -> the step's record
+(recorder.StepRecord, handed to the recorder, which computes every signal) -> hooks, checkpoint; evaluate;
+checkpoints (written through mechdiag.run).
 
 A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
 num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
@@ -21,25 +22,23 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
 from mechdiag import recorder as R
 from mechdiag import trackers as T
-from mechdiag.config import LR_SCHEDULERS, Config, save
+from mechdiag.config import LR_SCHEDULERS, Config
 from mechdiag.errors import UserError, first_line
 from mechdiag.generate import step_seed
-from mechdiag.outcomes import outcomes_from
 from mechdiag.probes.forget import ForgetProbe
+from mechdiag.recorder import StepRecord, Update
 from mechdiag.run import RunDir, held
 from mechdiag.train import hooks as H
 from mechdiag.train import memory
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import collect, policy_logprobs
-from mechdiag.weights import ADAPTER_WEIGHTS
+from mechdiag.train.rollout import Rollout, collect, policy_logprobs
 
 
 # ---- model ------------------------------------------------------------------------------------------------
@@ -104,6 +103,30 @@ def auto_threads() -> int:
     return max(1, min(n, n - busy))
 
 
+def run_config(cfg: Config) -> Config:
+    """cfg as it will run, checked before any model loads (both backends, --dry-run): the trackers' libraries
+    present, the reward weights filled in and the prompt budget fitted to the model's context, so config.yaml
+    shows what ran."""
+    T.require(cfg.report_to)
+    tasks.resolve_rewards(cfg)
+    models.fit_to_context(cfg)
+    return cfg
+
+
+def step_record(step: int, roll: Rollout, cfg: Config, updates: list[dict], lr: float, rollout_time: float,
+                step_time: float) -> StepRecord:
+    """The native trainer's StepRecord: the rollout's completions and the mean of its updates' statistics."""
+    mask = roll.completion_mask
+    mean = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "skipped"}
+    kl = obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), mask).item()
+    return StepRecord(step, list(roll.group_ids), {k: v.tolist() for k, v in roll.components.items()},
+                      dict(cfg.rewards.weights), roll.rewards.tolist(), mask.sum(-1).tolist(), roll.truncated.tolist(),
+                      roll.texts, roll.prompts, roll.example_ids, roll.advantages.tolist(),
+                      Update(**mean, kl=kl, entropy=obj.masked_mean(roll.sample_entropy, mask).item(), lr=lr,
+                             step_time=step_time, rollout_time=rollout_time,
+                             skipped_updates=sum(u["skipped"] for u in updates)))
+
+
 def check_data(cfg: Config) -> None:
     """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
     examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
@@ -121,9 +144,26 @@ def check_data(cfg: Config) -> None:
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
-        self.cfg = cfg
-        T.require(cfg.report_to)  # a tracker's missing library: before the model loads
-        tasks.resolve_rewards(cfg)  # before config.yaml is saved: it shows the weights that ran
+        self.cfg = run_config(cfg)
+        self._environment()
+        self._model()
+        self._data()
+        self._optimizer()
+        for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
+            H.hook_factory(spec)
+        # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
+        self.run = RunDir(out_dir, create=True)
+        if resume:
+            self._resume()
+        elif held(self.run.path):
+            raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
+        self._recorder(out_dir, resume)
+        self.hooks = [H.ProgressBar(), *(H.load_user_hook(s, self) for s in cfg.hooks), *(extra_hooks or [])]
+        self.checkpointer = H.Checkpointer(cfg.save_every)
+
+    def _environment(self) -> None:
+        """Sandbox, threads, allocator, seeds and device: what the run needs before the model loads."""
+        cfg = self.cfg
         # for summary.json; a code task without OS isolation stops here unless the config says sandbox: guard-only
         code = any(tasks.task_class(n).domain == "code" for n in [cfg.task.name, *(s.name for s in cfg.task.mixture)])
         self.isolation = sandbox.use(cfg.sandbox) if code else "none"
@@ -132,14 +172,20 @@ class Trainer:
         random.seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = torch.device(models.device(cfg.device))  # a device that is not here fails before the load
-        models.fit_to_context(cfg)  # a completion budget the model's context cannot hold fails before the load too
-        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(cfg, self.device)
-        # what the copies cost: the reference (full fine-tuning) or the merged sampler (LoRA) is one more model
+
+    def _model(self) -> None:
+        """The policy, tokenizer, reference and sampler, and what each copy of the weights costs."""
+        self.model, self.tokenizer, self.ref_model, self._sampler = prepare_model(self.cfg, self.device)
         self.memory = {"weights_bytes": param_bytes(self.model),
                        "sampler": "merged" if self._sampler is not None else "adapter",
                        "sampler_bytes": param_bytes(self._sampler) if self._sampler is not None else 0,
                        "reference_bytes": param_bytes(self.ref_model) if self.ref_model is not None else 0}
-        self.task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+
+    def _data(self) -> None:
+        """The training sources (the task and its mixture), the held-out set and the steps they make."""
+        cfg = self.cfg
+        self.heldout = R.HeldOut.from_config(cfg, self.tokenizer)
+        self.task = self.heldout.task
         self.sources = [(self.task, 1.0)] + [(tasks.get_task(s.name, s.path, **s.options), s.weight)
                                              for s in cfg.task.mixture]
         self.train_examples = [t.examples(cfg.task.train_split if i == 0 else "train", n=cfg.task.n_train,
@@ -147,38 +193,30 @@ class Trainer:
                                for i, (t, _) in enumerate(self.sources)]
         if not self.train_examples[0]:
             raise UserError(f"task {cfg.task.name} has no training examples")
-        self.heldout = R.HeldOut(cfg, self.task, self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0), [])
-        self.eval_examples = self.heldout.examples
-        self.eval_prompts = self.heldout.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
-        self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
+        self.eval_examples, self.eval_prompts = self.heldout.examples, self.heldout.prompts
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
-        if cfg.max_steps is not None:
-            self.total_steps = cfg.max_steps
-        else:
-            self.total_steps = max(1, math.ceil((cfg.epochs or 1) * len(self.train_examples[0])
-                                                / self.prompts_per_update))
+        self.total_steps = cfg.max_steps if cfg.max_steps is not None else \
+            max(1, math.ceil((cfg.epochs or 1) * len(self.train_examples[0]) / self.prompts_per_update))
+
+    def _optimizer(self) -> None:
+        cfg = self.cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
-        for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
-            H.hook_factory(spec)
-        signals = R.signals(cfg, self.tokenizer, self.heldout, cfg.lora.enabled, self.forget, self.eval_prompts)
+
+    def _recorder(self, out_dir, resume: bool) -> None:
+        """The recorder and its signals; config.yaml, written once, through it."""
+        cfg = self.cfg
+        forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
+        shift = self.eval_prompts[:cfg.record.shift_n] if cfg.record.shift_at_eval else None
+        signals = R.signals(cfg, self.heldout, cfg.lora.enabled, forget, shift)
         if cfg.report_to:  # last: it reports what the others recorded
             signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"), resume)))
-        # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
-        self.run = RunDir(out_dir, create=True)
-        if resume:
-            self._resume()
-        elif held(self.run.path):
-            raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
-        save(cfg, self.run.config_path, header="mechdiag train: resolved config")
         self.recorder = R.Recorder(self.run, signals)
-        self.hooks = [H.Recording(self.recorder), H.ProgressBar()]
-        self.hooks += [H.load_user_hook(s, self) for s in cfg.hooks] + list(extra_hooks or [])
-        self.checkpointer = H.Checkpointer(cfg.save_every)
+        self.recorder.write_config(cfg, "mechdiag train: resolved config")
 
     def sampler(self):
         """The module that decodes: the merged copy brought up to date with the adapter, or the model itself."""
@@ -188,14 +226,17 @@ class Trainer:
     def fit(self) -> RunDir:
         t_start = time.perf_counter()
         cfg = self.cfg
+        self.recorder.start()
         H.call(self.hooks, "on_train_start", self)
         try:
             if self.base_eval is None:
                 self.base_eval = {"step": 0, **self._eval(0)}
             t_train = time.perf_counter()
             for step in range(self.step + 1, self.total_steps + 1):
-                metrics, roll = self.train_step(step)
+                record, roll = self.train_step(step)
                 self.step = step
+                metrics = self.recorder.train(record)
+                self.recorder.weights(step, self._lora_model(), last=step == self.total_steps)
                 H.call(self.hooks, "on_step_end", self, step, metrics, roll)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
@@ -205,16 +246,11 @@ class Trainer:
                     warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
                                   f"{self.total_steps}", stacklevel=2)
                     break
-            last_eval = self._eval(self.step)  # the final model, not the best checkpoint
+            self._eval(self.step)  # the final model, not the best checkpoint
             self._save_final()
-            summary = {"steps": self.step, "planned_steps": self.total_steps, "seed": cfg.seed,
-                       "model": cfg.model.name_or_path, "task": cfg.task.name, "eval_n": len(self.eval_examples),
-                       "base_accuracy": self.base_eval["accuracy"], "final_accuracy": last_eval["accuracy"],
-                       "accuracy_gain": last_eval["accuracy"] - self.base_eval["accuracy"],
-                       "base_eval_reward": self.base_eval["eval_reward"], "final_eval_reward": last_eval["eval_reward"],
-                       "wall_time_s": time.perf_counter() - t_start, "sandbox": self.isolation,
-                       "memory": self.memory}
-            self.run.write_summary(summary)
+            summary = self.recorder.end(self.step, self._lora_model(), self.tokenizer, {
+                "planned_steps": self.total_steps, "wall_time_s": time.perf_counter() - t_start,
+                "sandbox": self.isolation, "memory": self.memory})
             H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
             for h in self.hooks:
@@ -223,88 +259,76 @@ class Trainer:
             raise
         return self.run
 
+    def _lora_model(self):
+        return self.model if self.cfg.lora.enabled else None
+
     # ---- one step -------------------------------------------------------------------------------------
-    def train_step(self, step: int) -> tuple[dict, object]:
-        cfg, model = self.cfg, self.model
+    def train_step(self, step: int) -> tuple[StepRecord, Rollout]:
+        """One step, its phases top to bottom: the rollout, num_iterations updates on it, the step's record."""
         t0 = time.perf_counter()
-        gen = torch.Generator(device=self.device).manual_seed(step_seed(cfg.seed, step))
-        roll = collect(model, self.tokenizer, self.task, self.batch(step), cfg, gen, self.ref_model,
+        gen = torch.Generator(device=self.device).manual_seed(step_seed(self.cfg.seed, step))
+        roll = collect(self.model, self.tokenizer, self.task, self.batch(step), self.cfg, gen, self.ref_model,
                        sampler=self.sampler())
         t_roll = time.perf_counter() - t0
-        model.train()
-        micro = cfg.prompts_per_step * cfg.group_size
-        stats: dict[str, list[float]] = {}
         lr = self.sched.get_last_lr()[0]
-        skipped = 0
-        n = len(roll)
-        for _ in range(cfg.num_iterations):
-            self.opt.zero_grad(set_to_none=True)
-            finite = True
-            per_pass = self.rows_per_pass(roll)
-            self._predict_peak(roll, per_pass)
-            for s in range(0, n, micro):
-                rows = torch.arange(s, min(s + micro, n))
-                summed: dict[str, float] = {}
-                for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
-                    loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows)
-                    st["loss"] = loss.item()
-                    finite = finite and math.isfinite(st["loss"])
-                    if finite and loss.requires_grad:
-                        (loss / cfg.grad_accum).backward()
-                    for k, v in st.items():
-                        summed[k] = summed.get(k, 0.0) + v
-                for k, v in summed.items():
-                    stats.setdefault(k, []).append(v)
-            params = [p for p in model.parameters() if p.requires_grad]
-            for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
-            stats.setdefault("grad_norm", []).append(grad_norm)
-            if finite and math.isfinite(grad_norm):
-                self.opt.step()
-                self.bad_steps = 0
-            else:
-                skipped += 1
-                self.bad_steps += 1
-                self.opt.zero_grad(set_to_none=True)
-                warnings.warn(f"step {step}: non-finite loss or gradient; update skipped", stacklevel=2)
-                if self.bad_steps >= cfg.max_bad_steps:
-                    raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
-                                    "lower learning_rate or check the rewards")
-            self.sched.step()
-        dt = time.perf_counter() - t0
-        n_tok = int(roll.completion_mask.sum())
-        m_all = roll.completion_mask
-        stats["entropy"] = [obj.masked_mean(roll.sample_entropy, m_all).item()]
-        if "kl" not in stats:  # beta = 0: no penalty computed it; measure it on the rollout
-            stats["kl"] = [obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), m_all).item()]
-        g = obj.group_stats(roll.rewards, cfg.group_size)
-        metrics = {"reward": roll.rewards.mean().item(), **g,
-                   **outcomes_from(roll.rewards, roll.components, roll.group_ids),
-                   "completion_clipped_ratio": roll.truncated.float().mean().item(),
-                   "completion_length": n_tok / len(roll),
-                   **{k: float(sum(v) / len(v)) for k, v in stats.items()},
-                   **{f"reward/{k}": v.mean().item() for k, v in roll.components.items()},
-                   "lr": lr, "step_time": dt, "rollout_time": t_roll, "tokens_per_s": n_tok / dt,
-                   "skipped_updates": skipped}
-        return metrics, roll
+        per_pass = self.plan(roll)
+        updates = [self.update(step, roll, per_pass) for _ in range(self.cfg.num_iterations)]
+        return step_record(step, roll, self.cfg, updates, lr, t_roll, time.perf_counter() - t0), roll
 
-    def rows_per_pass(self, roll) -> int:
-        """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes (mechdiag.train.memory:
-        saved activations per token, the vocabulary's logits and their gradient counted)."""
-        if self.cfg.update_rows:
-            return self.cfg.update_rows
-        return memory.rows_per_pass(memory.shape_of(self.model, roll), self.memory["weights_bytes"])
-
-    def _predict_peak(self, roll, per_pass: int) -> None:
-        """summary.json's memory.predicted_peak_bytes (and its phases): the largest step's, by the memory model."""
-        m = self.memory
-        elem = next(self.model.parameters()).element_size()
-        copies = m["weights_bytes"] + m["sampler_bytes"] + m["reference_bytes"]
-        pred = memory.predicted_peak(memory.shape_of(self.model, roll), copies, per_pass, elem)
+    def plan(self, roll: Rollout) -> int:
+        """Rows per update pass, from the memory model, once per rollout: cfg.update_rows, or the rows whose update
+        pass fits in half the weights' bytes (saved activations per token, the vocabulary's logits and their
+        gradient counted); summary.json's predicted peak (and its phases) keeps the largest step's."""
+        m, shape = self.memory, memory.shape_of(self.model, roll)
+        per_pass = self.cfg.update_rows or memory.rows_per_pass(shape, m["weights_bytes"])
+        pred = memory.predicted_peak(shape, m["weights_bytes"] + m["sampler_bytes"] + m["reference_bytes"], per_pass,
+                                     next(self.model.parameters()).element_size())
         if pred["predicted_peak_bytes"] > m.get("predicted_peak_bytes", 0):
             m.update(pred)
+        return per_pass
+
+    def rows_per_pass(self, roll: Rollout) -> int:
+        return self.cfg.update_rows or memory.rows_per_pass(memory.shape_of(self.model, roll),
+                                                            self.memory["weights_bytes"])
+
+    def update(self, step: int, roll: Rollout, per_pass: int) -> dict:
+        """One optimizer update on the whole rollout: each micro-batch's loss in passes of `per_pass` rows (shares
+        that sum to it), backward, clip, step; skipped when the loss or gradient is not finite. Returns the
+        micro-batches' mean loss and clip fractions, the grad norm and whether it was skipped."""
+        cfg, model = self.cfg, self.model
+        self.opt.zero_grad(set_to_none=True)
+        micro = cfg.prompts_per_step * cfg.group_size
+        n = len(roll)
+        sums: dict[str, float] = {}
+        passes = [(m, c) for m in range(0, n, micro) for c in range(m, min(m + micro, n), per_pass)]
+        for m, c in passes:  # (micro-batch start, pass start)
+            loss, st = self._micro_loss(roll, torch.arange(c, min(c + per_pass, m + micro, n)),
+                                        of=torch.arange(m, min(m + micro, n)))
+            st["loss"] = loss.item()
+            if math.isfinite(sums.get("loss", 0.0)) and math.isfinite(st["loss"]) and loss.requires_grad:
+                (loss / cfg.grad_accum).backward()
+            for k, v in st.items():
+                sums[k] = sums.get(k, 0.0) + v
+        stats = {k: v / math.ceil(n / micro) for k, v in sums.items()}
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        finite = math.isfinite(stats["loss"])
+        stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
+        stats["skipped"] = not math.isfinite(stats["grad_norm"])
+        if stats["skipped"]:
+            self.bad_steps += 1
+            self.opt.zero_grad(set_to_none=True)
+            warnings.warn(f"step {step}: non-finite loss or gradient; update skipped", stacklevel=3)
+            if self.bad_steps >= cfg.max_bad_steps:
+                raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
+                                "lower learning_rate or check the rewards")
+        else:
+            self.opt.step()
+            self.bad_steps = 0
+        self.sched.step()
+        return stats
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
@@ -325,12 +349,12 @@ class Trainer:
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
         logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                cfg.temperature, prompt_of=torch.tensor(mb.group_ids) if shared else None)
+        # the loss: mechdiag.train.objective owns its whole weighting
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
                                  epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
                                  loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
                                  n_rows=len(of), n_tokens=n_tokens)
-        if "kl" in st:  # a token mean over these rows: weighted so the passes' values sum to the micro-batch's
-            st["kl"] *= int(mb.completion_mask.sum()) / max(n_tokens, 1)
+        st.pop("kl", None)  # the logged KL is the rollout's (step_record), whatever beta
         return loss, st
 
     # ---- data -----------------------------------------------------------------------------------------
@@ -390,10 +414,8 @@ class Trainer:
         self.run.write_final(save)
 
     def _load_weights(self, path: Path) -> None:
-
         if self.cfg.lora.enabled:
-
-            set_peft_model_state_dict(self.model, load_file(path / ADAPTER_WEIGHTS))
+            models.load_adapter_weights(self.model, path)
         else:
             files = sorted(path.glob("*.safetensors"))
             state = {}
