@@ -13,8 +13,9 @@ import torch
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
-from mechdiag.integrations.readers import group_reward_stats, map_verl, read_verl_run
+from mechdiag.integrations.readers import map_verl, read_verl_run
 from mechdiag.integrations.trl import GroupCV, MechdiagCallback, config_from_grpo, grpo_args, read_trl_run
+from mechdiag.outcomes import group_stats
 from mechdiag.run import RunDir
 from mechdiag.train import objective
 from tests.helpers import assert_bad_input
@@ -84,6 +85,10 @@ def trl_run(stories260k, tmp_path_factory):
     return out, cb
 
 
+def cb_log_history(out):
+    return json.loads((out / f"checkpoint-{STEPS}" / "trainer_state.json").read_text())["log_history"]
+
+
 def _parquet_cv(path, weights):
     """reward_cv by hand from one completions parquet: weighted reward, std/|mean| per prompt, mean."""
     df = pd.read_parquet(path)
@@ -102,11 +107,16 @@ def test_callback_records_run(trl_run):
                 "policy_clip_fraction", "loss", "grad_norm", "lr", "reward/_letter_a", "reward/_length"):
         assert all(key in m for m in metrics), key
     assert all(m["policy_clip_fraction"] == 0.0 for m in metrics)  # num_iterations 1: ratio exactly 1
-    # reward_cv from the parquet with GRPOConfig.reward_weights, as computed by hand
+    # computed from the step's completions (the parquet, GRPOConfig.reward_weights): the reward equals TRL's own
+    # logged mean at every step, the eval step included (TRL then writes the eval's completions over the file);
+    # reward_cv as computed by hand where the file still holds the step's
+    logged = {h["step"]: h for h in cb_log_history(out) if "loss" in h}
     for m in metrics:
+        assert m["reward"] == pytest.approx(logged[m["step"]]["reward"], rel=1e-6), m["step"]
         path = out / "completions" / f"completions_{m['step']:05d}.parquet"
-        expect = _parquet_cv(path, {"_letter_a": 1.0, "_length": 0.5})
-        assert math.isclose(m["reward_cv"], expect, rel_tol=1e-9), (m["step"], m["reward_cv"], expect)
+        if m["step"] < STEPS:
+            expect = _parquet_cv(path, {"_letter_a": 1.0, "_length": 0.5})
+            assert math.isclose(m["reward_cv"], expect, rel_tol=1e-9), (m["step"], m["reward_cv"], expect)
         assert m["reward_cv"] != pytest.approx(m["reward_std"] / m["reward"])  # group CV, not batch std / mean
     samples = run.read("samples")
     assert len(samples) == STEPS * 8 and {s["group"] for s in samples if s["step"] == 1} == {0, 1}
@@ -155,9 +165,11 @@ def test_read_trl_run_with_and_without_callback(trl_run, tmp_path):
     plain = read_trl_run(bare, into=tmp_path / "plain", reward_weights={"_letter_a": 1.0, "_length": 0.5})
     got, ref = plain.read("metrics"), rd.read("metrics")
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
-    for a, b in zip(got, ref, strict=True):
-        for key in ("reward", "reward_cv", "kl", "entropy", "completion_clipped_ratio", "reward/_length"):
+    for a, b in zip(got[:-1], ref[:-1], strict=True):  # the last (eval) step's file holds the eval's completions
+        for key in ("reward_cv", "kl", "entropy", "completion_clipped_ratio"):
             assert a[key] == pytest.approx(b[key], rel=1e-9), key
+        for key in ("reward", "reward/_length"):  # TRL's logged float32 means against ours from the completions
+            assert a[key] == pytest.approx(b[key], rel=1e-6), key
     cb_rows = {r["name"]: r for r in rd.read("displacement")}
     ck_rows = plain.read("displacement")
     assert len(ck_rows) == len(cb_rows) and all(r["step"] == STEPS for r in ck_rows)
@@ -322,12 +334,16 @@ def test_group_cv_wrapper_matches_objective():
     completions = [f"c{i}" for i in range(12)]
     for f in cv.funcs:
         f(prompts=prompts, completions=completions, log_metric=lambda k, v: logged.__setitem__(k, v))
-    ref = objective.group_stats(comps @ torch.tensor(weights), 4)
+    totals = (comps.double() @ torch.tensor(weights, dtype=torch.float64)).tolist()
+    ref = group_stats(totals, [i // 4 for i in range(12)])
     assert logged["reward_cv"] == pytest.approx(ref["reward_cv"], rel=1e-6)
     assert logged["group_frac_zero_std"] == pytest.approx(ref["frac_zero_std"]) == pytest.approx(1 / 3)
+    # the batch is the step record's rollout: each function's values, the weighted total, contiguous groups
+    roll = cv.take()
+    assert roll["group_ids"] == [i // 4 for i in range(12)] and roll["texts"] == completions
+    assert roll["rewards"] == pytest.approx(totals, rel=1e-12) and cv.take() is None  # taken once
     # grouping by prompt text gives the same when groups are contiguous
-    assert group_reward_stats((comps @ torch.tensor(weights)).tolist(), prompts)["reward_cv"] == \
-        pytest.approx(ref["reward_cv"], rel=1e-6)
+    assert group_stats(totals, prompts)["reward_cv"] == pytest.approx(ref["reward_cv"], rel=1e-6)
     with pytest.raises(UserError, match="2 weights for 1"):
         GroupCV(funcs[:1], weights)
 
@@ -363,7 +379,7 @@ def test_read_verl_run(tmp_path):
         pytest.approx((0.3, 0.003, 103.0, 0.05))
     assert "entropy" not in m  # verl did not log it: missing, not 0
     scores = [float((j + k + 3) % 3 == 0) for k in range(2) for j in range(4)]
-    expect = group_reward_stats(scores, [k for k in range(2) for _ in range(4)])
+    expect = group_stats(scores, [k for k in range(2) for _ in range(4)])
     assert m["reward_cv"] == pytest.approx(expect["reward_cv"]) and m["frac_zero_std"] == expect["frac_zero_std"]
     evals = rd.read("eval")
     assert [e["step"] for e in evals] == [0, 5]

@@ -34,7 +34,6 @@ from mechdiag.integrations.readers import (
     _contiguous_keys,
     completion_files,
     completions_rows,
-    group_reward_stats,
     is_eval_log,
     is_train_log,
     map_trl_log,
@@ -42,13 +41,14 @@ from mechdiag.integrations.readers import (
     read_verl_run,
 )
 from mechdiag.integrations.trl_args import config_from_grpo
-from mechdiag.models import context_of, device, fit_to_context, load_model_and_tokenizer, load_tokenizer
-from mechdiag.outcomes import CORRECTNESS, group_outcomes
+from mechdiag.models import context_of, device, eos_ids, load_model_and_tokenizer, load_tokenizer
+from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
-from mechdiag.tasks import resolve_rewards
+from mechdiag.tasks.rewards import weighted_total
 from mechdiag.train.lora import peft_config, peft_refusals
+from mechdiag.train.trainer import run_config
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -59,18 +59,20 @@ __all__ = ["MechdiagCallback", "GroupCV", "task_reward_funcs", "grpo_args", "pef
            "train_trl", "save_adapter", "read_trl_run", "read_verl_run"]
 
 
-# ---- per-group reward CV through a reward-function wrapper -------------------------------------------------
+# ---- a step's rollout through a reward-function wrapper --------------------------------------------------------
 class GroupCV:
-    """Wrap TRL reward functions so that, once all of them have scored a batch, the weighted reward's CV within
-    each group is logged as `reward_cv` (and the share of all-equal groups as `group_frac_zero_std`) via TRL's
-    log_metric, with the group outcomes frac_groups_all_correct / _all_wrong / _shaping_only (mechdiag.outcomes)
-    when one function gives correctness (`correctness`: its name or index; default the function named
-    "correctness", as task_reward_funcs names it). Weights are GRPOConfig.reward_weights (default 1 each);
-    groups are contiguous blocks of group_size (TRL's layout of a generation batch), else equal prompts. Under
-    several processes the rewards are gathered first, so a group split across processes is still one group.
+    """Wrap TRL reward functions so that, once all of them have scored a generation batch, the batch becomes the
+    rollout of mechdiag's step record (recorder.StepRecord: groups, each function's values, the weighted total,
+    lengths and truncation from completion_ids, texts), which MechdiagCallback(rollouts=cv) records; and the
+    study's group statistics (outcomes.group_stats: reward_cv, group_frac_zero_std, the group outcomes when one
+    function gives correctness, `correctness`: its name or index, default the function named "correctness") go to
+    TRL's own log through log_metric. Weights are GRPOConfig.reward_weights (default 1 each); groups are contiguous
+    blocks of group_size (TRL's layout of a generation batch), else equal prompts. Under several processes the
+    batch is gathered first, so a group split across processes is still one group.
 
         cv = GroupCV([f1, f2], weights=[1.0, 0.5], group_size=8)
-        GRPOTrainer(..., reward_funcs=cv.funcs, args=GRPOConfig(reward_weights=[1.0, 0.5], ...))
+        GRPOTrainer(..., reward_funcs=cv.funcs, args=GRPOConfig(reward_weights=[1.0, 0.5], ...),
+                    callbacks=[MechdiagCallback(rollouts=cv)])
     """
 
     def __init__(self, reward_funcs, weights=None, group_size: int | None = None, correctness=None):
@@ -83,9 +85,13 @@ class GroupCV:
         self.weights = [1.0] * len(self.raw) if weights is None else [float(w) for w in weights]
         if len(self.weights) != len(self.raw):
             raise UserError(f"GroupCV: {len(self.weights)} weights for {len(self.raw)} reward functions")
+        names = [getattr(f, "__name__", f"reward_{i}") for i, f in enumerate(self.raw)]
+        self.names = [n if names.count(n) == 1 else f"{n}_{i}" for i, n in enumerate(names)]  # unique keys
         self.group_size = group_size
         self.correct_idx = correctness_index(self.raw, correctness)
+        self.eos: set[int] | None = None  # the callback sets the model's EOS ids: truncation is then known
         self.last: dict = {}
+        self.rollout: dict | None = None  # the last batch's columns, until the callback takes them
         self._batch, self._outs = None, {}
         self.funcs = [self._wrap(i, f) for i, f in enumerate(self.raw)]
 
@@ -97,20 +103,20 @@ class GroupCV:
                 self._batch, self._outs = id(completions), {}
             self._outs[i] = list(out)
             if len(self._outs) == len(self.raw):
-                self._finish(list(prompts), kwargs.get("log_metric"))
+                self._finish(list(prompts), list(completions), kwargs)
             return out
 
         return scored
 
-    def _finish(self, prompts: list, log_metric) -> None:
-        n = len(prompts)
-        totals = []
-        for j in range(n):
-            vals = [(w, self._outs[i][j]) for i, w in enumerate(self.weights)]
-            vals = [(w, v) for w, v in vals if v is not None and not (isinstance(v, float) and math.isnan(v))]
-            totals.append(math.fsum(w * float(v) for w, v in vals) if vals else math.nan)
-        correct = None if self.correct_idx is None else \
-            [math.nan if v is None else float(v) for v in self._outs[self.correct_idx]]
+    def _finish(self, prompts: list, completions: list, kwargs: dict) -> None:
+        nan = lambda v: math.nan if v is None else float(v)  # noqa: E731 - TRL's None: unscorable
+        ids = kwargs.get("completion_ids")
+        cols = {"prompts": [p if isinstance(p, str) else repr(p) for p in prompts],
+                "texts": [c if isinstance(c, str) else c[-1]["content"] for c in completions],
+                "example_ids": kwargs.get("example_id"), "lengths": None if ids is None else [len(x) for x in ids],
+                "truncated": None if ids is None or self.eos is None else [not x or x[-1] not in self.eos
+                                                                            for x in ids],
+                **{f"reward/{n}": [nan(v) for v in self._outs[i]] for i, n in enumerate(self.names)}}
         self._outs = {}
         try:
             from accelerate import PartialState  # noqa: PLC0415 - accelerate is part of the optional trl extra
@@ -118,22 +124,32 @@ class GroupCV:
             if PartialState().num_processes > 1:
                 from accelerate.utils import gather_object  # noqa: PLC0415 - accelerate is part of the optional trl extra
 
-                totals, prompts = gather_object(totals), gather_object(prompts)
-                correct = None if correct is None else gather_object(correct)
+                cols = {k: v if v is None else gather_object(v) for k, v in cols.items()}
         except ImportError:  # pragma: no cover - accelerate comes with trl
             pass
-
-        keys = _contiguous_keys(len(totals), self.group_size,
-                                [p if isinstance(p, str) else repr(p) for p in prompts])
-        self.last = group_reward_stats(totals, keys)
-        if correct is not None:
-            self.last.update(group_outcomes(totals, correct, keys))
+        comps = {n: cols.pop(f"reward/{n}") for n in self.names}
+        cols["components"] = comps
+        keys = _contiguous_keys(len(cols["prompts"]), self.group_size, cols["prompts"])
+        weights = dict(zip(self.names, self.weights, strict=True))
+        scored = [{n: comps[n][j] for n in self.names if math.isfinite(comps[n][j])} for j in range(len(keys))]
+        cols["rewards"] = [weighted_total(s, weights) if s else math.nan for s in scored]  # none scored: NaN
+        first: dict = {}
+        cols["group_ids"] = [first.setdefault(k, len(first)) for k in keys]
+        self.rollout = cols
+        correct = None if self.correct_idx is None else comps[self.names[self.correct_idx]]
+        self.last = group_stats(cols["rewards"], keys, correct)
+        log_metric = kwargs.get("log_metric")
         if log_metric is not None:
             for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std"),
                               *((k, k) for k in OUTCOME_KEYS)):
                 v = self.last.get(key)
                 if v is not None and math.isfinite(v):
                     log_metric(name, v)
+
+    def take(self) -> dict | None:
+        """The last batch's columns (once: a later TRL step of the same generation batch has none)."""
+        out, self.rollout = self.rollout, None
+        return out
 
 
 def correctness_index(funcs, correctness) -> int | None:
@@ -300,18 +316,21 @@ def _timed(fn):
 
 
 class MechdiagCallback(TrainerCallback):
-    """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/).
+    """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/): a thin
+    translator of TRL's events into the recorder's (mechdiag.recorder), with the native trainer's signal set.
 
-    Every log: metrics.jsonl in canonical keys (reward_cv from a GroupCV wrapper's log, else from the completions
-    parquet when log_completions=True; then samples.jsonl too). Every `displacement_every` steps and at the end:
-    displacement.jsonl rows of the LoRA-effective weights (factors only, exact; the final step's with the update
-    geometry, subspace_overlap and intruders). At each evaluation (TRL's, or
-    every `eval_every` steps of the callback's own schedule, and at the start and end when `evaluate` is given):
-    eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` (accuracy, ...) merged in (evaluate="heldout":
+    Each train log becomes a StepRecord: TRL's logged update statistics (loss, kl, clip fractions, grad norm, lr,
+    step time; other keys as they are) and the step's rollout, from a GroupCV wrapper (`rollouts`), else from the
+    completions parquet (log_completions=True); the recorder computes reward_cv, frac_zero_std, the outcomes and the
+    rest from it, as for the native trainer. Every `displacement_every` steps and at the end: displacement.jsonl
+    rows of the LoRA-effective weights (factors only, exact; the final step's with the update geometry). At each
+    evaluation (TRL's, or every `eval_every` steps of the callback's own schedule, and at the start and end when
+    `evaluate` is given): eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` merged in (evaluate="heldout":
     the native trainer's eval on `config`'s held-out problems, which `mechdiag attribute` reproduces), forget_kl on
-    `forget_prompts` (LoRA only: the base is the adapter disabled), and shift.jsonl on `shift_prompts`.
-    Only the main process writes. `config` (our Config) is saved as config.yaml; without it one is derived from
-    the GRPOConfig and the model's LoRA config. The time spent here is summed in summary.json (recorder_s).
+    `forget_prompts` (LoRA only) and shift.jsonl on `shift_prompts`. Only the main process writes. `config` (our
+    Config) is saved as config.yaml; without it one is derived from the GRPOConfig and the model's LoRA config.
+    summary.json at the end; `updates_per_step`: TRL steps per step of ours (num_iterations; `mechdiag train
+    --backend trl`), for its step counts. The time spent here is summed in it (recorder_s).
 
     With GRPOConfig(report_to=[...]), the signals TRL does not log itself (displacement per layer x module, the
     held-out eval, shift, forget_kl, user signals, alerts; mechdiag.trackers names them) reach each report_to
@@ -322,20 +341,21 @@ class MechdiagCallback(TrainerCallback):
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
                  shift_n: int = 64, shift_batch_size: int = 16, config=None, evaluate=None, eval_every: int = 0,
                  reward_weights: dict[str, float] | None = None, max_time_s: float | None = None,
-                 forget_prompts: list[str] | None = None, forget_tokens: int = 32, signals: list | None = None):
+                 forget_prompts: list[str] | None = None, forget_tokens: int = 32, signals: list | None = None,
+                 rollouts: GroupCV | None = None, updates_per_step: int = 1):
         self.run_dir = run_dir
         self.forget_prompts, self.forget_tokens = list(forget_prompts or []), forget_tokens
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
+        self._created = self._t0
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
         self.shift_batch_size = shift_batch_size
         if evaluate == "heldout" and config is None:
             raise ValueError('MechdiagCallback(evaluate="heldout") needs config=, the mechdiag Config naming the task')
-        self.config = config
-        self.evaluate = evaluate
-        self.eval_every = eval_every
+        self.config, self.evaluate, self.eval_every = config, evaluate, eval_every
         self.reward_weights = reward_weights
         self.user_signals = list(signals or [])
+        self.rollouts, self.updates_per_step = rollouts, updates_per_step
         self.run: RunDir | None = None
         self.recorder: R.Recorder | None = None
         self.recorder_s = self.recorder_once_s = 0.0
@@ -359,51 +379,62 @@ class MechdiagCallback(TrainerCallback):
         collectives all ranks join)."""
         return self.recorder is not None
 
-    def _signals(self, cfg, tokenizer, args) -> list:
-        """The recorder's signals for this run: the native trainer's set, with the callback's own arguments."""
-        out = [R.TrainMetrics(), R.Samples(0), R.Displacement(self.displacement_every, cfg.record.final_geometry)]
+    def _signals(self, cfg, tokenizer, args, model) -> list:
+        """The native trainer's signal set (recorder.signals), with the callback's own arguments as its options."""
         if self.evaluate == "heldout":
             self.evaluate = R.HeldOut.from_config(cfg, tokenizer)
-        if isinstance(self.evaluate, R.Signal):
-            out.append(self.evaluate)
-        elif self.evaluate is not None:
-            out.append(Evaluate(self.evaluate))
-        if self.forget_prompts:
-            out.append(R.Forget(ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens)))
-        out += [R.EvalRecords(), R.Shift(self.shift_prompts, self.shift_batch_size),
-                *[R.user_signal(s) for s in cfg.record.signals], *self.user_signals]
-        if not self.writer:  # alerts print and trackers log: the writer's
-            return out
-        out.append(R.Alerts(cfg))
-        if args.report_to:  # TRL logs its own metrics; the rest goes to its report_to callbacks
+        evaluate = self.evaluate if isinstance(self.evaluate, R.Signal) or self.evaluate is None else \
+            Evaluate(self.evaluate)
+        forget = ForgetProbe(self.forget_prompts, tokenizer, max_new_tokens=self.forget_tokens) \
+            if self.forget_prompts else None
+        out = R.signals(cfg, evaluate, _peft(model) is not None, forget, self.shift_prompts, self.shift_batch_size,
+                        self.user_signals, writer=self.writer)
+        if self.writer and args.report_to:  # TRL logs its own metrics; the rest goes to its report_to callbacks
             if self.report.handler is None:
                 warnings.warn("MechdiagCallback: call callback.attach(trainer) for mechdiag's signals to reach "
                               f"report_to {args.report_to}", stacklevel=3)
             out.append(T.Report(self.report, skip=("metrics",)))
         return out
 
+    def _config(self, args, model):
+        """Our Config, given or derived from the GRPOConfig; the callback's own intervals in its record section."""
+        cfg = self.config
+        self._derived = cfg is None
+        if cfg is None:
+            cfg = config_from_grpo(args, _peft(model) or model, [k for k in (self.reward_weights or {})] or None)
+            cfg.record.samples_every = 1 if args.log_completions else cfg.record.samples_every
+        cfg.record.displacement_every = self.displacement_every
+        self.config = cfg
+        return cfg
+
     def _flush(self, args) -> None:
-        """Record the pending train step; its completions parquet exists by now (TRL writes it after on_log), so
-        reward_cv and samples come from there when the wrapper did not log them."""
-        rec, self._pending = self._pending, None
-        if rec is None:
+        """Record the pending train step: TRL's logged numbers and the step's rollout, the wrapper's, else the
+        completions parquet's (TRL writes it after on_log, so it exists by now)."""
+        logged, self._pending = self._pending, None
+        if logged is None:
             return
-        names = [k.split("/", 1)[1] for k in rec if k.startswith("reward/")]  # in reward_funcs order
+        step = logged.pop("step")
+        names = [k.split("/", 1)[1] for k in logged if k.startswith("reward/")]  # in reward_funcs order
         if self.reward_weights is None and names:
             w = args.reward_weights or [1.0] * len(names)
             self.reward_weights = dict(zip(names, [float(x) for x in w], strict=False))
             if self._derived:  # now the reward function names are known: config.yaml gets them
                 self.config = C.from_dict({**self.config.model_dump(mode="json"),
                                            "rewards": {"weights": self.reward_weights}})
-                C.save(self.config, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
-        path = completion_files(Path(args.output_dir)).get(rec["step"])
-        samples = None
-        if path is not None:
-            stats, samples = completions_rows(path, names, self.reward_weights, args.num_generations)
-            for k, v in stats.items():
-                rec.setdefault(k, v)
-        step = rec.pop("step")
-        self.recorder.train(step, rec, samples)
+                self.recorder.write_config(self.config, "mechdiag MechdiagCallback inside TRL GRPOTrainer")
+        update = R.Update(**{k: logged.pop(k) for k in UPDATE_FIELDS if k in logged})
+        record = R.StepRecord(step, weights=dict(self.reward_weights or {}), update=update, extra=logged)
+        roll = self.rollouts.take() if self.rollouts is not None else None
+        path = completion_files(Path(args.output_dir)).get(step)
+        if roll is None and path is not None:
+            _, rows = completions_rows(path, names, self.reward_weights, args.num_generations)
+            roll = {"group_ids": [r["group"] for r in rows], "prompts": [r["prompt"] for r in rows],
+                    "texts": [r["completion"] for r in rows], "rewards": [_nan(r["reward"]) for r in rows],
+                    "advantages": [_nan(r.get("advantage")) for r in rows],
+                    "components": {n: [_nan(r.get(f"reward/{n}")) for r in rows] for n in names}}
+        for k, v in (roll or {}).items():
+            setattr(record, k, v)
+        self.recorder.train(record)
 
     def _record_eval(self, step: int, model, tokenizer, metrics: dict | None = None) -> None:
         with self.engine.forward():
@@ -417,30 +448,22 @@ class MechdiagCallback(TrainerCallback):
         self._t0 = time.perf_counter()
         self.engine = Engine.of(model)
         self.writer = state.is_world_process_zero
-        if not self.writer:
-            if self.engine.sharded:  # computes with the writer, writes nothing
-                cfg = self.config or config_from_grpo(args, _peft(model) or model,
-                                                      [k for k in (self.reward_weights or {})] or None)
-                self.recorder = R.Recorder(None, self._signals(cfg, processing_class, args), writer=False,
-                                           engine=self.engine)
-                if self.evaluate is not None and state.global_step == 0:
-                    self._record_eval(0, model, processing_class)
+        if self.rollouts is not None and self.rollouts.eos is None and processing_class is not None:
+            self.rollouts.eos = set(eos_ids(_peft(model) or model, processing_class))
+        if not self.writer and not self.engine.sharded:
             return
-
-        self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
-        if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
-            warnings.warn(f"{self.run.path} held an earlier run; its records are replaced", stacklevel=2)
-        cfg = self.config
-        self._derived = cfg is None
-        if cfg is None:
-            names = [k for k in (self.reward_weights or {})] or None
-            cfg = config_from_grpo(args, _peft(model) or model, names)
-        self.config = cfg
-        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class, args),
+        if self.writer:
+            self.run = RunDir(self.run_dir or Path(args.output_dir) / CALLBACK_DIR, create=True)
+            if state.global_step == 0 and self.run.stream("metrics").exists():  # TRL overwrites its output_dir too
+                warnings.warn(f"{self.run.path} held an earlier run; its records are replaced", stacklevel=2)
+        cfg = self._config(args, model)
+        # under a sharded engine every rank computes (collectives), only the writer writes
+        self.recorder = R.Recorder(self.run, self._signals(cfg, processing_class, args, model), writer=self.writer,
                                    engine=self.engine if self.engine.sharded else None)
-        self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
-        C.save(cfg, self.run.config_path, header="mechdiag MechdiagCallback inside TRL GRPOTrainer")
-        self.recorder.start()
+        if self.writer:
+            self.run.drop_after(state.global_step if state.global_step else -1)  # resumed: forget what came after
+            self.recorder.write_config(cfg, "mechdiag MechdiagCallback inside TRL GRPOTrainer")
+            self.recorder.start()
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
 
@@ -472,11 +495,9 @@ class MechdiagCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kw):
         if not self._on(state) or not self.writer or not logs:
             return
+        self._flush(args)  # before an eval log: TRL then writes the eval's completions over this step's file
         if is_train_log(logs) and not is_eval_log(logs):
-            self._flush(args)
             self._pending = {"step": state.global_step, **map_trl_log(logs)}
-        elif "train_runtime" in logs:
-            self._flush(args)
 
     @_timed
     def on_evaluate(self, args, state, control, metrics=None, model=None, processing_class=None, **kw):
@@ -494,24 +515,22 @@ class MechdiagCallback(TrainerCallback):
         step = state.global_step  # final diagnostics: the last step is recorded whatever the intervals
         if self.evaluate is not None and self._last_eval_step != step:
             self._record_eval(step, model, processing_class)
+        n = self.updates_per_step
         with self.engine.forward():
-            self.recorder.end(step, _peft(model), processing_class)
-        if not self.writer:
-            return
-        self.report.deliver(args, state, control)
-        evals = [e for e in self.recorder.find(R.EvalRecords).records if "accuracy" in e]
-        summary = {"steps": state.global_step, "source": "trl", "trl_output_dir": str(args.output_dir),
-                   "recorder_s": self.recorder_s, "recorder_once_s": self.recorder_once_s,
-                   "config_derived": self._derived, "engine": self.engine.name,
-                   "world_size": self.engine.world_size}
-        if len(evals) >= 1:
-            base = next((e for e in evals if e["step"] == 0), None)
-            summary.update({"final_accuracy": evals[-1]["accuracy"],
-                            "final_eval_reward": evals[-1].get("eval_reward")})
-            if base is not None:
-                summary.update({"base_accuracy": base["accuracy"], "base_eval_reward": base.get("eval_reward"),
-                                "accuracy_gain": evals[-1]["accuracy"] - base["accuracy"]})
-        self.run.write_summary(summary)
+            self.recorder.end(step, _peft(model), processing_class, {
+                "steps": step // n, "planned_steps": state.max_steps // n, "source": "trl",
+                "trl_output_dir": str(args.output_dir), "wall_time_s": time.perf_counter() - self._created,
+                "recorder_s": self.recorder_s, "recorder_once_s": self.recorder_once_s,
+                "config_derived": self._derived, "engine": self.engine.name, "world_size": self.engine.world_size})
+        if self.writer:
+            self.report.deliver(args, state, control)
+
+
+UPDATE_FIELDS = [f.name for f in dataclasses.fields(R.Update)]
+
+
+def _nan(v) -> float:
+    return math.nan if v is None else float(v)
 
 
 class Evaluate(R.Signal):
@@ -551,7 +570,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
-    resolve_rewards(cfg)
+    run_config(cfg)  # weights resolved, prompt budget fitted (our held-out evals cut prompts to what fits)
     torch.manual_seed(cfg.seed)
     context = context_of(cfg.model.name_or_path)
     tok = load_tokenizer(cfg.model.name_or_path)
@@ -569,7 +588,6 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                             f"max_completion_tokens={cfg.max_completion_tokens} it passes the model's context of "
                             f"{context} positions (TRL does not cut prompts); {room}train with the native backend, "
                             "which cuts them")
-    fit_to_context(cfg)  # our held-out evals cut prompts to what fits
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, tokenizer=tok)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
     data = Dataset.from_list([{"prompt": p, "example_id": ex.id} for p, ex in zip(prompts, train_ex, strict=True)])
@@ -578,14 +596,14 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
     run = RunDir(out_dir, create=True)
     rec = cfg.record
-    cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every if cfg.lora.enabled else 0,
-                          shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
-                          shift_n=rec.shift_n, config=cfg, evaluate=heldout,
-                          eval_every=cfg.eval_every * cfg.num_iterations,
+    cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every,
+                          shift_prompts=eval_prompts if rec.shift_at_eval else None, shift_n=rec.shift_n, config=cfg,
+                          evaluate=heldout, eval_every=cfg.eval_every * cfg.num_iterations,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
-                          max_time_s=getattr(cfg, "max_time_s", None),
+                          max_time_s=cfg.max_time_s, forget_tokens=rec.forget_tokens,
                           forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
-                          if rec.forget_prompts and cfg.lora.enabled else None, forget_tokens=rec.forget_tokens)
+                          if rec.forget_prompts and cfg.lora.enabled else None,
+                          rollouts=cv, updates_per_step=cfg.num_iterations)
     with peft_refusals(peft_cfg) if peft_cfg is not None else contextlib.nullcontext():  # TRL wraps the model
         trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data,
                               processing_class=tok, peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])
@@ -641,20 +659,17 @@ def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
 
-    t0 = time.perf_counter()
     run_path = Path(out_dir)
     if not resume and held(run_path):
         raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
     T.require(cfg.report_to)
     with T.environment(cfg.report_to, run_path):
-        return _train_trl(cfg, run_path, resume, t0, **overrides)
+        return _train_trl(cfg, run_path, resume, **overrides)
 
 
-def _train_trl(cfg, out_dir, resume, t0, **overrides):
+def _train_trl(cfg, out_dir, resume, **overrides):
     trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
     main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
-    if main:
-        C.save(cfg, run.config_path, header="mechdiag train --backend trl: resolved config")
     last = None
     if resume:
         ckpts = sorted(run.path.glob("trl/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
@@ -663,10 +678,5 @@ def _train_trl(cfg, out_dir, resume, t0, **overrides):
     trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
     if main:
         trainer.processing_class.save_pretrained(str(run.final))
-        summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-                   "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
-                   "planned_steps": cfg.max_steps,
-                   "wall_time_s": time.perf_counter() - t0}
-        run.write_summary(summary)
     trainer.accelerator.wait_for_everyone()  # all ranks end together, after rank 0's last write
     return run if main else None
