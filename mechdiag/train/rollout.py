@@ -105,16 +105,14 @@ def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
 
 
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
-    """Sample cfg.group_size completions per example and score them (paper-notes §2).
-
-    `sampler`, if given, decodes in place of `model` (a copy holding the same effective weights)."""
+    """Sample cfg.group_size completions per example, score them (scored) and add the old and reference
+    log-probs (paper-notes §2). `sampler`, if given, decodes in place of `model` (a copy holding the same
+    effective weights)."""
     g = cfg.group_size
     prompts = [task.prompt(ex, tokenizer) for ex in examples]
-    rows = [p for p in prompts for _ in range(g)]
     device = next(model.parameters()).device
     u_ids, u_mask = encode_prompts(tokenizer, prompts, cfg.max_prompt_tokens)
     u_ids, u_mask = u_ids.to(device), u_mask.to(device)
-    p_ids, p_mask = u_ids.repeat_interleave(g, 0), u_mask.repeat_interleave(g, 0)
     was_training = model.training
     model.eval()
     try:
@@ -123,24 +121,9 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
                                              temperature=cfg.temperature, top_p=cfg.top_p, gen=gen, entropy=ent,
                                              logprobs=lps, repeat=g)
-        c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd
-        lengths = c_mask.sum(-1).tolist()
-        texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
-                 for ids, n in zip(c_ids.tolist(), lengths, strict=True)]
-        weights = cfg.rewards.weights
-        comps: dict[str, list[float]] = {}
-        totals = []
-        # all completions of the step in one parallel batch (a code task runs its sandboxes side by side)
-        for c in task.components_many(texts, [examples[i // g] for i in range(len(texts))]):
-            for k, v in c.items():
-                comps.setdefault(k, []).append(float(v))
-            totals.append(weighted_total(c, weights))
-        rewards = torch.tensor(totals, dtype=torch.float32)
-        r = Rollout(p_ids, p_mask, c_ids, c_mask, trunc.cpu(), rewards,
-                    {k: torch.tensor(v) for k, v in comps.items()},
-                    obj.group_advantages(rewards, g, cfg.scale_rewards).to(device), texts,
-                    [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
-                    sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
+        r = scored(tokenizer, task, examples, prompts, cfg, u_ids.repeat_interleave(g, 0),
+                   u_mask.repeat_interleave(g, 0), c_ids.clone(), c_mask.clone(), trunc.cpu())
+        r.sample_logp, r.sample_entropy = lps[0].clone(), ent[0].clone()  # inference tensors cannot enter autograd
         if cfg.num_iterations > 1:
             r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
         ref, ctx = reference_context(model, ref_model)
@@ -149,3 +132,23 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
     finally:
         model.train(was_training)
     return r
+
+
+def scored(tokenizer, task, examples, prompts: list[str], cfg, p_ids, p_mask, c_ids, c_mask, trunc) -> Rollout:
+    """The Rollout of cfg.group_size sampled completions per example (token ids, mask with the EOS counted,
+    truncated flags): texts decoded, reward components and their weighted total, group advantages."""
+    g = cfg.group_size
+    texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
+             for ids, n in zip(c_ids.tolist(), c_mask.sum(-1).tolist(), strict=True)]
+    comps: dict[str, list[float]] = {}
+    totals = []
+    # all completions of the step in one parallel batch (a code task runs its sandboxes side by side)
+    for c in task.components_many(texts, [examples[i // g] for i in range(len(texts))]):
+        for k, v in c.items():
+            comps.setdefault(k, []).append(float(v))
+        totals.append(weighted_total(c, cfg.rewards.weights))
+    rewards = torch.tensor(totals, dtype=torch.float32)
+    return Rollout(p_ids, p_mask, c_ids, c_mask, trunc, rewards, {k: torch.tensor(v) for k, v in comps.items()},
+                   obj.group_advantages(rewards, g, cfg.scale_rewards).to(c_ids.device), texts,
+                   [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(texts))],
+                   [p for p in prompts for _ in range(g)])

@@ -113,18 +113,24 @@ def run_config(cfg: Config) -> Config:
     return cfg
 
 
+def rollout_record(step: int, roll: Rollout, cfg: Config) -> StepRecord:
+    """The rollout part of the native trainer's StepRecord: its completions, one entry each."""
+    return StepRecord(step, list(roll.group_ids), {k: v.tolist() for k, v in roll.components.items()},
+                      dict(cfg.rewards.weights), roll.rewards.tolist(), roll.completion_mask.sum(-1).tolist(),
+                      roll.truncated.tolist(), roll.texts, roll.prompts, roll.example_ids, roll.advantages.tolist())
+
+
 def step_record(step: int, roll: Rollout, cfg: Config, updates: list[dict], lr: float, rollout_time: float,
                 step_time: float) -> StepRecord:
-    """The native trainer's StepRecord: the rollout's completions and the mean of its updates' statistics."""
+    """The native trainer's StepRecord: the rollout's completions and the mean of its updates' statistics; the
+    KL is the rollout's (k3 of the sampling policy against the reference), whatever beta."""
     mask = roll.completion_mask
     mean = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "skipped"}
-    kl = obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), mask).item()
-    return StepRecord(step, list(roll.group_ids), {k: v.tolist() for k, v in roll.components.items()},
-                      dict(cfg.rewards.weights), roll.rewards.tolist(), mask.sum(-1).tolist(), roll.truncated.tolist(),
-                      roll.texts, roll.prompts, roll.example_ids, roll.advantages.tolist(),
-                      Update(**mean, kl=kl, entropy=obj.masked_mean(roll.sample_entropy, mask).item(), lr=lr,
-                             step_time=step_time, rollout_time=rollout_time,
-                             skipped_updates=sum(u["skipped"] for u in updates)))
+    record = rollout_record(step, roll, cfg)
+    record.update = Update(**mean, kl=obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), mask).item(),
+                           entropy=obj.masked_mean(roll.sample_entropy, mask).item(), lr=lr, step_time=step_time,
+                           rollout_time=rollout_time, skipped_updates=sum(u["skipped"] for u in updates))
+    return record
 
 
 def check_data(cfg: Config) -> None:
@@ -182,7 +188,7 @@ class Trainer:
                        "reference_bytes": param_bytes(self.ref_model) if self.ref_model is not None else 0}
 
     def _data(self) -> None:
-        """The training sources (the task and its mixture), the held-out set and the steps they make."""
+        """The training sources (the task and its mixture), the held-out set and forget probe, the steps."""
         cfg = self.cfg
         self.heldout = R.HeldOut.from_config(cfg, self.tokenizer)
         self.task = self.heldout.task
@@ -194,6 +200,7 @@ class Trainer:
         if not self.train_examples[0]:
             raise UserError(f"task {cfg.task.name} has no training examples")
         self.eval_examples, self.eval_prompts = self.heldout.examples, self.heldout.prompts
+        self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else \
@@ -210,9 +217,8 @@ class Trainer:
     def _recorder(self, out_dir, resume: bool) -> None:
         """The recorder and its signals; config.yaml, written once, through it."""
         cfg = self.cfg
-        forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         shift = self.eval_prompts[:cfg.record.shift_n] if cfg.record.shift_at_eval else None
-        signals = R.signals(cfg, self.heldout, cfg.lora.enabled, forget, shift)
+        signals = R.signals(cfg, self.heldout, cfg.lora.enabled, self.forget, shift)
         if cfg.report_to:  # last: it reports what the others recorded
             signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"), resume)))
         self.recorder = R.Recorder(self.run, signals)
