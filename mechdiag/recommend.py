@@ -200,7 +200,7 @@ class Signals:
     def from_runs(cls, runs: list[Run]) -> Signals:
         cfg = runs[0].cfg
         # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
-        adapted = set(cfg.lora.target_modules)
+        adapted = {m.rsplit(".", 1)[-1] for m in cfg.lora.target_modules}  # as the run recorded them (resolved)
         disp = [[row for row in last_step(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
                  in adapted] for r in runs]
         shift_rows = [last_step(r.shift) for r in runs]

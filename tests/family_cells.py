@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from mechdiag import config as C
 from mechdiag.cli import main
+from mechdiag.recommend import Signals
 from mechdiag.report.figures import _module_mass
 from mechdiag.run import RunDir, load_run
 from tests.tiny_models import N_LAYERS, adapter_deltas, family_folder
@@ -185,7 +186,15 @@ def check_attribute(runs):
 
 
 def check_recommend_train(folder, run, tmp):
-    """`mechdiag recommend` writes a config of the same model that `mechdiag train` runs as it is."""
+    """config.yaml records the LoRA targets the run really used (the family's defaults resolved), so recommend sees
+    non-empty layer and module masses; `mechdiag recommend` writes a config of the same model that `mechdiag
+    train` runs as it is."""
+    loaded = load_run(run)
+    used = {r.get("part_of") or r["module"] for r in loaded.displacement}
+    assert used and used == set(loaded.cfg.lora.target_modules)
+    signals = Signals.from_runs([loaded])
+    assert signals.layer_mass and signals.module_mass and set(signals.module_mass) <= used | {
+        r["module"] for r in loaded.displacement}
     refined = tmp / "refined.yaml"
     code, out, err = cli("recommend", run, "--out", refined)
     assert code == 0, err
