@@ -36,7 +36,6 @@ import torch  # noqa: E402
 
 from mechdiag import config as C  # noqa: E402
 from mechdiag import recorder as R  # noqa: E402
-from mechdiag.train import hooks as H  # noqa: E402
 
 
 def common(args) -> list[str]:
@@ -53,7 +52,6 @@ def bench_mechdiag(args, out: Path) -> dict:
                                        "record.shift_at_eval=true"])
     tr = Trainer(cfg, out / "mechdiag")
     tr.recorder.start()  # as fit() does: setup, not step time
-    H.call(tr.hooks, "on_train_start", tr)
     step_times, hook_times, lengths, zero = [], [], [], []
     prof = getattr(args, "profiler", None)
     if prof is not None:
@@ -62,9 +60,8 @@ def bench_mechdiag(args, out: Path) -> dict:
         t0 = time.perf_counter()
         record, roll = tr.train_step(step)
         t1 = time.perf_counter()
-        metrics = tr.recorder.train(record)  # as fit() does: the recorder, then the hooks
+        metrics = tr.recorder.train(record)  # as fit() does: the recorder (its signals, then the hooks)
         tr.recorder.weights(step, tr.model, last=False)
-        H.call(tr.hooks, "on_step_end", tr, step, metrics, roll)
         t2 = time.perf_counter()
         print(f"mechdiag step {step}: {t1 - t0:.2f} s", file=sys.stderr, flush=True)
         if step > args.warmup:
@@ -74,14 +71,10 @@ def bench_mechdiag(args, out: Path) -> dict:
             zero.append(metrics["frac_zero_std"])
     if prof is not None:
         prof.disable()
-    # the eval-time recorders (metrics writer, shift) run once per eval; charge them per eval_every=100 steps
-    t0 = time.perf_counter()
-    H.call(tr.hooks, "on_eval", tr, 1, {"accuracy": 0.0, "eval_reward": 0.0})
-    eval_hook = time.perf_counter() - t0
     mean_step = statistics.mean(step_times)
     return {"s_per_step": mean_step, "completion_length": statistics.mean(lengths),
             "frac_zero_std": statistics.mean(zero),
-            "hook_s_per_step": statistics.mean(hook_times) + eval_hook / 100,
+            "hook_s_per_step": statistics.mean(hook_times),
             "displacement": "on" if _has("mechdiag.displacement") else "absent (not merged)",
             "shift": "on" if _has("mechdiag.probes.shift") else "absent (not merged)"}
 

@@ -1,10 +1,11 @@
 """The one recorder both trainers drive (train.hooks.Recording for the native trainer, MechdiagCallback for TRL).
 
-A `Recorder` holds the run directory and a list of signals, and turns five events into records:
+A `Recorder` holds the run directory and a list of signals, and turns six events into records:
 
     start()                                   after setup (a resumed run's records already on disk)
     train(record)                             a step: its StepRecord (the rollout and what the updates did)
     weights(step, model, last)                the policy after a step's updates (model: the PEFT model or None)
+    save(step, path)                          a checkpoint is complete
     eval(step, model, tokenizer, ...)         a held-out evaluation; returns the eval record
     end(step, model, tokenizer, summary)      once, after the last step; returns summary.json (Summary)
 
@@ -111,6 +112,7 @@ class Signal:
     def on_train(self, rec: Recorder, step: int, record: StepRecord) -> list | None: ...
     def on_weights(self, rec: Recorder, step: int, model, last: bool) -> list | None: ...
     def on_eval(self, rec: Recorder, step: int, record: dict, ctx: dict) -> list | None: ...
+    def on_save(self, rec: Recorder, step: int, path) -> None: ...
     def on_end(self, rec: Recorder, step: int, ctx: dict) -> list | None: ...
 
     def write(self, run: RunDir, records: list) -> None:
@@ -123,16 +125,18 @@ class Recorder:
         # engine: a mechdiag.distributed.Engine when every rank computes (a sharded model); run None off the writer
         self.run, self.signals, self.writer, self.engine = run, list(signals), writer, engine
         for s in self.signals:
-            if writer and s.stream is None and s.name:
+            if writer and getattr(s, "stream", None) is None and getattr(s, "name", None):
                 run.register(s.name)
         self.latest: dict[str, list] = {}  # this event's records per stream, for signals that read others'
 
     def _emit(self, event: str, *args) -> None:
         self.latest = {}
         for s in self.signals:
-            out = getattr(s, event)(self, *args)
-            if out:
-                self.latest[s.stream or s.name] = out
+            fn = getattr(s, event, None)  # a hook (train.hooks) may have any subset of the events
+            out = fn(self, *args) if fn is not None else None
+            key = getattr(s, "stream", None) or getattr(s, "name", None)
+            if out and key:
+                self.latest[key] = out
                 if self.writer:
                     s.write(self.run, out)
 
@@ -142,8 +146,7 @@ class Recorder:
             save(cfg, self.run.config_path, header=header)
 
     def start(self) -> None:
-        for s in self.signals:
-            s.on_start(self)
+        self._emit("on_start")
 
     def train(self, record: StepRecord) -> dict:
         """Record a step; returns its computed metrics (metrics.jsonl's record)."""
@@ -158,6 +161,10 @@ class Recorder:
         self._emit("on_eval", step, record, {"model": model, "tokenizer": tokenizer, "sampler": sampler or model,
                                              "ref_model": ref_model})
         return record
+
+    def save(self, step: int, path) -> None:
+        """A checkpoint at `step` is complete (the native trainer's)."""
+        self._emit("on_save", step, path)
 
     def end(self, step: int, model, tokenizer, summary: dict | None = None) -> dict:
         """The last event; `summary`: what the trainer adds to summary.json (wall time, memory, source...)."""

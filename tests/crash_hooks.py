@@ -33,15 +33,15 @@ class Kill:
 
             trainer._save_weights = patched
 
-    def on_eval(self, trainer, step, metrics):
+    def on_eval(self, rec, step, record, ctx):
         if self.event == "eval" and step == self.n:
             _die()
 
-    def on_step_end(self, trainer, step, metrics, rollout):
+    def on_weights(self, rec, step, model, last):
         if self.event == "step" and step == self.n:
             _die()
 
-    def on_save(self, trainer, step, path):
+    def on_save(self, rec, step, path):
         if self.event == "saved" and step == self.n:
             _die()
 

@@ -16,20 +16,20 @@ class Recorder:
     def __init__(self, trainer):
         self.trainer = trainer
 
-    def on_train_start(self, trainer):
-        EVENTS.append(("start", trainer.step))
+    def on_start(self, rec):
+        EVENTS.append(("start", self.trainer.step))
 
-    def on_step_end(self, trainer, step, metrics, rollout):
-        EVENTS.append(("step", step, len(rollout), round(metrics["reward"], 6)))
+    def on_train(self, rec, step, record):
+        EVENTS.append(("step", step, len(record.rewards), round(rec.latest["metrics"][0]["reward"], 6)))
 
-    def on_eval(self, trainer, step, metrics):
+    def on_eval(self, rec, step, record, ctx):
         EVENTS.append(("eval", step))
 
-    def on_save(self, trainer, step, path):
+    def on_save(self, rec, step, path):
         EVENTS.append(("save", step, (path / "COMPLETE").exists()))
 
-    def on_train_end(self, trainer, summary):
-        EVENTS.append(("end", summary["steps"]))
+    def on_end(self, rec, step, ctx):
+        EVENTS.append(("end", rec.latest["summary"][0]["steps"]))
 
 
 def test_hooks_called_at_fixed_points(stories260k, tmp_path):

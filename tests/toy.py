@@ -37,7 +37,7 @@ class KillAt:
     def __init__(self, step):
         self.step = step
 
-    def on_step_end(self, trainer, step, metrics, rollout):
+    def on_weights(self, rec, step, model, last):  # step N's records written, before its checkpoint
         if step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 

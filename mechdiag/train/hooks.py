@@ -1,41 +1,27 @@
-"""Hooks: a small protocol the trainer calls at fixed points, and the built-in recorders.
+"""Hooks: the native trainer's user objects, on the recorder's one protocol (mechdiag.recorder.Signal: the same
+events, the same arguments). A hook is named in the config by import path, `hooks: [package.module:factory]`;
+the factory is called with the trainer (a hook may act on it) and returns an object with any subset of
 
-    on_train_start(trainer)                       after setup (and after a resume has restored state)
-    on_step_end(trainer, step, metrics, rollout)  after each optimizer step, with that step's metrics and rollout
-    on_eval(trainer, step, metrics)               after each evaluation (step 0 = the base model)
-    on_save(trainer, step, path)                  after a checkpoint is complete
-    on_train_end(trainer, summary)                once, with the summary
+    on_start(rec)                       after setup (and after a resume has restored state)
+    on_train(rec, step, record)         a step's StepRecord; rec.latest["metrics"][0]: its computed metrics
+    on_weights(rec, step, model, last)  after the step's updates, its records written (before its checkpoint)
+    on_eval(rec, step, record, ctx)     after each evaluation (step 0 = the base model); record: the eval record
+    on_save(rec, step, path)            after a checkpoint is complete
+    on_end(rec, step, ctx)              once; rec.latest["summary"][0]: summary.json
 
-User hooks are named in the config by import path, "package.module:factory"; the factory is called with the
-trainer and returns an object with any subset of these methods.
+The trainer adds hooks to its recorder after the built-in signals; a Signal subclass with a `name` may return
+records to its own stream like any user signal.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 
 from mechdiag.config import load_object
 from mechdiag.console import Progress
-
-
-class Hook:
-    def on_train_start(self, trainer) -> None: ...
-    def on_step_end(self, trainer, step: int, metrics: dict, rollout) -> None: ...
-    def on_eval(self, trainer, step: int, metrics: dict) -> None: ...
-    def on_save(self, trainer, step: int, path) -> None: ...
-    def on_train_end(self, trainer, summary: dict) -> None: ...
-
-
-def call(hooks: list, event: str, *args) -> None:
-    for h in hooks:
-        fn = getattr(h, event, None)
-        if fn is not None:
-            fn(*args)
-
-
-def load_user_hook(spec: str, trainer):
-    return hook_factory(spec)(trainer)
+from mechdiag.recorder import Signal
 
 
 def hook_factory(spec: str):
@@ -43,41 +29,26 @@ def hook_factory(spec: str):
     return load_object(spec, "hook", "factory")
 
 
-# ---- built-in hooks -------------------------------------------------------------------------------------
-class Checkpointer(Hook):
-    """checkpoints/step-N/ every `every` steps: adapter (or full model), optimizer, scheduler, RNG states.
-
-    The trainer calls it last in a step, after every other hook and any eval of that step, so that a
-    checkpoint at N means every record of steps <= N is on disk."""
-
-    def __init__(self, every: int):
-        self.every = every
-
-    def on_step_end(self, trainer, step, metrics, rollout):
-        if self.every and step % self.every == 0 and step < trainer.total_steps:
-            trainer.save_checkpoint(step)
-
-
-class ProgressBar(Hook):
+class ProgressBar(Signal):
     """Train progress with live reward, accuracy and KL (mechdiag.console.Progress: a bar on a terminal, else a
     progress line at most every ~10 s); without a terminal each eval gets a line of its own."""
 
-    def __init__(self):
-        self.progress = None
-        self.acc = float("nan")
+    def __init__(self, trainer):
+        self.trainer, self.progress, self.acc = trainer, None, math.nan
 
-    def on_train_start(self, trainer):
-        self.progress = Progress("train step", trainer.total_steps, bar=True, done=trainer.step, transient=False)
+    def on_start(self, rec):
+        self.progress = Progress("train step", self.trainer.total_steps, bar=True, done=self.trainer.step,
+                                 transient=False)
 
-    def on_step_end(self, trainer, step, metrics, rollout):
-        self.progress.update(step, f"reward {metrics['reward']:.3f}  acc {self.acc:.3f}  "
-                                   f"kl {metrics.get('kl', float('nan')):.4f}")
+    def on_train(self, rec, step, record):
+        m = rec.latest["metrics"][0]
+        self.progress.update(step, f"reward {m['reward']:.3f}  acc {self.acc:.3f}  kl {m.get('kl', math.nan):.4f}")
 
-    def on_eval(self, trainer, step, metrics):
-        self.acc = metrics["accuracy"]
+    def on_eval(self, rec, step, record, ctx):
+        self.acc = record["accuracy"]
         if self.progress is None or not self.progress.bar_drawn:
-            print(f"eval step {step}: accuracy {metrics['accuracy']:.3f} eval_reward {metrics['eval_reward']:.3f}"
+            print(f"eval step {step}: accuracy {record['accuracy']:.3f} eval_reward {record['eval_reward']:.3f}"
                   f" ({time.strftime('%H:%M:%S')})", file=sys.stderr, flush=True)
 
-    def on_train_end(self, trainer, summary):
+    def on_end(self, rec, step, ctx):
         self.progress.close()

@@ -155,17 +155,15 @@ class Trainer:
         self._model()
         self._data()
         self._optimizer()
-        for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
-            H.hook_factory(spec)
+        factories = [H.hook_factory(s) for s in cfg.hooks]  # a hook that cannot be imported: before any output
         # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
         self.run = RunDir(out_dir, create=True)
         if resume:
             self._resume()
         elif held(self.run.path):
             raise UserError(f"{self.run.path} already holds a run; use --resume {self.run.path} or another --out")
+        self.hooks = [H.ProgressBar(self), *(f(self) for f in factories), *(extra_hooks or [])]
         self._recorder(out_dir, resume)
-        self.hooks = [H.ProgressBar(), *(H.load_user_hook(s, self) for s in cfg.hooks), *(extra_hooks or [])]
-        self.checkpointer = H.Checkpointer(cfg.save_every)
 
     def _environment(self) -> None:
         """Sandbox, threads, allocator, seeds and device: what the run needs before the model loads."""
@@ -215,10 +213,11 @@ class Trainer:
         self.step, self.bad_steps, self.base_eval = 0, 0, None
 
     def _recorder(self, out_dir, resume: bool) -> None:
-        """The recorder and its signals; config.yaml, written once, through it."""
+        """The recorder: its signals, then the hooks (train.hooks), then the trackers; config.yaml, written once,
+        through it."""
         cfg = self.cfg
         shift = self.eval_prompts[:cfg.record.shift_n] if cfg.record.shift_at_eval else None
-        signals = R.signals(cfg, self.heldout, cfg.lora.enabled, self.forget, shift)
+        signals = R.signals(cfg, self.heldout, cfg.lora.enabled, self.forget, shift) + self.hooks
         if cfg.report_to:  # last: it reports what the others recorded
             signals.append(T.Report(T.Trackers(cfg.report_to, out_dir, cfg.model_dump(mode="json"), resume)))
         self.recorder = R.Recorder(self.run, signals)
@@ -233,7 +232,6 @@ class Trainer:
         t_start = time.perf_counter()
         cfg = self.cfg
         self.recorder.start()
-        H.call(self.hooks, "on_train_start", self)
         try:
             if self.base_eval is None:
                 self.base_eval = {"step": 0, **self._eval(0)}
@@ -241,12 +239,12 @@ class Trainer:
             for step in range(self.step + 1, self.total_steps + 1):
                 record, roll = self.train_step(step)
                 self.step = step
-                metrics = self.recorder.train(record)
+                self.recorder.train(record)
                 self.recorder.weights(step, self._lora_model(), last=step == self.total_steps)
-                H.call(self.hooks, "on_step_end", self, step, metrics, roll)
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
-                self.checkpointer.on_step_end(self, step, metrics, roll)
+                if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
+                    self.save_checkpoint(step)  # last in a step: a checkpoint at N has every record of steps <= N
                 if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
                         and step < self.total_steps:
                     warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
@@ -254,10 +252,9 @@ class Trainer:
                     break
             self._eval(self.step)  # the final model, not the best checkpoint
             self._save_final()
-            summary = self.recorder.end(self.step, self._lora_model(), self.tokenizer, {
+            self.recorder.end(self.step, self._lora_model(), self.tokenizer, {
                 "planned_steps": self.total_steps, "wall_time_s": time.perf_counter() - t_start,
                 "sandbox": self.isolation, "memory": self.memory})
-            H.call(self.hooks, "on_train_end", self, summary)
         except BaseException:
             for h in self.hooks:
                 if isinstance(h, H.ProgressBar) and h.progress is not None:
@@ -392,9 +389,7 @@ class Trainer:
     def _eval(self, step: int) -> dict:
         """The held-out evaluation and the signals of an eval (forget_kl, shift), recorded; then the eval hooks."""
         record = self.recorder.eval(step, self.model, self.tokenizer, sampler=self.sampler(), ref_model=self.ref_model)
-        metrics = {k: v for k, v in record.items() if k != "step"}
-        H.call(self.hooks, "on_eval", self, step, metrics)
-        return metrics
+        return {k: v for k, v in record.items() if k != "step"}
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def _save_weights(self, path: Path) -> None:
@@ -409,7 +404,7 @@ class Trainer:
             atomic.write_json(folder / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
 
         final = self.run.write_checkpoint(step, save)
-        H.call(getattr(self, "hooks", []), "on_save", self, step, final)
+        self.recorder.save(step, final)
         return final
 
     def _save_final(self) -> None:
