@@ -180,8 +180,8 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
         from mechdiag.train.lora import lora_modules, trainable_parameters
         from mechdiag.train.trainer import check_data, param_bytes, prepare_model, run_config
 
+        run_config(cfg)  # the trackers, weights and budget that would run
         check_data(cfg)
-        run_config(cfg)  # the weights and budget that would run
         click.echo(C.to_yaml(cfg), nl=False)
         model, _, _, sampler = prepare_model(cfg, device_)
         if sampler is not None:

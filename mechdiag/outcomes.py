@@ -10,9 +10,8 @@ the reward components) and, where the task has it, a correctness c (the unweight
     all wrong       zero-std and every c == 0                  (too hard)
     shaping only    not zero-std, every c equal                (the advantages come only from format/shaping terms)
 
-frac_zero_std and the three frac_groups_* are shares of the groups with at least two scored completions
-(docs/metrics.md); all_correct + all_wrong <= frac_zero_std. "Equal" is exact equality, the test
-train.objective.group_advantages applies, so frac_zero_std counts exactly the groups whose advantages are 0.
+Shares of the groups with at least two scored completions (docs/metrics.md). "Equal" is exact equality, as in
+train.objective.group_advantages: frac_zero_std counts exactly the groups whose advantages are 0.
 """
 
 from __future__ import annotations
@@ -41,8 +40,8 @@ def _groups(keys: Iterable, *columns: Iterable) -> list[list[tuple]]:
 
 
 def group_stats(rewards: Iterable[float], keys: Iterable, correctness: Iterable[float] | None = None) -> dict:
-    """reward_cv and frac_zero_std over groups of equal `keys`, and with `correctness` the three outcome shares;
-    {} when no group has two scored completions."""
+    """reward_cv and frac_zero_std over groups of equal `keys`, and with `correctness` the three outcome shares
+    (over the groups of completions with both scored); {} when no group has two scored completions."""
     rewards, keys = list(rewards), list(keys)
     groups = [[r for (r,) in g] for g in _groups(keys, rewards)]
     if not groups:
@@ -54,21 +53,10 @@ def group_stats(rewards: Iterable[float], keys: Iterable, correctness: Iterable[
             cvs.append(math.sqrt(math.fsum((x - mean) ** 2 for x in rs) / (len(rs) - 1)) / abs(mean))
     out = {"reward_cv": math.fsum(cvs) / len(cvs) if cvs else math.nan,
            "frac_zero_std": sum(all_equal(rs) for rs in groups) / len(groups)}
-    if correctness is not None:
-        out.update(group_outcomes(rewards, correctness, keys))
-    return out
-
-
-def group_outcomes(rewards: Iterable[float], correctness: Iterable[float], keys: Iterable) -> dict[str, float]:
-    """The three shares over groups of equal `keys`; {} when no group has two scored completions."""
-    groups = _groups(keys, rewards, correctness)
-    correct = wrong = shaping = 0
-    for g in groups:
+    both = _groups(keys, rewards, correctness) if correctness is not None else []
+    shares = [0, 0, 0]  # all correct, all wrong, shaping only
+    for g in both:
         rs, cs = [r for r, _ in g], [c for _, c in g]
-        if all_equal(rs):
-            correct += all(x >= 1.0 for x in cs)
-            wrong += all(x <= 0.0 for x in cs)
-        else:
-            shaping += all_equal(cs)
-    n = len(groups)
-    return dict(zip(KEYS, (correct / n, wrong / n, shaping / n), strict=True)) if n else {}
+        shares = [shares[0] + (all_equal(rs) and min(cs) >= 1.0), shares[1] + (all_equal(rs) and max(cs) <= 0.0),
+                  shares[2] + (not all_equal(rs) and all_equal(cs))]
+    return out | ({k: v / len(both) for k, v in zip(KEYS, shares, strict=True)} if both else {})

@@ -1,4 +1,4 @@
-"""The one recorder both trainers drive (train.hooks.Recording for the native trainer, MechdiagCallback for TRL).
+"""The one recorder both trainers drive (the native Trainer directly, TRL through MechdiagCallback).
 
 A `Recorder` holds the run directory and a list of signals, and turns six events into records:
 
@@ -9,14 +9,11 @@ A `Recorder` holds the run directory and a list of signals, and turns six events
     eval(step, model, tokenizer, ...)         a held-out evaluation; returns the eval record
     end(step, model, tokenizer, summary)      once, after the last step; returns summary.json (Summary)
 
-Both trainers only produce StepRecords (the native trainer from its Rollout, MechdiagCallback from TRL's events);
-every per-step number (reward_cv, frac_zero_std, the outcomes, lengths, tokens_per_s ...) is computed here from
-the record, by the signals, once. A new per-step signal: a Signal whose on_train reads the record.
-
-Each `Signal` has one job. Its `on_*` methods COMPUTE (they may run on every rank: a collective belongs there)
-and return the records of its stream, or add keys to the eval record; `write` runs on the writer rank only.
-A user's signal is a Signal subclass named in the config (record.signals, "package.module:Class") or passed to
-MechdiagCallback(signals=[...]); its records go to the run directory's stream of its `name` (signals/NAME.jsonl).
+Both trainers only produce StepRecords; every per-step number is computed here from the record, once (a new one:
+a Signal whose on_train reads the record). Each `Signal` has one job: its `on_*` methods COMPUTE (on every rank
+under a sharded model) and return the records of its stream or add keys to the eval record; `write` runs on the
+writer rank only. A user's signal is a Signal subclass named in the config (record.signals,
+"package.module:Class") or passed to MechdiagCallback(signals=[...]); its stream is signals/NAME.jsonl.
 """
 
 from __future__ import annotations
@@ -193,19 +190,15 @@ class Samples(Signal):
     def __init__(self, every: int):
         self.every = every
 
-    def on_train(self, rec, step, record):
-        if record.texts and self.every and step % self.every == 0:
-            return sample_records(record)
-        return None
-
-
-def sample_records(r: StepRecord) -> list[dict]:
-    cols = {"group": r.group_ids, "example_id": r.example_ids, "prompt": r.prompts, "completion": r.texts,
-            "reward": [x if is_number(x) else None for x in r.rewards], "advantage": r.advantages,
-            "truncated": r.truncated, "length": r.lengths,
-            **{f"reward/{k}": [x if is_number(x) else None for x in v] for k, v in r.components.items()}}
-    cols = {k: v for k, v in cols.items() if v is not None}
-    return [{"step": r.step, "split": "train", **{k: v[i] for k, v in cols.items()}} for i in range(len(r.texts))]
+    def on_train(self, rec, step, r):
+        if not (r.texts and self.every and step % self.every == 0):
+            return None
+        num = lambda xs: [x if is_number(x) else None for x in xs]  # noqa: E731 - NaN: unscorable
+        cols = {"group": r.group_ids, "example_id": r.example_ids, "prompt": r.prompts, "completion": r.texts,
+                "reward": num(r.rewards), "advantage": r.advantages, "truncated": r.truncated, "length": r.lengths,
+                **{f"reward/{k}": num(v) for k, v in r.components.items()}}
+        cols = {k: v for k, v in cols.items() if v is not None}
+        return [{"step": step, "split": "train", **{k: v[i] for k, v in cols.items()}} for i in range(len(r.texts))]
 
 
 class Displacement(Signal):

@@ -20,7 +20,7 @@ from mechdiag import config as C
 from mechdiag.integrations.readers import completions_rows, read_verl_run
 from mechdiag.integrations.trl import GroupCV
 from mechdiag.metrics import max_reward
-from mechdiag.outcomes import KEYS, group_outcomes
+from mechdiag.outcomes import KEYS, group_stats
 from mechdiag.paths import REPO_ROOT
 from mechdiag.probes.forget import ForgetProbe
 from mechdiag.report import write_report
@@ -52,9 +52,9 @@ def test_group_outcomes_by_hand():
     rewards = [r for g, _ in groups for r in g]
     correct = [c for _, g in groups for c in g]
     keys = [i for i, (g, _) in enumerate(groups) for _ in g]
-    out = group_outcomes(rewards, correct, keys)
+    out = {k: v for k, v in group_stats(rewards, keys, correct).items() if k in KEYS}
     assert out == {"frac_groups_all_correct": 2 / 7, "frac_groups_all_wrong": 1 / 7, "frac_groups_shaping_only": 2 / 7}
-    assert group_outcomes([1.0, 2.0], [1, 1], ["a", "b"]) == {}  # no group of two
+    assert group_stats([1.0, 2.0], ["a", "b"], [1, 1]) == {}  # no group of two
 
 
 def _outcomes_from_samples(run: RunDir) -> dict[int, dict]:
@@ -62,8 +62,9 @@ def _outcomes_from_samples(run: RunDir) -> dict[int, dict]:
     for s in run.read("samples"):
         if s["split"] == "train":
             by_step.setdefault(s["step"], []).append(s)
-    return {step: group_outcomes([s["reward"] for s in rows], [s["reward/correctness"] for s in rows],
-                                 [s["group"] for s in rows]) for step, rows in by_step.items()}
+    return {step: {k: v for k, v in group_stats([s["reward"] for s in rows], [s["group"] for s in rows],
+                                                [s["reward/correctness"] for s in rows]).items() if k in KEYS}
+            for step, rows in by_step.items()}
 
 
 @pytest.mark.parametrize("task", ["arith", "tests.toy:Shaped"])

@@ -1,10 +1,8 @@
 """mechdiag inside TRL's GRPOTrainer (trl >= 1.0; checked against 1.16).
 
-    MechdiagCallback     a transformers TrainerCallback: metrics in canonical keys every log, LoRA displacement
-                         every N steps, activation shift at each evaluation, into a run directory beside TRL's
-                         output_dir (output_dir/mechdiag/ unless told otherwise)
-    GroupCV              wraps reward functions to log the study's within-group reward CV (TRL logs only the
-                         batch std) through TRL's log_metric
+    MechdiagCallback     a transformers TrainerCallback: TRL's events as the recorder's step records and events
+    GroupCV              wraps reward functions: the generation batch as a step record's rollout, and the
+                         study's within-group reward CV in TRL's own log
     task_reward_funcs    a mechdiag task's reward components as TRL reward functions (one per component)
     grpo_args / peft_lora_config / config_from_grpo   our design lambda <-> GRPOConfig and peft's LoraConfig
     train_trl            `mechdiag train --backend trl`: the same config run through GRPOTrainer
@@ -43,7 +41,6 @@ from mechdiag.integrations.readers import (
 from mechdiag.integrations.trl_args import config_from_grpo
 from mechdiag.models import context_of, device, eos_ids, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_stats
-from mechdiag.outcomes import KEYS as OUTCOME_KEYS
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks.rewards import weighted_total
@@ -90,7 +87,6 @@ class GroupCV:
         self.group_size = group_size
         self.correct_idx = correctness_index(self.raw, correctness)
         self.eos: set[int] | None = None  # the callback sets the model's EOS ids: truncation is then known
-        self.last: dict = {}
         self.rollout: dict | None = None  # the last batch's columns, until the callback takes them
         self._batch, self._outs = None, {}
         self.funcs = [self._wrap(i, f) for i, f in enumerate(self.raw)]
@@ -136,15 +132,11 @@ class GroupCV:
         first: dict = {}
         cols["group_ids"] = [first.setdefault(k, len(first)) for k in keys]
         self.rollout = cols
-        correct = None if self.correct_idx is None else comps[self.names[self.correct_idx]]
-        self.last = group_stats(cols["rewards"], keys, correct)
-        log_metric = kwargs.get("log_metric")
-        if log_metric is not None:
-            for name, key in (("reward_cv", "reward_cv"), ("group_frac_zero_std", "frac_zero_std"),
-                              *((k, k) for k in OUTCOME_KEYS)):
-                v = self.last.get(key)
-                if v is not None and math.isfinite(v):
-                    log_metric(name, v)
+        stats = group_stats(cols["rewards"], keys, None if self.correct_idx is None else
+                            comps[self.names[self.correct_idx]])
+        for key, v in stats.items() if kwargs.get("log_metric") else ():  # into TRL's own log
+            if math.isfinite(v):
+                kwargs["log_metric"]("group_frac_zero_std" if key == "frac_zero_std" else key, v)
 
     def take(self) -> dict | None:
         """The last batch's columns (once: a later TRL step of the same generation batch has none)."""
@@ -201,17 +193,13 @@ def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, 
 # ---- design lambda <-> GRPOConfig / LoraConfig --------------------------------------------------------------
 
 
-def world_size() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
 def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     """GRPOConfig for our Config: one of our steps (prompts_per_step x grad_accum prompts, G completions each,
     num_iterations updates) is num_iterations TRL steps over one generation batch of the same size. Under
     `accelerate launch` with N processes the per-device batch is prompts_per_step x G / N (it must divide)."""
     from trl import GRPOConfig  # noqa: PLC0415 - trl is an optional extra
 
-    n = n_processes or world_size()
+    n = n_processes or int(os.environ.get("WORLD_SIZE", "1"))
     micro = cfg.prompts_per_step * cfg.group_size
     if micro % n:
         raise UserError(f"prompts_per_step x group_size = {micro} completions per micro-batch does not split over "
@@ -277,9 +265,7 @@ def parse_trl_args(items) -> dict:
     return out
 
 
-def peft_lora_config(model, lora):
-    """peft LoraConfig for our lora section on this model (layers resolved, modules checked): apply_lora's."""
-    return peft_config(model, lora)
+peft_lora_config = peft_config  # peft's LoraConfig for our lora section on this model: apply_lora's
 
 
 # ---- the callback --------------------------------------------------------------------------------------------
@@ -317,25 +303,18 @@ def _timed(fn):
 
 class MechdiagCallback(TrainerCallback):
     """Records a TRL GRPOTrainer run into a mechdiag run directory (default: output_dir/mechdiag/): a thin
-    translator of TRL's events into the recorder's (mechdiag.recorder), with the native trainer's signal set.
+    translator of TRL's events into the recorder's, with the native trainer's signal set (recorder.signals).
 
-    Each train log becomes a StepRecord: TRL's logged update statistics (loss, kl, clip fractions, grad norm, lr,
-    step time; other keys as they are) and the step's rollout, from a GroupCV wrapper (`rollouts`), else from the
-    completions parquet (log_completions=True); the recorder computes reward_cv, frac_zero_std, the outcomes and the
-    rest from it, as for the native trainer. Every `displacement_every` steps and at the end: displacement.jsonl
-    rows of the LoRA-effective weights (factors only, exact; the final step's with the update geometry). At each
-    evaluation (TRL's, or every `eval_every` steps of the callback's own schedule, and at the start and end when
-    `evaluate` is given): eval.jsonl, with `evaluate(model, tokenizer, step) -> dict` merged in (evaluate="heldout":
-    the native trainer's eval on `config`'s held-out problems, which `mechdiag attribute` reproduces), forget_kl on
-    `forget_prompts` (LoRA only) and shift.jsonl on `shift_prompts`. Only the main process writes. `config` (our
-    Config) is saved as config.yaml; without it one is derived from the GRPOConfig and the model's LoRA config.
-    summary.json at the end; `updates_per_step`: TRL steps per step of ours (num_iterations; `mechdiag train
-    --backend trl`), for its step counts. The time spent here is summed in it (recorder_s).
-
-    With GRPOConfig(report_to=[...]), the signals TRL does not log itself (displacement per layer x module, the
-    held-out eval, shift, forget_kl, user signals, alerts; mechdiag.trackers names them) reach each report_to
-    backend at their step, through its own on_log: `attach(trainer)` finds those callbacks and puts this one
-    before them (`mechdiag train --backend trl` attaches it).
+    Each train log becomes a StepRecord: TRL's logged update statistics and the step's rollout, from a GroupCV
+    wrapper (`rollouts`), else from the completions parquet (log_completions=True); the recorder computes every
+    per-step signal from it. `displacement_every`, `shift_prompts`, `forget_prompts`, `signals`: as the config's
+    record section. `evaluate(model, tokenizer, step) -> dict`, or "heldout" (the native trainer's held-out eval
+    of `config`'s task, which `mechdiag attribute` reproduces), at TRL's evaluations, every `eval_every` steps, at
+    the start and at the end. `config` (our Config) is saved as config.yaml, else one derived from the GRPOConfig
+    and the model's LoRA config. `updates_per_step`: TRL steps per step of ours (num_iterations; the backend),
+    for summary.json's step counts; the time spent here is summed there (recorder_s). Only the main process
+    writes. With GRPOConfig(report_to=[...]), `attach(trainer)` puts this callback before the report_to callbacks,
+    so the signals TRL does not log itself reach each backend at their step (mechdiag.trackers).
     """
 
     def __init__(self, run_dir=None, displacement_every: int = 10, shift_prompts: list[str] | None = None,
@@ -658,25 +637,17 @@ def save_adapter(trainer, folder) -> None:
 def train_trl(cfg, out_dir, resume: bool = False, **overrides) -> RunDir | None:
     """`mechdiag train --backend trl`: train `cfg` with TRL's GRPOTrainer into the run directory out_dir
     (TRL's checkpoints in out_dir/trl/checkpoint-N); resume continues from the last of them."""
-
     run_path = Path(out_dir)
     if not resume and held(run_path):
         raise UserError(f"{run_path} already holds a run; use --resume {run_path} or another --out")
     T.require(cfg.report_to)
     with T.environment(cfg.report_to, run_path):
-        return _train_trl(cfg, run_path, resume, **overrides)
-
-
-def _train_trl(cfg, out_dir, resume, **overrides):
-    trainer, run, cb = build_trainer(cfg, out_dir, **overrides)
-    main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
-    last = None
-    if resume:
-        ckpts = sorted(run.path.glob("trl/checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
-        last = str(ckpts[-1]) if ckpts else None
-    trainer.train(resume_from_checkpoint=last)
-    trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
-    if main:
-        trainer.processing_class.save_pretrained(str(run.final))
-    trainer.accelerator.wait_for_everyone()  # all ranks end together, after rank 0's last write
-    return run if main else None
+        trainer, run, cb = build_trainer(cfg, run_path, **overrides)
+        ckpts = sorted(run.path.glob("trl/checkpoint-*"), key=lambda p: int(p.name.split("-")[1])) if resume else []
+        trainer.train(resume_from_checkpoint=str(ckpts[-1]) if ckpts else None)
+        trainer.save_model(str(run.final))  # collective under DeepSpeed; writes on rank 0 only
+        main = trainer.is_world_process_zero()  # under accelerate launch only rank 0 writes the run directory
+        if main:
+            trainer.processing_class.save_pretrained(str(run.final))
+        trainer.accelerator.wait_for_everyone()  # all ranks end together, after rank 0's last write
+        return run if main else None

@@ -9,8 +9,8 @@ the factory is called with the trainer (a hook may act on it) and returns an obj
     on_save(rec, step, path)            after a checkpoint is complete
     on_end(rec, step, ctx)              once; rec.latest["summary"][0]: summary.json
 
-The trainer adds hooks to its recorder after the built-in signals; a Signal subclass with a `name` may return
-records to its own stream like any user signal.
+The trainer adds them to its recorder after the built-in signals (a Signal subclass with a `name` may return
+records to its own stream).
 """
 
 from __future__ import annotations
@@ -19,14 +19,8 @@ import math
 import sys
 import time
 
-from mechdiag.config import load_object
 from mechdiag.console import Progress
 from mechdiag.recorder import Signal
-
-
-def hook_factory(spec: str):
-    """The factory named by "package.module:factory" (a UserError when it cannot be found)."""
-    return load_object(spec, "hook", "factory")
 
 
 class ProgressBar(Signal):

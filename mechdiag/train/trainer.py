@@ -1,13 +1,10 @@
 """The GRPO training recipe, read top to bottom in the order it runs: setup (__init__, named steps); fit: evaluate
 the base, then per step (train_step) rollout -> num_iterations clipped-surrogate updates -> the step's record
-(recorder.StepRecord, handed to the recorder, which computes every signal) -> hooks, checkpoint; evaluate;
-checkpoints (written through mechdiag.run).
+(recorder.StepRecord: the recorder computes every signal, then the hooks) -> checkpoint; evaluate; final/.
 
-A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
-num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
-prompts_per_step prompts for the backward passes. Sampling at step s uses a generator seeded by (seed, s)
-and the data order is a function of (seed, epoch), so a resumed run replays exactly what an uninterrupted
-run would have done.
+A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by num_iterations
+optimizer updates on it, in grad_accum micro-batches of prompts_per_step prompts. Sampling at step s is seeded by
+(seed, s) and the data order by (seed, epoch), so a resumed run replays what an uninterrupted run would have done.
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from transformers import get_scheduler
 from mechdiag import atomic, models, sandbox, tasks
 from mechdiag import recorder as R
 from mechdiag import trackers as T
-from mechdiag.config import LR_SCHEDULERS, Config
+from mechdiag.config import LR_SCHEDULERS, Config, load_object
 from mechdiag.errors import UserError, first_line
 from mechdiag.generate import step_seed
 from mechdiag.probes.forget import ForgetProbe
@@ -136,7 +133,6 @@ def step_record(step: int, roll: Rollout, cfg: Config, updates: list[dict], lr: 
 def check_data(cfg: Config) -> None:
     """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
     examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
-    T.require(cfg.report_to)
     main = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     if not main.examples(cfg.task.train_split, n=1, seed=cfg.seed):
         raise UserError(f"task {cfg.task.name} has no training examples in split {cfg.task.train_split!r}")
@@ -155,7 +151,7 @@ class Trainer:
         self._model()
         self._data()
         self._optimizer()
-        factories = [H.hook_factory(s) for s in cfg.hooks]  # a hook that cannot be imported: before any output
+        factories = [load_object(s, "hook", "factory") for s in cfg.hooks]  # bad hooks: before any output
         # created only now, so that bad input found above (model, task, data, hooks) leaves no empty run directory
         self.run = RunDir(out_dir, create=True)
         if resume:
