@@ -131,9 +131,8 @@ class Recorder:
         for s in self.signals:
             fn = getattr(s, event, None)  # a hook (train.hooks) may have any subset of the events
             out = fn(self, *args) if fn is not None else None
-            key = getattr(s, "stream", None) or getattr(s, "name", None)
-            if out and key:
-                self.latest[key] = out
+            if out:  # a hook returns none (or is a Signal subclass, with `write`)
+                self.latest[getattr(s, "stream", None) or getattr(s, "name", None)] = out
                 if self.writer:
                     s.write(self.run, out)
 

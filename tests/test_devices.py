@@ -10,6 +10,7 @@ import torch
 from mechdiag import config as C
 from mechdiag.errors import UserError
 from mechdiag.models import device
+from mechdiag.recorder import step_metrics
 from mechdiag.train.trainer import Trainer
 from tests.helpers import assert_bad_input
 
@@ -156,7 +157,8 @@ def test_update_split_into_row_passes_gives_the_same_step(stories260k, tmp_path,
     for rows in (None, 1):
         extra = [] if rows is None else [f"update_rows={rows}"]
         tr = Trainer(C.load(None, small(stories260k, *args, *extra)), tmp_path / f"r{rows}")
-        metrics, roll = tr.train_step(1)
+        record, roll = tr.train_step(1)
+        metrics = step_metrics(record)
         assert tr.rows_per_pass(roll) == (rows or tr.rows_per_pass(roll))
         if rows is None:  # a tiny model: the activation budget holds the whole micro-batch, one pass
             assert tr.rows_per_pass(roll) >= len(roll)
