@@ -22,7 +22,7 @@ from collections import OrderedDict
 from mechdiag.sandbox import SandboxResult, run_many, run_tests
 from mechdiag.tasks.base import Example, format_prompt
 from mechdiag.tasks.data import FileTask
-from mechdiag.tasks.rewards import extract_answer, extract_reasoning, nonempty, xml_count
+from mechdiag.tasks.rewards import capped, extract_answer, extract_reasoning, nonempty, xml_count
 
 CODE_SYSTEM = ("Think step by step inside <reasoning>...</reasoning>, then give only the Python code inside "
                "<answer>...</answer>.")
@@ -30,7 +30,9 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n?(.*?)(?:```|\Z)", re.S |
 
 
 def extract_code(completion: str, answer_tag: str = "answer") -> str | None:
-    """Code from the answer block (fences unwrapped), else from the last fenced block; None if neither."""
+    """Code from the answer block (fences unwrapped), else from the last fenced block; None if neither. Linear in
+    the completion, which is cut to MAX_COMPLETION_CHARS first."""
+    completion = capped(completion)
     block = extract_answer(completion, answer_tag)
     if block is not None:
         fenced = _FENCE.search(block)
@@ -304,7 +306,8 @@ class HumanEval(CodeTask):
 
     def program(self, code, example):
         entry = example.meta["entry_point"]
-        if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.M):
+        # [ \t], not \s: `^\s*` under re.M spans lines, quadratic in a run of blank lines
+        if re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(entry)}[ \t]*\(", code, re.M):
             # the prompt (imports, helpers, the docstring-only stub) first; the model's definition replaces the stub
             return example.question + "\n" + code
         return example.question + code  # a completion of the body
