@@ -71,9 +71,13 @@ SECCOMP_RULES = (
     (("openat",), errno.EPERM, (2, O_TMPFILE_BIT), ALL),
     # no namespace: sockets, sessions and process groups (the host kills the run's group whole), memfd, file
     # modes, owners, xattrs and times (landlock does not cover them)
-    (("socket", "setsid", "setpgid", "memfd_create", "chmod", "fchmod", "fchmodat", "chown", "fchown", "lchown",
-      "fchownat", "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr", "utime",
-      "utimes", "utimensat", "futimesat"), errno.EPERM, None, BARE),
+    (("socket", "setsid", "setpgid", "memfd_create", "chmod", "fchmod", "fchmodat", "fchmodat2", "chown", "fchown",
+      "lchown", "fchownat", "setxattr", "lsetxattr", "fsetxattr", "removexattr", "lremovexattr", "fremovexattr",
+      "utime", "utimes", "utimensat", "futimesat"), errno.EPERM, None, BARE),
+    # calls newer than the libseccomp of many hosts, by number (one number on every architecture from 424 on):
+    # open_tree_attr (a mount), setxattrat and removexattrat (xattrs)
+    ((467,), errno.EPERM, None, ALL),
+    ((463, 466), errno.EPERM, None, BARE),
     # scheduling and limits of another process (the argument, a pid or `who`, is not 0)
     *(((name,), errno.EPERM, (arg, "other"), BARE) for name, arg in (
         ("setpriority", 1), ("sched_setscheduler", 0), ("sched_setparam", 0), ("sched_setattr", 0),
@@ -268,9 +272,14 @@ def bpf_program(which: str, arch: int = 0) -> bytes | None:
                 _PROGS[key] = None
                 return None
             f = pyseccomp.SyscallFilter(defaction=pyseccomp.ALLOW)
+            foreign = False
             if arch:
-                f.add_arch(arch)
-                f.remove_arch(pyseccomp.Arch.NATIVE)
+                try:
+                    f.add_arch(arch)
+                    f.remove_arch(pyseccomp.Arch.NATIVE)
+                    foreign = True
+                except FileExistsError:  # arch is the native one
+                    pass
             for names, err, test, filters in SECCOMP_RULES:
                 if which not in filters:
                     continue
@@ -280,6 +289,10 @@ def bpf_program(which: str, arch: int = 0) -> bytes | None:
                     args = (pyseccomp.Arg(index, pyseccomp.NE, 0),) if bits == "other" else (
                         pyseccomp.Arg(index, pyseccomp.MASKED_EQ, bits, bits),)
                 for name in names:
+                    if isinstance(name, str) and pyseccomp.resolve_syscall(arch, name) < 0:
+                        continue  # a call this architecture lacks (aarch64 has no open, mknod, chmod...)
+                    if isinstance(name, int) and foreign:
+                        continue  # libseccomp reads a number as the native architecture's
                     f.add_rule(pyseccomp.ERRNO(err), name, *args)
             with tempfile.TemporaryFile() as fh:
                 f.export_bpf(fh)

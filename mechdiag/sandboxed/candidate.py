@@ -253,8 +253,8 @@ def _make_hook(root, state, refuse):
             # every part: an extension module loads under a dotted name (x._ctypes runs PyInit__ctypes)
             if any(part in BLOCK_IMPORT for part in _str(args[0]).split(".")):
                 deny("import " + args[0])
-        elif event == "sys._getframe":
-            deny("frame introspection")
+        elif event == "sys._getframe" and refuse:  # the stdlib asks (namedtuple, logging, warnings) and copes
+            raise ValueError("sandbox: frame introspection is not allowed")
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
             deny("frame access")
     return hook
