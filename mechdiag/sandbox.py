@@ -433,6 +433,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     resp_r, resp_w = os.pipe()
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
+    flag_r, flag_w = os.pipe()  # the guard's word that it saw an attempt (one byte), whatever the run does next
     cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
     uid = _candidate_uid()
     judge_uid = _candidate_uid()
@@ -451,7 +452,8 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         # the uid drop happens between fork and exec, with the seccomp filter (and landlock in its mode)
         conf = _confinement(cand_dir, uid, iso == "landlock")
         uid = "-"
-    cand_cmd = [python, *launch("candidate", programs), str(req_r), str(resp_w), iso if guard else "none", uid]
+    cand_cmd = [python, *launch("candidate", programs), str(req_r), str(resp_w), iso if guard else "none", uid,
+                str(flag_w)]
     # the judge: confined by landlock where it holds (every mode), else by a bubblewrap of its own (bwrap mode),
     # else (guard-only) by its own uid and the judge's seccomp filter
     jconf = _judge_confinement(judge_uid)
@@ -476,13 +478,13 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     token = secrets.token_hex(16)
     procs: list[subprocess.Popen] = []
     extra = tuple(fd for fd in (filter_fd, judge_filter) if fd is not None)
-    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w) + extra
+    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w, flag_w) + extra
     try:
         try:
             cand = subprocess.Popen(
                 cand_cmd, cwd=cand_dir or "/", stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
                 env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"),
-                pass_fds=(req_r, resp_w) + (() if filter_fd is None else (filter_fd,)),
+                pass_fds=(req_r, resp_w, flag_w) + (() if filter_fd is None else (filter_fd,)),
                 start_new_session=True, preexec_fn=_make_preexec(limits, cpu, conf and conf.preexec))
             procs.append(cand)
             judge = subprocess.Popen(
@@ -526,6 +528,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         for p in procs:
             _kill_group(p)
             p.wait()
+        flagged = _flagged(flag_r)
         if cand_dir is not None:
             _remove_tree(cand_dir)
     duration = time.monotonic() - t0
@@ -538,7 +541,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         return SandboxResult(False, "protocol", duration, detail or "verdict channel: not one verdict message",
                              True, iso, clock.waited)
     words = words or []
-    blocked = "blocked" in words or "nonplain" in words
+    blocked = flagged or "blocked" in words or "nonplain" in words
     if words[:1] == ["pass"] and judge_rc == 0 and not timed_out and not over:
         return SandboxResult(True, "passed", duration, detail, blocked, iso, clock.waited)
     cand_sig = _signal_of(cand_rc, iso == "bwrap")
@@ -555,7 +558,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         status = "nonplain"
     elif "gone" in words:
         status = "killed" if cand_sig else "exited"
-    elif "blocked" in words:
+    elif blocked:
         status = "blocked"
     else:
         status = "failed"
@@ -574,6 +577,17 @@ def _verdict(raw: bytes, token: str) -> list[str] | None:
     if m is None or not secrets.compare_digest(m.group(1), token):
         return None
     return (m.group(2) + (m.group(3) or "")).split()
+
+
+def _flagged(fd: int) -> bool:
+    """Whether the guard wrote on its flag pipe (read without waiting; every writer is gone by now), and close it."""
+    try:
+        os.set_blocking(fd, False)
+        return bool(os.read(fd, 16))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _remove_tree(path: str) -> None:

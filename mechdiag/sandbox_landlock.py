@@ -175,7 +175,7 @@ class Confinement:
                  uid: int | None, seccomp: bytes, keep_read_cap: bool, tmpfs_bytes: int = 0):
         self.uid, self.keep_read_cap, self.ruleset = uid, keep_read_cap, -1
         self._private = None if private is None else os.fsencode(private)
-        self._tmpfs = None
+        self._tmpfs, self._private_rule = None, None
         if tmpfs_bytes and private is not None and uid is not None:
             self._tmpfs = f"size={int(tmpfs_bytes)},nr_inodes=65536,mode=0700,uid={uid},gid={uid}".encode()
         self._cap_hdr = _CapHeader(_CAP_V3, 0)
@@ -193,8 +193,11 @@ class Confinement:
             raise OSError(ctypes.get_errno(), "landlock_create_ruleset: " + os.strerror(ctypes.get_errno()))
         self.ruleset = int(fd)
         try:
+            mine = handled & ~(MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV)
+            if self._tmpfs is not None:  # the rule names the tmpfs's root: added in the child once it is mounted
+                self._private_rule = _PathBeneath(mine, -1)
             rules = [(p, (EXECUTE | READ_FILE | READ_DIR)) for p in read_only] + list(files.items()) + (
-                [] if private is None else [(private, handled & ~(MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV))])
+                [] if private is None or self._tmpfs is not None else [(private, mine)])
             for path, access in rules:
                 self._allow(path, access & handled)
         except BaseException:
@@ -225,6 +228,12 @@ class Confinement:
                 _check(_mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
                 _check(_mount(b"tmpfs", self._private, b"tmpfs", MS_NOSUID | MS_NODEV, self._tmpfs))
                 os.chdir(self._private)  # the cwd was set before this mount: it named the folder beneath
+                if self.ruleset >= 0:
+                    fd = os.open(self._private, os.O_PATH | os.O_CLOEXEC)
+                    self._private_rule.parent_fd = fd
+                    _check(_syscall(_ADD_RULE, ctypes.c_int(self.ruleset), ctypes.c_int(_PATH_BENEATH),
+                                    ctypes.byref(self._private_rule), ctypes.c_uint32(0)))
+                    os.close(fd)
             if self.uid is not None:
                 if self.keep_read_cap:  # the interpreter sits in a folder only root may enter (/root/.pyenv)
                     for cap in range(64):

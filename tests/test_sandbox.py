@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,7 +44,9 @@ CORPUS = {
                          "import os\nf()\nassert os.path.exists('{outside}/spawned')\n"),
     "os_system": ("import os\ndef f():\n    return os.system('touch {outside}/system')\n",
                   "import os\nf()\nassert os.path.exists('{outside}/system')\n"),
-    "multiprocessing": ("import multiprocessing as mp\nmp.Process(target=print).start()\n", ""),
+    "multiprocessing": ("import multiprocessing as mp\ndef w():\n    open('{outside}/mp', 'w').write('x')\n"
+                        "def f():\n    p = mp.Process(target=w)\n    p.start()\n    p.join()\n    return 1\n",
+                        "import os\nf()\nassert os.path.exists('{outside}/mp')\n"),
     "memory_bomb": ("x = []\nwhile True:\n    x.append(bytearray(1 << 24))\n", ""),
     "memory_one_shot": ("x = bytearray(1 << 34)\n", ""),
     "huge_output": ("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n", ""),
@@ -49,7 +54,8 @@ CORPUS = {
     "huge_reply": ("def f():\n    return 'x' * (64 << 20)\n", "assert len(f()) > 0\n"),
     "deep_reply": ("def f():\n    x = []\n    for _ in range(100000):\n        x = [x]\n    return x\n",
                    "assert f() is not None and len(f()) == 1\n"),
-    "ctypes": ("import ctypes\nctypes.CDLL(None).fork()\n", ""),
+    "ctypes": ("import ctypes\ndef f():\n    return ctypes.CDLL(None).creat(b'{outside}/ctypes', 0o644) >= 0\n",
+               "assert f()\n"),
     # patched shared objects: the judge's builtins and stdlib are its own
     "patch_assertionerror": ("import builtins\nbuiltins.AssertionError = ZeroDivisionError\ndef f(x):\n"
                              "    return 0\n", "assert f(1) == 2\n"),
@@ -291,9 +297,124 @@ CORPUS = {
     "wrong_answer": ("def f(x):\n    return x\n", "assert f(1) == 2\n"),
     "syntax_error": ("def f(x) return x\n", "assert f(1) == 1\n"),
 }
-# process creation is refused by the guard only (as root, RLIMIT_NPROC is not enforced): left out of the
-# OS-only run, where a fork is allowed inside the namespace and dies with it
-GUARD_ONLY = {"fork_bomb", "multiprocessing", "ctypes"}
+
+# issue 40: each written so that a faked verdict or an escape PASSES. {pub}: a world-writable folder outside
+# (mode 1777, must stay empty); {secret_file}: a file only the host's user may read, holding the secret; {data}:
+# the task data on disk (the hidden tests); {nr_NAME}: a syscall's number; the host's argv carries the secret.
+IPC_KEY = 0x4D444941  # 'MDIA': the SysV key of the IPC cases (the host reports any object with it left behind)
+SYSCALL = ("import ctypes, os\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+           "    libc.syscall.restype = ctypes.c_long\n    ctypes.set_errno(0)\n"
+           "    r = libc.syscall({call})\n    e = ctypes.get_errno()\n    if r == 0 and {child}:\n"
+           "        os._exit(0)  # a child of a clone that went through\n"
+           "    return r >= 0 or e not in (1, 38)  # the kernel saw the call: the filter let it through\n")
+
+
+def _syscall_case(call: str, child: bool = False) -> tuple[str, str]:
+    return SYSCALL.replace("{call}", call).replace("{child}", str(child)), "assert f()\n"
+
+
+def _claims(module: str, qualname: str, body: str, tests: str) -> tuple[str, str]:
+    """A wrong function of the solution that names itself module.qualname (the old judge took the real one)."""
+    return (f"def f(*a, **k):\n    {body}\nf.__module__ = {module!r}\nf.__qualname__ = {qualname!r}\n"
+            f"f.__name__ = {qualname.split('.')[-1]!r}\n", tests)
+
+
+CLONE_FLAGS = {"newuser": 0x10000000, "newns": 0x00020000, "newnet": 0x40000000, "newpid": 0x20000000,
+               "newipc": 0x08000000, "newuts": 0x04000000, "newcgroup": 0x02000000, "parent": 0x00008000}
+CORPUS_40 = {
+    # the judge took a solution's claimed name for the real object (sorted, len, Counter, dedent, isclose)
+    "claims_sorted": _claims("builtins", "sorted", "return [0]", "assert f([3, 1, 2]) == [1, 2, 3]\n"),
+    "claims_len": _claims("builtins", "len", "return 0", "assert f([1, 2, 3]) == 3\n"),
+    "claims_counter": _claims("collections", "Counter", "return {}", "assert f('aab') == {'a': 2, 'b': 1}\n"),
+    "claims_dedent": _claims("textwrap", "dedent", "return ''", "assert f('  a\\n  b') == 'a\\nb'\n"),
+    "claims_isclose": _claims("math", "isclose", "return False", "assert f(1.0, 1.0)\n"),
+    "claims_module_path": _claims("typing", "sys.exit", "return 0", "f(0)\nassert False\n"),
+    # the verdict channel: `pass` sprayed on every writable pipe the candidate can reach, and a message forged
+    # on its own fds (a first word of `pass` used to win)
+    "verdict_spray_proc": ("import os\ndef f():\n    n = 0\n    for p in os.listdir('/proc'):\n        try:\n"
+                           "            for fd in os.listdir('/proc/%s/fd' % p):\n                try:\n"
+                           "                    w = os.open('/proc/%s/fd/%s' % (p, fd), os.O_WRONLY | os.O_NONBLOCK)\n"
+                           "                    os.write(w, b'pass\\n')\n                    n += 1\n"
+                           "                except OSError:\n                    pass\n        except OSError:\n"
+                           "            pass\n    return n\n", "f()\nassert False\n"),
+    "verdict_spray_own_fds": ("import os\ndef f():\n    for fd in range(3, 64):\n        try:\n"
+                              "            os.write(fd, b'mechdiag-verdict ' + b'0' * 32 + b' pass\\n')\n"
+                              "        except OSError:\n            pass\n    return 1\n", "f()\nassert False\n"),
+    # namespaces and mounts through clone, clone3 and the new mount API (the filter refuses unshare)
+    **{f"seccomp_clone_{k}": _syscall_case(f"{{nr_clone}}, {v | 17}, 0, 0, 0, 0", child=True)
+       for k, v in CLONE_FLAGS.items()},
+    "seccomp_clone3_newuser": (
+        "import ctypes, os\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+        "    libc.syscall.restype = ctypes.c_long\n    args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)\n"
+        "    r = libc.syscall({nr_clone3}, ctypes.byref(args), 64)\n    e = ctypes.get_errno()\n    if r == 0:\n"
+        "        os._exit(0)\n    return r >= 0 or e not in (1, 38)\n", "assert f()\n"),
+    "seccomp_fsopen": _syscall_case("{nr_fsopen}, b'tmpfs', 0"),
+    "seccomp_fsmount": _syscall_case("{nr_fsmount}, 0, 0, 0"),
+    "seccomp_fsconfig": _syscall_case("{nr_fsconfig}, 0, 0, 0, 0, 0"),
+    "seccomp_fspick": _syscall_case("{nr_fspick}, -100, b'/', 0"),
+    "seccomp_open_tree": _syscall_case("{nr_open_tree}, -100, b'/', 1"),
+    "seccomp_move_mount": _syscall_case("{nr_move_mount}, -1, b'', -100, b'/tmp', 0"),
+    "seccomp_mount_setattr": _syscall_case("{nr_mount_setattr}, -100, b'/', 0, 0, 0"),
+    # IPC outside an IPC namespace: objects that outlive the run, and RAM outside RLIMIT_AS
+    "ipc_sysv_shm": _syscall_case(f"{{nr_shmget}}, {IPC_KEY}, 1 << 20, 0o1666"),
+    "ipc_sysv_msg": _syscall_case(f"{{nr_msgget}}, {IPC_KEY}, 0o1666"),
+    "ipc_sysv_sem": _syscall_case(f"{{nr_semget}}, {IPC_KEY}, 1, 0o1666"),
+    "ipc_posix_mq": _syscall_case("{nr_mq_open}, b'mechdiag-q', 0o102, 0o600, 0"),
+    "ipc_shm_attach_ram": ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
+                           "    libc.shmat.restype = ctypes.c_void_p\n    n = 0\n    for _ in range(4):\n"
+                           "        i = libc.shmget(0, 64 << 20, 0o1600)\n        if i < 0:\n            return False\n"
+                           "        a = libc.shmat(i, None, 0)\n        if a in (None, 2 ** 64 - 1):\n"
+                           "            return False\n        ctypes.memset(a, 1, 64 << 20)\n        libc.shmdt(a)\n"
+                           "        n += 1\n    return n == 4\n", "assert f()\n"),
+    # the run's folder on the host: a tree deeper than the recursion limit, unlinked files past the cap
+    "disk_deep_tree": ("import os\ndef f():\n    for _ in range(3000):\n        os.mkdir('d')\n        os.chdir('d')\n"
+                       "    return 1\n", "f()\nassert False\n"),
+    "disk_tmpfile_fill": ("import os\ndef f():\n    total, fds = 0, []\n    for _ in range(50):\n        try:\n"
+                          "            fd = os.open('.', os.O_TMPFILE | os.O_RDWR, 0o600)\n"
+                          "            total += os.write(fd, b'x' * (4 << 20)) + os.write(fd, b'x' * (4 << 20))\n"
+                          "        except OSError:\n            break\n        fds.append(fd)\n"
+                          "    return total > (64 << 20)\n", "assert f()\n"),
+    "disk_unlinked_fill": ("import os\ndef f():\n    total, fds = 0, []\n    for i in range(50):\n        try:\n"
+                           "            fd = os.open('u%d' % i, os.O_CREAT | os.O_RDWR, 0o600)\n"
+                           "            os.unlink('u%d' % i)\n"
+                           "            total += os.write(fd, b'x' * (4 << 20)) + os.write(fd, b'x' * (4 << 20))\n"
+                           "        except OSError:\n            break\n        fds.append(fd)\n"
+                           "    return total > (64 << 20)\n", "assert f()\n"),
+    # guard-only's gaps: an extension module under a dotted name, special files, root-only files, symlinks
+    "dotted_ext_spawn": ("import importlib.machinery, importlib.util, os, sys, time\ndef f():\n"
+                         "    d = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
+                         "    so = [n for n in os.listdir(d) if n.startswith('_posixsubprocess.')][0]\n"
+                         "    ld = importlib.machinery.ExtensionFileLoader('x._posixsubprocess', os.path.join(d, so))\n"
+                         "    m = importlib.util.module_from_spec(importlib.util.spec_from_loader('x._posixsubprocess', "
+                         "ld))\n    r, w = os.pipe()\n"
+                         "    m.fork_exec([b'/bin/sh', b'-c', b'echo x > {pub}/spawned'], [b'/bin/sh'], True, (w,), None,"
+                         " None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None, False)\n"
+                         "    os.close(w)\n    os.read(r, 100)\n    time.sleep(0.3)\n    return 1\n",
+                         "import os\nf()\nassert os.path.exists('{pub}/spawned')\n"),
+    "mkfifo_pub": ("import os\ndef f():\n    os.mkfifo('{pub}/fifo')\n    return 1\n",
+                   "import os\nf()\nassert os.path.exists('{pub}/fifo')\n"),
+    "mknod_fifo_pub": ("import os, stat\ndef f():\n    os.mknod('{pub}/node', stat.S_IFIFO | 0o666)\n    return 1\n",
+                       "import os\nf()\nassert os.path.exists('{pub}/node')\n"),
+    "write_pub": ("def f():\n    return open('{pub}/w', 'w').write('x')\n", "assert f() == 1\n"),
+    "read_user_only_file": ("def f():\n    return open('{secret_file}').read()\n",
+                            "assert f() == '" + SECRET + "'\n"),
+    "read_hidden_tests": ("def f():\n    return open('{data}', 'rb').read(100000)\n",
+                          "assert b'assert' in f()\n"),
+    "read_host_cmdline": ("def f():\n    return open('/proc/{host}/cmdline', 'rb').read()\n",
+                          "assert b'hunter2' in f()\n"),
+    "read_judge_fds": (JUDGE_PID + "import os\ndef f():\n    out = b''\n    for p in os.listdir('/proc'):\n"
+                       "        try:\n            for fd in os.listdir('/proc/%s/fd' % p):\n"
+                       "                r = os.open('/proc/%s/fd/%s' % (p, fd), os.O_RDONLY | os.O_NONBLOCK)\n"
+                       "                out += os.read(r, 4096)\n"
+                       "        except OSError:\n            pass\n    return out\n",
+                       "HIDDEN = 'zq-hidden-' + str(7000 + 471)\nassert b'zq-hidden-7471' in f()\n"),
+    "lexical_path_climb": ("def f():\n    return open('/usr/lib/../../{secret_rel}').read()\n",
+                           "assert f() == '" + SECRET + "'\n"),
+    "proc_self_root_secret": ("def f():\n    return open('/proc/self/root{secret_file}').read()\n",
+                              "assert f() == '" + SECRET + "'\n"),
+}
+assert len(CORPUS_40) >= 40 - 4  # with the batch, helper and parsing cases tested on their own: 40+
+CORPUS.update(CORPUS_40)
 
 # the cases that reach outside the process (signals, /proc, files, special files, listings, network, exits)
 OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "write_", "dot_", "symlink", "chdir",
@@ -302,12 +423,13 @@ OS_FAMILIES = [n for n in CORPUS if n.startswith(("kill", "proc_", "read_", "wri
                                                   "os_system", "pickle", "os_exit", "exit_", "forge", "root_",
                                                   "seccomp_", "subinterp", "testcapi", "judge_fd", "judge_memory",
                                                   "judge_process", "sigstop", "renice", "affinity", "host_",
-                                                  "linger", "disk_"))]
+                                                  "linger", "disk_", "verdict_", "ipc_", "dotted_", "mkfifo",
+                                                  "mknod", "write_", "read_", "lexical_"))]
 # guard-only holds no core: a candidate may widen its own CPU affinity there (fairness, not containment)
 GUARD_ONLY_GAPS = {"affinity_self_widen"}
 
 HOST = """
-import json, os, socket, sys, time
+import json, os, re, socket, sys, tempfile, time
 from mechdiag import sandbox
 job = json.loads(sys.stdin.read())
 # sockets of the host's own, on its side of every boundary
@@ -319,6 +441,11 @@ fill = {"{host}": str(os.getpid()), "{port}": str(tcp.getsockname()[1])}
 code, tests = job["code"], job["tests"]
 for k, v in fill.items():
     code, tests = code.replace(k, v), tests.replace(k, v)
+made, mkdtemp = [], tempfile.mkdtemp
+def record(*a, **k):  # the run's folders on the host: each must be gone after the run
+    made.append(mkdtemp(*a, **k))
+    return made[-1]
+tempfile.mkdtemp = record
 iso = job["iso"] or sandbox.isolation()
 args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
 r = sandbox._run(*args, iso, guard=job["guard"])
@@ -327,15 +454,23 @@ lingering = 0  # processes of this run alive after the verdict: the case linger_
 for p in os.listdir("/proc"):
     try:
         st = open("/proc/%s/stat" % p).read().rsplit(")", 1)[1].split()
-        if p.isdigit() and int(st[16]) == 17 and b"candidate.py" in open("/proc/%s/cmdline" % p, "rb").read():
+        if p.isdigit() and int(st[16]) == 17 and b"import candidate" in open("/proc/%s/cmdline" % p, "rb").read():
             lingering += 1
             os.kill(int(p), 9)
     except (OSError, IndexError, ValueError):
         pass
+ipc = 0  # SysV objects with the corpus's key, and POSIX queues, left behind
+for kind in ("shm", "msg", "sem"):
+    try:
+        ipc += sum(1 for line in open("/proc/sysvipc/" + kind).read().splitlines()[1:]
+                   if line.split() and int(line.split()[0]) == IPC_KEY_VALUE)
+    except (OSError, ValueError):
+        pass
+ipc += os.path.exists("/dev/mqueue/mechdiag-q")
 print(json.dumps({"passed": r.passed, "status": r.status, "duration_s": r.duration_s, "detail": r.detail,
                   "blocked": r.blocked, "isolation": r.isolation, "waited_s": r.waited_s,
-                  "lingering": lingering}))
-"""
+                  "lingering": lingering + ipc, "folders_left": [d for d in made if os.path.exists(d)]}))
+""".replace("IPC_KEY_VALUE", str(IPC_KEY))
 
 
 def _nr(name: str) -> int:
@@ -346,8 +481,32 @@ def _nr(name: str) -> int:
 
 def _fill(text: str, outside: Path) -> str:
     rel = os.path.relpath(outside, "/")
-    return text.replace("{outside_rel}", rel).replace("{outside}", str(outside)).replace("{keyctl}",
-                                                                                         str(_nr("keyctl")))
+    pub, secret = _aside(outside)
+    from mechdiag.paths import shared_path  # noqa: PLC0415
+
+    text = re.sub(r"\{nr_(\w+)\}", lambda m: str(_nr(m.group(1))), text)
+    return (text.replace("{outside_rel}", rel).replace("{outside}", str(outside))
+            .replace("{keyctl}", str(_nr("keyctl"))).replace("{pub}", str(pub))
+            .replace("{secret_rel}", os.path.relpath(secret, "/")).replace("{secret_file}", str(secret))
+            .replace("{data}", str(shared_path("data", "mbpp", "mbpp.jsonl"))))
+
+
+_ASIDE: dict[Path, tuple[Path, Path]] = {}
+
+
+def _aside(outside: Path) -> tuple[Path, Path]:
+    """(pub, secret) of a corpus run: a world-writable folder (mode 1777, left empty) and a file only this user
+    may read (0600) holding the secret, in a folder every user may enter, both under the system's temp folder."""
+    if outside not in _ASIDE:
+        pub = Path(tempfile.mkdtemp(prefix="mechdiag-pub-"))
+        os.chmod(pub, 0o1777)
+        folder = Path(tempfile.mkdtemp(prefix="mechdiag-secret-"))
+        os.chmod(folder, 0o755)
+        secret = folder / "token"
+        secret.write_text(SECRET)
+        os.chmod(secret, 0o600)
+        _ASIDE[outside] = (pub, secret)
+    return _ASIDE[outside]
 
 
 def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
@@ -355,7 +514,7 @@ def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT
     """One run, driven by a fresh host process; rc is the host's exit status."""
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", HOST, "--token=" + SECRET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(json.dumps({"code": code, "tests": tests, "guard": guard,
@@ -374,13 +533,19 @@ def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers:
     with ThreadPoolExecutor(workers) as pool:
         runs = list(pool.map(lambda n: host_run(_fill(CORPUS[n][0], outside), _fill(CORPUS[n][1], outside),
                                                 guard, iso=iso), names))
+    pub, secret = _aside(outside)
     intact = sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and \
         (outside / "keep.txt").read_text() == "precious" and (outside / "keep.txt").stat().st_mode & 0o777 != 0o777
+    intact = intact and list(pub.iterdir()) == [] and secret.read_text() == SECRET and \
+        secret.stat().st_mode & 0o777 == 0o600
+    shutil.rmtree(pub, ignore_errors=True)
+    shutil.rmtree(secret.parent, ignore_errors=True)
+    _ASIDE.pop(outside, None)
     by = dict(zip(names, runs, strict=True))
     wrong = [n for n, r in by.items() if r.get("passed") is not False]
     dead = [n for n, r in by.items() if r["rc"] != 0]
     leaks = [n for n, r in by.items() if SECRET in r.get("detail", "")]
-    left = [n for n, r in by.items() if r.get("lingering", 0)]
+    left = [n for n, r in by.items() if r.get("lingering", 0) or r.get("folders_left")]
     contained = [n for n in names if n not in wrong + dead + leaks + left] if intact else []
     # a run's wall time less the time it waited for a CPU (what the backstop is charged)
     charged = [r.get("duration_s", 99.0) - r.get("waited_s", 0.0) for r in runs]
@@ -410,9 +575,11 @@ def test_hostile_corpus_contained(tmp_path):
         assert by[n]["status"] == "nonplain" and by[n]["blocked"], (n, by[n])
     for n in ("os_exit_in_call", "exit_from_thread"):
         assert by[n]["status"] == "exited", (n, by[n])
-    assert by["kill_self_in_call"]["status"] == "blocked"
-    for n in ("fork_bomb", "socket_connect", "kill_host", "kill_parent", "proc_scan_environ", "setxattr_outside"):
-        assert by[n]["blocked"] and "not allowed" in by[n]["detail"], (n, by[n])
+    assert by["kill_self_in_call"]["status"] == "killed" and by["kill_self_in_call"]["blocked"]
+    # the guard saw each attempt (blocked) and left it to bubblewrap, which contains it: no refusal of its own
+    for n in ("fork_bomb", "socket_connect", "kill_host", "kill_parent", "proc_scan_environ", "setxattr_outside",
+              "multiprocessing", "ctypes"):
+        assert by[n]["blocked"] and "not allowed" not in by[n]["detail"], (n, by[n])
     assert by["wrong_answer"]["status"] == "failed" and not by["wrong_answer"]["blocked"]
 
 

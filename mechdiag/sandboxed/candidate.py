@@ -1,4 +1,4 @@
-"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP GUARD UID,
+"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP GUARD UID FLAG,
 drops to UID, reads the solution on stdin, executes it once, then serves the judge's requests on the REQ/RESP
 pipes: names (the values of the solution's globals the tests use), call, getattr, setattr, iter, next, each on an
 object the candidate itself holds (by reference number). It never sees the tests. Only plain data leaves it
@@ -8,7 +8,7 @@ GUARD is the mode (bwrap, landlock, guard-only) or none: an audit hook (the in-p
 outside what a solution needs (reading or writing outside its folder, process creation, signals, sockets,
 native code, introspection). Under guard-only it refuses them (PermissionError): nothing else would hold them.
 Under bwrap and landlock the OS layer contains every one of them, so the guard only records the attempt (the
-run's `blocked`) and lets the kernel answer: a correct program is failed only where its own mode could not
+run's `blocked`, written at once on the FLAG pipe to the host) and lets the kernel answer: a correct program is failed only where its own mode could not
 contain what it did.
 Arguments `probe - - UID`: drop and print ok (the host's probe of an isolation mode).
 
@@ -67,7 +67,16 @@ def _main():
     # dict they are equal exactly when that dict is, so the verdict is the same and no method of theirs runs
     as_dict = (collections.Counter, collections.OrderedDict, collections.defaultdict)
     if sys.argv[3] != "none":
-        sys.addaudithook(_make_hook(root, state, sys.argv[3] == "guard-only"))
+        hook = _make_hook(root, state, sys.argv[3] == "guard-only", int(sys.argv[5]))
+        sys.addaudithook(hook)
+        import posix  # noqa: PLC0415 - the same functions as os's, under their own module
+
+        for name in ("mkfifo", "mknod"):  # special files raise no audit event: the guard sees them here
+            def watched(*a, _call=getattr(os, name), _event="os." + name, **k):
+                hook(_event, a)
+                return _call(*a, **k)
+            setattr(os, name, watched)
+            setattr(posix, name, watched)
     refs, numbers = {}, {}  # number -> object, id(object) -> number: one object, one number (`is` holds)
 
     def ref(v, out):
@@ -135,8 +144,8 @@ def _main():
             view = view[_write(resp, view):]
 
 
-def _make_hook(root, state, refuse):
-    _getcwd, _str, _bytes, _int = os.getcwd, str, bytes, int
+def _make_hook(root, state, refuse, flag_fd):
+    _getcwd, _str, _bytes, _int, _write = os.getcwd, str, bytes, int, os.write
     allow_read = tuple({os.path.realpath(p).rstrip("/") + "/" for p in (
         sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr/lib", "/usr/lib64", "/lib", "/lib64",
         "/usr/share", "/usr/local/lib")}) + (root + "/",)
@@ -147,7 +156,7 @@ def _make_hook(root, state, refuse):
         socket.gethostbyname socket.gethostbyaddr socket.sendto ctypes.dlopen ctypes.dlsym ctypes.cdata
         ctypes.call_function sys.settrace sys.setprofile sys._current_frames gc.get_objects gc.get_referrers
         gc.get_referents resource.setrlimit resource.prlimit os.chroot os.setuid os.setgid os.symlink os.link
-        os.chown os.posix_fadvise os.mknod os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
+        os.chown os.posix_fadvise os.mknod os.mkfifo os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
     # audit hooks are per interpreter: a subinterpreter (or _testcapi's run_in_subinterp) would run without this one;
     BLOCK_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend", "multiprocessing",
                               "_multiprocessing", "pty", "_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
@@ -169,9 +178,10 @@ def _make_hook(root, state, refuse):
             p = p.decode("utf-8", "surrogateescape")
         if type(p) is not _str:
             return None
-        if not p.startswith("/"):
-            p = _getcwd() + "/" + p
-        todo, parts, hops = p.split("/")[::-1], [], 0
+        parts = []
+        if not p.startswith("/"):  # the cwd is a real path already (the kernel's): only the rest is resolved
+            parts = [x for x in _getcwd().split("/") if x]
+        todo, hops = p.split("/")[::-1], 0
         while todo:
             part = todo.pop()
             if part in ("", "."):
@@ -205,7 +215,7 @@ def _make_hook(root, state, refuse):
     def isdir(p):
         try:
             return _S_ISDIR(_stat(p).st_mode)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             return False
 
     def inside(p):
@@ -215,11 +225,25 @@ def _make_hook(root, state, refuse):
         return p is not None and (p == me or p.startswith(me + "/"))
 
     def deny(event):
-        state["blocked"] = True
+        if not state["blocked"]:  # told to the host at once: a run that never replies (a loop, a kill) still shows
+            state["blocked"] = True
+            try:
+                _write(flag_fd, b"b")
+            except OSError:
+                pass
         if refuse:  # guard-only: nothing else holds the act
             raise PermissionError("sandbox: " + event + " is not allowed")
 
     def hook(event, args):
+        try:
+            check(event, args)
+        except PermissionError:
+            raise  # guard-only's refusal
+        except Exception:  # arguments the checks cannot read: refused under guard-only, else left to the call
+            if refuse:
+                deny(event + " with unreadable arguments")
+
+    def check(event, args):
         if event in BLOCK:
             deny(event)
         if event == "open":
