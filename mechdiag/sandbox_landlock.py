@@ -175,7 +175,7 @@ class Confinement:
                  uid: int | None, seccomp: bytes, keep_read_cap: bool, tmpfs_bytes: int = 0):
         self.uid, self.keep_read_cap, self.ruleset = uid, keep_read_cap, -1
         self._private = None if private is None else os.fsencode(private)
-        self._tmpfs, self._private_rule = None, None
+        self._tmpfs, self._private_rule, self._proc_rule = None, None, None
         if tmpfs_bytes and private is not None and uid is not None:
             self._tmpfs = f"size={int(tmpfs_bytes)},nr_inodes=65536,mode=0700,uid={uid},gid={uid}".encode()
         self._cap_hdr = _CapHeader(_CAP_V3, 0)
@@ -194,6 +194,8 @@ class Confinement:
         self.ruleset = int(fd)
         try:
             mine = handled & ~(MAKE_CHAR | MAKE_BLOCK | IOCTL_DEV)
+            if private is not None:  # the program's own /proc/PID (read): known only in the child
+                self._proc_rule = _PathBeneath(READ_FILE | READ_DIR, -1)
             if self._tmpfs is not None:  # the rule names the tmpfs's root: added in the child once it is mounted
                 self._private_rule = _PathBeneath(mine, -1)
             rules = [(p, (EXECUTE | READ_FILE | READ_DIR)) for p in read_only] + list(files.items()) + (
@@ -229,11 +231,7 @@ class Confinement:
                 _check(_mount(b"tmpfs", self._private, b"tmpfs", MS_NOSUID | MS_NODEV, self._tmpfs))
                 os.chdir(self._private)  # the cwd was set before this mount: it named the folder beneath
                 if self.ruleset >= 0:
-                    fd = os.open(self._private, os.O_PATH | os.O_CLOEXEC)
-                    self._private_rule.parent_fd = fd
-                    _check(_syscall(_ADD_RULE, ctypes.c_int(self.ruleset), ctypes.c_int(_PATH_BENEATH),
-                                    ctypes.byref(self._private_rule), ctypes.c_uint32(0)))
-                    os.close(fd)
+                    self._add_in_child(self._private, self._private_rule)
             if self.uid is not None:
                 if self.keep_read_cap:  # the interpreter sits in a folder only root may enter (/root/.pyenv)
                     for cap in range(64):
@@ -247,12 +245,22 @@ class Confinement:
                     _check(_capset(ctypes.byref(self._cap_hdr), self._caps))
                     _check(_prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_RAISE, CAP_DAC_READ_SEARCH, 0, 0))
             _check(_prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0))
+            if self._proc_rule is not None:
+                self._add_in_child(b"/proc/self", self._proc_rule)
             if self.ruleset >= 0:
                 _check(_syscall(_RESTRICT, ctypes.c_int(self.ruleset), ctypes.c_uint32(0)))
             if self._fprog.len:
                 _check(_prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(self._fprog), 0, 0))
         except BaseException:
             os._exit(125)
+
+    def _add_in_child(self, path: bytes, rule: _PathBeneath) -> None:
+        """Add a rule on `path` as the child sees it (its own tmpfs, its own /proc/PID)."""
+        fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+        rule.parent_fd = fd
+        _check(_syscall(_ADD_RULE, ctypes.c_int(self.ruleset), ctypes.c_int(_PATH_BENEATH), ctypes.byref(rule),
+                        ctypes.c_uint32(0)))
+        os.close(fd)
 
     def close(self) -> None:
         if self.ruleset >= 0:

@@ -18,7 +18,7 @@ import pytest
 
 from mechdiag.sandbox import isolation, run_many, run_tests
 from mechdiag.tasks.code import CodeTask
-from tests.sandbox_conditions import env_without_bwrap, without_landlock
+from tests.sandbox_conditions import env_without_bwrap, guard_only_python, without_landlock
 
 ROOT = Path(__file__).resolve().parent.parent
 TIMEOUT = 1.0  # CPU seconds
@@ -384,11 +384,13 @@ CORPUS_40 = {
     "dotted_ext_spawn": ("import importlib.machinery, importlib.util, os, sys, time\ndef f():\n"
                          "    d = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
                          "    so = [n for n in os.listdir(d) if n.startswith('_posixsubprocess.')][0]\n"
-                         "    ld = importlib.machinery.ExtensionFileLoader('x._posixsubprocess', os.path.join(d, so))\n"
-                         "    m = importlib.util.module_from_spec(importlib.util.spec_from_loader('x._posixsubprocess', "
-                         "ld))\n    r, w = os.pipe()\n"
-                         "    m.fork_exec([b'/bin/sh', b'-c', b'echo x > {pub}/spawned'], [b'/bin/sh'], True, (w,), None,"
-                         " None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None, False)\n"
+                         "    name = 'x._posixsubprocess'\n"
+                         "    ld = importlib.machinery.ExtensionFileLoader(name, os.path.join(d, so))\n"
+                         "    m = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, ld))\n"
+                         "    r, w = os.pipe()\n"
+                         "    m.fork_exec([b'/bin/sh', b'-c', b'echo x > {pub}/spawned'], [b'/bin/sh'], True, (w,),"
+                         " None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None,"
+                         " False)\n"
                          "    os.close(w)\n    os.read(r, 100)\n    time.sleep(0.3)\n    return 1\n",
                          "import os\nf()\nassert os.path.exists('{pub}/spawned')\n"),
     "mkfifo_pub": ("import os\ndef f():\n    os.mkfifo('{pub}/fifo')\n    return 1\n",
@@ -512,10 +514,11 @@ def _aside(outside: Path) -> tuple[Path, Path]:
 def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
              iso: str = "") -> dict:
     """One run, driven by a fresh host process; rc is the host's exit status."""
-    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    python, extra = guard_only_python() if iso == "guard-only" else (sys.executable, [])
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + extra
     env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.Popen([sys.executable, "-c", HOST, "--token=" + SECRET], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen([python, "-c", HOST, "--token=" + SECRET], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(json.dumps({"code": code, "tests": tests, "guard": guard,
                                                       "timeout": timeout, "wall": wall, "iso": iso}), timeout=60)
@@ -590,24 +593,6 @@ def test_os_layer_alone_contains_the_escapes(tmp_path):
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
     assert fig["contained"] == fig["tried"]
     assert fig["worst_wall_s"] <= WALL + SLACK
-
-
-def test_seccomp_filter_refuses_the_denied_syscalls():
-    # guard off, inside bwrap: each denied syscall fails with EPERM; without the filter unshare(CLONE_NEWUSER)
-    # and keyctl succeed here (the corpus case seccomp_userns_keyring passes then)
-    from mechdiag import sandbox
-
-    assert sandbox.seccomp_program() is not None
-    calls = {n: _nr(n) for n in sandbox.SECCOMP_DENIED}
-    code = ("import ctypes\ndef f(calls):\n    libc = ctypes.CDLL(None, use_errno=True)\n    out = {}\n"
-            "    for name, nr in calls.items():\n        ctypes.set_errno(0)\n"
-            "        out[name] = (libc.syscall(nr, 0, 0, 0, 0, 0, 0), ctypes.get_errno())\n    return out\n")
-    r = host_run(code, f"out = f({calls!r})\nprint(out)\n"
-                       f"assert out == {dict.fromkeys(calls, (-1, 1))!r}\n", guard=False, timeout=5, wall=10)
-    assert r["passed"] and r["isolation"] == "bwrap", r
-    r = host_run(code, f"assert f({{'getpid': {_nr('getpid')}}})['getpid'][0] > 0\n", guard=False, timeout=5,
-                 wall=10)  # a syscall not on the list still works
-    assert r["passed"], r
 
 
 def test_bwrap_without_libseccomp_warns_once(tmp_path):
@@ -778,8 +763,11 @@ REFUSED = {"auto": f"sandbox: auto, but {NO_BWRAP} and landlock cannot either ({
 def test_without_bwrap_or_landlock_code_runs_only_in_the_mode_named_guard_only(tmp_path):
     # no bwrap on PATH and a kernel without landlock: auto, strict and landlock refuse (fail closed); guard-only
     # runs, names itself, warns once
-    p = subprocess.run(without_landlock(["-c", FALLBACK]), capture_output=True, text=True,
-                       env=env_without_bwrap(tmp_path), timeout=60)
+    python, extra = guard_only_python()  # guard-only refuses an interpreter only root may reach (test below)
+    env = env_without_bwrap(tmp_path)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], *extra])
+    p = subprocess.run(without_landlock(["-c", FALLBACK], python), capture_output=True, text=True, env=env,
+                       timeout=60)
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[:3] == [REFUSED["auto"], REFUSED["strict"], REFUSED["landlock"]]
@@ -798,6 +786,20 @@ def test_without_bwrap_auto_takes_landlock(tmp_path):
     warns = [ln for ln in p.stderr.splitlines() if "warning" in ln]
     assert warns == [f"mechdiag: warning: sandbox: auto: {NO_BWRAP}; model code runs under landlock, seccomp and "
                      f"an unprivileged uid, without namespaces"], p.stderr
+
+
+def test_guard_only_refused_where_the_candidate_would_need_a_capability(tmp_path):
+    # this interpreter sits under /root (0700): the candidate's uid could start it only with CAP_DAC_READ_SEARCH,
+    # which reads every file; without landlock to bound it guard-only cannot hold: one line, exit 2
+    from mechdiag import sandbox
+
+    assert sandbox._guard_only_refusal() is not None  # the suite runs as root with Python under /root here
+    out = tmp_path / "run"
+    p = subprocess.run(without_landlock(["-m", "mechdiag", "train", "--set", "sandbox=guard-only", "--set",
+                                         "task.name=mbpp", "--out", str(out)]), capture_output=True, text=True,
+                       env=env_without_bwrap(tmp_path), timeout=120)
+    assert p.returncode == 2 and not out.exists(), p.stderr
+    assert p.stderr.splitlines() == [f"mechdiag: error: {sandbox._guard_only_refusal()}"]
 
 
 @pytest.mark.parametrize("mode", ["auto", "strict", "landlock"])

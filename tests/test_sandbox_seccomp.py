@@ -54,6 +54,11 @@ def ERRNO(e: int) -> int:
     return 0x00050000 | e
 
 
+ALU = {0x00: lambda a, b: a + b, 0x10: lambda a, b: a - b, 0x20: lambda a, b: a * b, 0x40: lambda a, b: a | b,
+       0x50: lambda a, b: a & b, 0x60: lambda a, b: a << b, 0x70: lambda a, b: a >> b, 0x80: lambda a, b: -a,
+       0xA0: lambda a, b: a ^ b}
+
+
 def run_bpf(prog: bytes, nr: int, arch: int, args=(0, 0, 0, 0, 0, 0)) -> int:
     """The action a classic-BPF seccomp program returns for one syscall (struct seccomp_data, little-endian)."""
     data = struct.pack("<iIQ6Q", nr, arch, 0, *[a & 0xFFFFFFFFFFFFFFFF for a in args])
@@ -75,9 +80,7 @@ def run_bpf(prog: bytes, nr: int, arch: int, args=(0, 0, 0, 0, 0, 0)) -> int:
         elif cls == 3:
             mem[k] = x
         elif cls == 4:  # ALU
-            a = {0x00: lambda: a + src, 0x10: lambda: a - src, 0x20: lambda: a * src, 0x40: lambda: a | src,
-                 0x50: lambda: a & src, 0x60: lambda: a << src, 0x70: lambda: a >> src, 0x80: lambda: -a,
-                 0xA0: lambda: a ^ src}[op]() & 0xFFFFFFFF
+            a = ALU[op](a, src) & 0xFFFFFFFF
         elif cls == 5:  # JMP
             if op == 0x00:
                 pc += k
@@ -192,7 +195,7 @@ def test_native_filter_refuses_inside_each_mode():
     calls = {n: NUMBERS[n][col] for n in names}
     want = {n: (-1, errno.ENOSYS if n == "clone3" else errno.EPERM) for n in names}
     flags = list(landlock.CLONE_REFUSED)
-    want.update({"clone %x" % fl: (-1, errno.EPERM) for fl in flags})
+    want.update({f"clone {fl:x}": (-1, errno.EPERM) for fl in flags})
     want.update({"thread": [1], "fork": 7})
     tests = f"out = f({calls!r}, {NUMBERS['clone'][col]}, {flags!r})\nprint(out)\nassert out == {want!r}\n"
     for iso in ("bwrap", "landlock"):

@@ -8,8 +8,8 @@ GUARD is the mode (bwrap, landlock, guard-only) or none: an audit hook (the in-p
 outside what a solution needs (reading or writing outside its folder, process creation, signals, sockets,
 native code, introspection). Under guard-only it refuses them (PermissionError): nothing else would hold them.
 Under bwrap and landlock the OS layer contains every one of them, so the guard only records the attempt (the
-run's `blocked`, written at once on the FLAG pipe to the host) and lets the kernel answer: a correct program is failed only where its own mode could not
-contain what it did.
+run's `blocked`, written at once on the FLAG pipe to the host) and lets the kernel answer: a correct program is
+failed only where its own mode could not contain what it did.
 Arguments `probe - - UID`: drop and print ok (the host's probe of an isolation mode).
 
 Imported inside the sandbox from its own folder (mechdiag.sandbox.launch: the folder is on the path only while
@@ -71,12 +71,17 @@ def _main():
         sys.addaudithook(hook)
         import posix  # noqa: PLC0415 - the same functions as os's, under their own module
 
-        for name in ("mkfifo", "mknod"):  # special files raise no audit event: the guard sees them here
-            def watched(*a, _call=getattr(os, name), _event="os." + name, **k):
-                hook(_event, a)
-                return _call(*a, **k)
+        def watch(name):  # special files raise no audit event: the guard sees them here
+            call, event = getattr(os, name), "os." + name
+
+            def watched(*a, **k):
+                hook(event, a)
+                return call(*a, **k)
             setattr(os, name, watched)
             setattr(posix, name, watched)
+
+        watch("mkfifo")
+        watch("mknod")
     refs, numbers = {}, {}  # number -> object, id(object) -> number: one object, one number (`is` holds)
 
     def ref(v, out):
@@ -156,7 +161,8 @@ def _make_hook(root, state, refuse, flag_fd):
         socket.gethostbyname socket.gethostbyaddr socket.sendto ctypes.dlopen ctypes.dlsym ctypes.cdata
         ctypes.call_function sys.settrace sys.setprofile sys._current_frames gc.get_objects gc.get_referrers
         gc.get_referents resource.setrlimit resource.prlimit os.chroot os.setuid os.setgid os.symlink os.link
-        os.chown os.posix_fadvise os.mknod os.mkfifo os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
+        os.chown os.posix_fadvise os.mknod os.mkfifo os.setxattr os.removexattr webbrowser.open
+        urllib.Request""".split())
     # audit hooks are per interpreter: a subinterpreter (or _testcapi's run_in_subinterp) would run without this one;
     BLOCK_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend", "multiprocessing",
                               "_multiprocessing", "pty", "_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
@@ -235,6 +241,10 @@ def _make_hook(root, state, refuse, flag_fd):
             raise PermissionError("sandbox: " + event + " is not allowed")
 
     def hook(event, args):
+        if event == "sys._getframe":
+            if refuse:  # the stdlib asks (namedtuple, logging, warnings) and copes with ValueError
+                raise ValueError("sandbox: frame introspection is not allowed")
+            return
         try:
             check(event, args)
         except PermissionError:
@@ -277,8 +287,6 @@ def _make_hook(root, state, refuse, flag_fd):
             # every part: an extension module loads under a dotted name (x._ctypes runs PyInit__ctypes)
             if any(part in BLOCK_IMPORT for part in _str(args[0]).split(".")):
                 deny("import " + args[0])
-        elif event == "sys._getframe" and refuse:  # the stdlib asks (namedtuple, logging, warnings) and copes
-            raise ValueError("sandbox: frame introspection is not allowed")
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
             deny("frame access")
     return hook

@@ -255,6 +255,22 @@ def entry_points(gold_code: str, tests: str) -> tuple[str, ...]:
     return tuple(sorted(defined & used))
 
 
+def task_helpers(prompt: str, entry: str) -> str:
+    """The prompt without the definition of `entry` (the function the model writes): its imports and helper
+    functions, run by the judge before the tests (trusted text from the data set); "" if it does not parse."""
+    try:
+        tree = _parse(prompt)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ""
+    lines = prompt.splitlines(keepends=True)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            lines[first - 1:node.end_lineno] = [""] * (node.end_lineno - first + 1)
+    text = "".join(lines)
+    return text if text.endswith("\n") or not text else text + "\n"
+
+
 def gold_code_completion(code: str) -> str:
     return f"<reasoning>Write the function.</reasoning><answer>\n```python\n{code}\n```\n</answer>"
 
@@ -299,8 +315,10 @@ class HumanEval(CodeTask):
     def make_example(self, rec, index, split):
         entry = str(rec["entry_point"])
         gold = rec["prompt"] + rec.get("canonical_solution", "")
+        # the tests run after the prompt's own helpers (HumanEval/32's poly, /38's encode_cyclic): the names the
+        # tests call that the task defines are the task's, never a completion's redefinition of them
         return Example(id=str(rec["task_id"]), question=rec["prompt"],
-                       answer=f"{rec['test']}\n\ncheck({entry})\n",
+                       answer=f"{task_helpers(rec['prompt'], entry)}{rec['test']}\n\ncheck({entry})\n",
                        meta={"entry_point": entry, "gold_code": gold, "gold_completion": gold_code_completion(gold),
                              "entry_points": (entry,)})
 
