@@ -153,7 +153,8 @@ def test_task_helpers_come_from_the_task():
 
 IPC_WRITER = ("import ctypes\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
               "    q = libc.msgget(0x4D444942, 0o1666)\n"
-              "    buf = ctypes.create_string_buffer(b'\\x01\\0\\0\\0\\0\\0\\0\\0SECRET42', 16)\n    return [q, libc.msgsnd(q, buf, 8, 0) if q >= 0 else -1]\n")
+              "    buf = ctypes.create_string_buffer(b'\\x01\\0\\0\\0\\0\\0\\0\\0SECRET42', 16)\n"
+              "    return [q, libc.msgsnd(q, buf, 8, 0) if q >= 0 else -1]\n")
 IPC_READER = ("import ctypes, time\ndef f():\n    libc = ctypes.CDLL(None, use_errno=True)\n"
               "    for _ in range(20):\n        q = libc.msgget(0x4D444942, 0)\n        if q >= 0:\n"
               "            buf = ctypes.create_string_buffer(16)\n"
@@ -202,13 +203,12 @@ def test_cleanup_holds_on_a_tree_deeper_than_the_recursion_limit(tmp_path):
     assert not top.exists()
 
 
-@pytest.mark.parametrize("n", [4, 16, 64])
-def test_parsing_is_linear_under_the_cap(n):
-    # n KB of `<answer>` (and of fences, closing tags, blank lines): each parse scales linearly; past the cap a
-    # completion is cut first. A quadratic parse took 32 s at 64 KB.
+def test_parsing_is_linear_under_the_cap():
+    # 8 KB and 64 KB of `<answer>` (and of reasoning tags, fences, blank lines): 8x the text costs well under the
+    # 64x a quadratic parse would (it took 32 s at 64 KB); past the cap a completion is cut first
     def cost(text: str) -> float:
         best = float("inf")
-        for _ in range(3):
+        for _ in range(5):
             t0 = time.perf_counter()
             extract_code(text)
             extract_reasoning(text)
@@ -217,12 +217,10 @@ def test_parsing_is_linear_under_the_cap(n):
             best = min(best, time.perf_counter() - t0)
         return best
 
-    spam = [(t * (n * 1024 // len(t)))[: n * 1024] for t in ("<answer>", "<reasoning></reasoning>", "```", "\n")]
-    base = [(t * (1024 // len(t)))[:1024] for t in ("<answer>", "<reasoning></reasoning>", "```", "\n")]
-    for big, small in zip(spam, base, strict=True):
-        assert cost(big) < 0.25 and cost(big) < 4 * n * max(cost(small), 2e-5), (n, big[:30])
-    huge = "<answer>" * (MAX_COMPLETION_CHARS // 2)
-    assert cost(huge) < 0.5
+    for unit in ("<answer>", "<reasoning></reasoning>", "```", "\n", "<think>x</think>\n<answer>"):
+        small, big = ((unit * (k * 1024 // len(unit) + 1))[: k * 1024] for k in (8, 64))
+        assert cost(big) < 0.25 and cost(big) < 24 * max(cost(small), 1e-5), unit
+    assert cost("<answer>" * (MAX_COMPLETION_CHARS // 2)) < 0.5
 
 
 def test_hidden_tests_are_only_in_the_judge():
