@@ -5,18 +5,24 @@ Two processes per run, both started by the caller (the host); the programs are f
   bwrap: bubblewrap (new pid, net, ipc, uts namespaces, a user namespace when not root; the interpreter's prefix,
   /usr, the programs and /etc/localtime read-only; a private 64 MiB tmpfs as its work folder; /proc read-only;
   no home, /root, host /tmp or project; --die-with-parent, --new-session) and its seccomp filter;
-  landlock: no namespaces (containers without user namespaces): an unprivileged uid, no_new_privs, a landlock
-  domain and a wider seccomp filter, set between fork and exec (mechdiag/sandbox_landlock.py);
-  guard-only (named by the user): the uid drop and the seccomp filter alone;
-  always under rlimits and with the in-process guard (an audit hook) as a second layer. It executes the
-  solution, then serves calls: it never sees the tests.
-- the judge: a clean `python -I -S judge.py` (unconfined: it runs only trusted code on plain data; see
-  docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
-  call sends its arguments to the candidate and only plain data comes back (None, bool, int, float, complex,
-  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type.
-  Anything else comes back as an opaque reference the tests may only pass back, call, or get/set attributes of;
-  using it as data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
-A pass is the judge's `pass` line on a pipe only the judge holds, and the judge's exit status 0.
+  landlock: no user namespace (containers without them): an unprivileged uid, no_new_privs, a landlock
+  domain and a wider seccomp filter, set between fork and exec (mechdiag/sandbox_landlock.py); as root with
+  CAP_SYS_ADMIN also a mount and IPC namespace of its own with a 64 MiB tmpfs as its folder;
+  guard-only (named by the user): the uid drop (no capability kept: refused where the interpreter needs one)
+  and the seccomp filter;
+  always under rlimits and with the in-process guard (an audit hook): under guard-only it refuses what it
+  watches; under bwrap and landlock, which contain all of it, it records the attempt (`blocked`) and lets the
+  kernel answer. It executes the solution, then serves calls: it never sees the tests.
+- the judge: a clean `python -I -S judge.py`, confined (its own uid as root, a landlock domain that reads the
+  interpreter and writes nothing, the "judge" seccomp rows; a bubblewrap of its own where landlock cannot),
+  that executes the tests. Every name the tests take from the solution is the value the candidate sends, in a
+  closed codec (codec.py: None, bool, int, float, complex, str, bytes; list, tuple, dict, set, frozenset
+  nested); anything else stays in the candidate as a handle the tests may call, iterate, read or set
+  attributes of, or pass back, each done in the candidate's process; using it as data (==, bool, hash, str,
+  ...) fails the test (status `nonplain`). Nothing the candidate names is looked up on the judge's side.
+A pass is exactly one message on a pipe only the judge holds, `mechdiag-verdict TOKEN pass` (TOKEN: this run's,
+sent on the judge's stdin), and the judge's exit status 0; anything else on that pipe is a protocol error
+(status `protocol`, counted in PROTOCOL_ERRORS).
 
 Deadlines: CPU seconds (RLIMIT_CPU per process, and timeout_s + 1 for the candidate's whole tree), so a verdict
 does not depend on machine load; a wall-clock backstop WALL_FACTOR times longer, for sleepers: time the run
@@ -60,11 +66,12 @@ INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) f
 @dataclass
 class SandboxResult:
     passed: bool
-    # passed | failed | timeout | memory | output_limit | disk_limit | nonplain | blocked | exited | killed | error
+    # passed | failed | timeout | memory | output_limit | disk_limit | nonplain | blocked | exited | killed |
+    # protocol (the verdict channel held anything but the judge's one message) | error
     status: str
     duration_s: float
     detail: str = ""
-    blocked: bool = False  # the guard refused an operation, or the solution returned non-plain data
+    blocked: bool = False  # an attempt some layer stopped (seen by the guard), or the solution returned non-plain data
     isolation: str = ""  # bwrap | landlock | guard-only
     waited_s: float = 0.0  # time the run's processes waited for a CPU (measured once the backstop was reached)
 
@@ -413,7 +420,13 @@ def _check() -> str:
 def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512, max_procs: int = 16,
               max_file_mb: int = 8, max_output: int = MAX_OUTPUT, wall_s: float | None = None,
               entry_points: tuple[str, ...] | list[str] = (), cpu: int | None = None) -> SandboxResult:
-    """Run `code` in the sandbox and `tests` (trusted) in a judge that reaches the code through proxies.
+    """Run `code` in the sandbox and `tests` (trusted) in a judge that reaches the code through handles.
+
+    Where the tests live: in the judge's memory only. The host sends them on the judge's stdin (after a one-run
+    token) and writes them to no file; the candidate cannot see the judge (bwrap: another pid namespace;
+    landlock: no /proc but its own; guard-only: another uid, and the guard), nor the task data on disk. The
+    judge receives values from the candidate, never names; its one message on a pipe only it holds is the
+    verdict.
 
     timeout_s: CPU seconds, for each of the candidate and the judge; wall_s: the wall-clock backstop (default
     WALL_FACTOR * timeout_s, not charged while the run waits for a CPU). entry_points: solution names the tests

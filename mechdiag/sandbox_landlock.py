@@ -1,12 +1,15 @@
-"""The sandbox's mode for containers without user namespaces (`sandbox: landlock`): the candidate is confined by
-the kernel between fork and exec, with no namespace and no mount: an unprivileged uid (as root), no new
-privileges, a landlock domain (read-only system and interpreter folders, one writable private folder, no
-/proc, /sys, /dev/shm or host tmp; no TCP; signals and abstract unix sockets scoped to the domain) and a seccomp
-filter (the bwrap list plus sockets, sessions, memfd, chmod/chown/xattr/utime, and scheduling or limits of
-other processes). rlimits are set by the caller as for bwrap.
+"""The kernel's side of the sandbox: the seccomp filter of every process it starts (SECCOMP_RULES, one
+definition), and the confinement of the processes bubblewrap does not start (`Confinement`): the candidate of
+`sandbox: landlock` and `guard-only`, and the judge. Everything is set between fork and exec, with no namespace
+a user must be allowed to create: an unprivileged uid (as root; no capability kept but CAP_DAC_READ_SEARCH where
+the interpreter needs it and a landlock domain bounds it), no new privileges, a landlock domain (read-only
+system and interpreter folders, the run's one writable folder and its own /proc/PID, nothing else; no TCP;
+signals and abstract unix sockets scoped to the domain) and the seccomp filter. As root with CAP_SYS_ADMIN the
+candidate also takes a mount and an IPC namespace of its own, with a size-capped tmpfs as its folder.
+rlimits are set by the caller as for bwrap.
 
-Everything a child needs is prepared in the host (`prepare`): the child only makes system calls through ctypes
-functions looked up beforehand (no import, no allocation beyond ctypes' own call).
+Everything a child needs is prepared in the host (`Confinement.__init__`): the child only makes system calls
+through ctypes functions looked up beforehand (no import, no allocation beyond ctypes' own call).
 """
 
 from __future__ import annotations

@@ -448,9 +448,20 @@ def record(*a, **k):  # the run's folders on the host: each must be gone after t
     made.append(mkdtemp(*a, **k))
     return made[-1]
 tempfile.mkdtemp = record
-iso = job["iso"] or sandbox.isolation()
-args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
-r = sandbox._run(*args, iso, guard=job["guard"])
+if job["via"] == "task":  # the trainer's code-reward path: a code task's components_many, in the mode named
+    from mechdiag.tasks.base import Example
+    from mechdiag.tasks.code import MBPP
+    sandbox.use({"bwrap": "strict"}.get(job["iso"], job["iso"]))
+    task = MBPP(timeout_s=job["timeout"], memory_mb=256, workers=1)
+    ex = Example(id="corpus", question="", answer=tests, meta={"entry_points": ()})
+    comp = "<reasoning>Write it.</reasoning><answer>\\n```python\\n" + code + "\\n```\\n</answer>"
+    paid = task.components_many([comp], [ex])[0]
+    r = next(iter(task._results.values()), None) or sandbox.SandboxResult(False, "unparsed", 0.0)
+    assert paid["correctness"] == float(r.passed) and paid["code_blocked"] == float(r.blocked)
+else:
+    iso = job["iso"] or sandbox.isolation()
+    args = (code, tests, job["timeout"], 256, 16, 8, sandbox.MAX_OUTPUT, job["wall"], ())
+    r = sandbox._run(*args, iso, guard=job["guard"])
 time.sleep(0.3)  # a signal sent to the host arrives before it reports; a killed process is gone
 lingering = 0  # processes of this run alive after the verdict: the case linger_after_verdict marks its own
 for p in os.listdir("/proc"):
@@ -512,15 +523,23 @@ def _aside(outside: Path) -> tuple[Path, Path]:
 
 
 def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT, wall: float = WALL,
-             iso: str = "") -> dict:
-    """One run, driven by a fresh host process; rc is the host's exit status."""
+             iso: str = "", via: str = "run") -> dict:
+    """One run, driven by a fresh host process; rc is the host's exit status. via="task": through a code task's
+    components_many (the trainer's path; the guard on) in mode `iso` ("strict" for bwrap, "landlock",
+    "guard-only": a host without bubblewrap and landlock, as where that mode is what users get)."""
     python, extra = guard_only_python() if iso == "guard-only" else (sys.executable, [])
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p] + extra
     env = dict(os.environ, MECHDIAG_SECRET=SECRET, PYTHONPATH=os.pathsep.join(path))
-    proc = subprocess.Popen([python, "-c", HOST, "--token=" + SECRET], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cmd = [python, "-c", HOST, "--token=" + SECRET]
+    if via == "task" and iso == "guard-only":
+        empty = Path(tempfile.gettempdir()) / "mechdiag-no-bwrap-path"
+        empty.mkdir(exist_ok=True)
+        env["PATH"] = str(empty)
+        cmd = without_landlock(cmd[1:], python)
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env)
     try:
-        stdout, stderr = proc.communicate(json.dumps({"code": code, "tests": tests, "guard": guard,
+        stdout, stderr = proc.communicate(json.dumps({"code": code, "tests": tests, "guard": guard, "via": via,
                                                       "timeout": timeout, "wall": wall, "iso": iso}), timeout=60)
     except subprocess.TimeoutExpired:  # a stopped or hung host
         proc.kill()
@@ -530,12 +549,13 @@ def host_run(code: str, tests: str, guard: bool = True, timeout: float = TIMEOUT
     return {"rc": proc.returncode, "stderr": stderr[-500:], **out}
 
 
-def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2, iso: str = "") -> dict:
+def corpus_figures(outside: Path, names: list[str], guard: bool = True, workers: int = 2, iso: str = "",
+                   via: str = "run") -> dict:
     """Run the named cases; the figures the reliability doc reports."""
     (outside / "keep.txt").write_text("precious")
     with ThreadPoolExecutor(workers) as pool:
         runs = list(pool.map(lambda n: host_run(_fill(CORPUS[n][0], outside), _fill(CORPUS[n][1], outside),
-                                                guard, iso=iso), names))
+                                                guard, iso=iso, via=via), names))
     pub, secret = _aside(outside)
     intact = sorted(p.name for p in outside.iterdir()) == ["keep.txt"] and \
         (outside / "keep.txt").read_text() == "precious" and (outside / "keep.txt").stat().st_mode & 0o777 != 0o777
@@ -573,9 +593,11 @@ def test_hostile_corpus_contained(tmp_path):
     assert by["huge_output"]["status"] == "output_limit"
     assert by["memory_bomb"]["status"] in ("memory", "failed", "killed")
     for n in ("always_equal", "metaclass_lies_flags", "zero_arithmetic", "int_subclass_eq",
-              "str_subclass_eq", "float_subclass_sub", "dict_subclass_eq", "list_subclass_len",
+              "str_subclass_eq", "float_subclass_sub", "dict_subclass_eq",
               "truthy_object", "always_equal_in_list", "bool_like_int", "str_lies"):
         assert by[n]["status"] == "nonplain" and by[n]["blocked"], (n, by[n])
+    # a handle has no len() (list() of a handle asks for a length hint and iterates it in the candidate)
+    assert by["list_subclass_len"]["status"] == "failed", by["list_subclass_len"]
     for n in ("os_exit_in_call", "exit_from_thread"):
         assert by[n]["status"] == "exited", (n, by[n])
     assert by["kill_self_in_call"]["status"] == "killed" and by["kill_self_in_call"]["blocked"]
@@ -790,16 +812,16 @@ def test_without_bwrap_auto_takes_landlock(tmp_path):
 
 def test_guard_only_refused_where_the_candidate_would_need_a_capability(tmp_path):
     # this interpreter sits under /root (0700): the candidate's uid could start it only with CAP_DAC_READ_SEARCH,
-    # which reads every file; without landlock to bound it guard-only cannot hold: one line, exit 2
+    # which reads every file; without landlock to bound it guard-only cannot hold: refused with one line (the
+    # same SandboxUnavailable the trainer turns into its one error line and exit 2, as for the modes below)
     from mechdiag import sandbox
 
     assert sandbox._guard_only_refusal() is not None  # the suite runs as root with Python under /root here
-    out = tmp_path / "run"
-    p = subprocess.run(without_landlock(["-m", "mechdiag", "train", "--set", "sandbox=guard-only", "--set",
-                                         "task.name=mbpp", "--out", str(out)]), capture_output=True, text=True,
-                       env=env_without_bwrap(tmp_path), timeout=120)
-    assert p.returncode == 2 and not out.exists(), p.stderr
-    assert p.stderr.splitlines() == [f"mechdiag: error: {sandbox._guard_only_refusal()}"]
+    prog = "from mechdiag import sandbox\ntry:\n    sandbox.use('guard-only')\nexcept sandbox.SandboxUnavailable as e:\n" \
+           "    print(e)\n"
+    p = subprocess.run(without_landlock(["-c", prog]), capture_output=True, text=True,
+                       env=env_without_bwrap(tmp_path), timeout=60)
+    assert p.returncode == 0 and p.stdout.splitlines() == [sandbox._guard_only_refusal()], p
 
 
 @pytest.mark.parametrize("mode", ["auto", "strict", "landlock"])
@@ -881,3 +903,19 @@ def test_all_gold_solutions_pass(mode):
     failed = [(x, r.status) for x, r in zip(ids, results, strict=True) if not r.passed]
     assert failed == [], failed
     assert {r.isolation for r in results} == {iso}
+
+
+@pytest.mark.parametrize("iso", ["bwrap", "landlock", "guard-only"])
+def test_issue40_corpus_through_the_trainers_path(tmp_path, iso):
+    # the issue-40 cases as a model's completions reach the sandbox: a code task's components_many (extract_code,
+    # run_many, run_tests), in each mode as root (guard-only: a host without bubblewrap and landlock, and a Python
+    # every user reads); none passes, the host lives, no secret, file, process, folder or IPC object is left
+    fig = corpus_figures(tmp_path, list(CORPUS_40), iso=iso, via="task")
+    assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
+    assert fig["left_behind"] == [] and fig["contained"] == fig["tried"] == len(CORPUS_40)
+    assert {r["isolation"] for r in fig["by"].values()} == {iso}
+    by = fig["by"]
+    # every case that reached for the host was seen (`blocked`, what code_blocked records), whichever layer held it
+    for n in ("seccomp_clone_newuser", "seccomp_fsopen", "ipc_sysv_shm", "dotted_ext_spawn", "mkfifo_pub",
+              "read_host_cmdline", "read_hidden_tests"):
+        assert by[n]["blocked"], (n, by[n])
