@@ -817,8 +817,8 @@ def test_guard_only_refused_where_the_candidate_would_need_a_capability(tmp_path
     from mechdiag import sandbox
 
     assert sandbox._guard_only_refusal() is not None  # the suite runs as root with Python under /root here
-    prog = "from mechdiag import sandbox\ntry:\n    sandbox.use('guard-only')\nexcept sandbox.SandboxUnavailable as e:\n" \
-           "    print(e)\n"
+    prog = ("from mechdiag import sandbox\ntry:\n    sandbox.use('guard-only')\n"
+            "except sandbox.SandboxUnavailable as e:\n    print(e)\n")
     p = subprocess.run(without_landlock(["-c", prog]), capture_output=True, text=True,
                        env=env_without_bwrap(tmp_path), timeout=60)
     assert p.returncode == 0 and p.stdout.splitlines() == [sandbox._guard_only_refusal()], p
