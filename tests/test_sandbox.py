@@ -381,18 +381,15 @@ CORPUS_40 = {
                            "        except OSError:\n            break\n        fds.append(fd)\n"
                            "    return total > (64 << 20)\n", "assert f()\n"),
     # guard-only's gaps: an extension module under a dotted name, special files, root-only files, symlinks
-    "dotted_ext_spawn": ("import importlib.machinery, importlib.util, os, sys, time\ndef f():\n"
-                         "    d = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
-                         "    so = [n for n in os.listdir(d) if n.startswith('_posixsubprocess.')][0]\n"
-                         "    name = 'x._posixsubprocess'\n"
-                         "    ld = importlib.machinery.ExtensionFileLoader(name, os.path.join(d, so))\n"
-                         "    m = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, ld))\n"
-                         "    r, w = os.pipe()\n"
-                         "    m.fork_exec([b'/bin/sh', b'-c', b'echo x > {pub}/spawned'], [b'/bin/sh'], True, (w,),"
-                         " None, None, -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None,"
-                         " False)\n"
-                         "    os.close(w)\n    os.read(r, 100)\n    time.sleep(0.3)\n    return 1\n",
-                         "import os\nf()\nassert os.path.exists('{pub}/spawned')\n"),
+    "dotted_ext_subinterp": ("import importlib.machinery, importlib.util, os, sys\ndef f():\n"
+                             "    d = [p for p in sys.path if p.endswith('lib-dynload')][0]\n"
+                             "    so = [n for n in os.listdir(d) if n.startswith('_xxsubinterpreters.')][0]\n"
+                             "    name = 'x._xxsubinterpreters'  # runs PyInit__xxsubinterpreters\n"
+                             "    ld = importlib.machinery.ExtensionFileLoader(name, os.path.join(d, so))\n"
+                             "    m = importlib.util.module_from_spec(importlib.util.spec_from_loader(name, ld))\n"
+                             "    m.run_string(m.create(), \"open('{pub}/spawned', 'w').write('x')\")\n"
+                             "    return 1\n",
+                             "import os\nf()\nassert os.path.exists('{pub}/spawned')\n"),
     "mkfifo_pub": ("import os\ndef f():\n    os.mkfifo('{pub}/fifo')\n    return 1\n",
                    "import os\nf()\nassert os.path.exists('{pub}/fifo')\n"),
     "mknod_fifo_pub": ("import os, stat\ndef f():\n    os.mknod('{pub}/node', stat.S_IFIFO | 0o666)\n    return 1\n",
@@ -916,6 +913,6 @@ def test_issue40_corpus_through_the_trainers_path(tmp_path, iso):
     assert {r["isolation"] for r in fig["by"].values()} == {iso}
     by = fig["by"]
     # every case that reached for the host was seen (`blocked`, what code_blocked records), whichever layer held it
-    for n in ("seccomp_clone_newuser", "seccomp_fsopen", "ipc_sysv_shm", "dotted_ext_spawn", "mkfifo_pub",
+    for n in ("seccomp_clone_newuser", "seccomp_fsopen", "ipc_sysv_shm", "dotted_ext_subinterp", "mkfifo_pub",
               "read_host_cmdline", "read_hidden_tests"):
         assert by[n]["blocked"], (n, by[n])
