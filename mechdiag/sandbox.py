@@ -32,6 +32,7 @@ sandbox: auto takes bwrap, else landlock, else refuses (SandboxUnavailable); see
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
@@ -323,16 +324,29 @@ def _confinement(private: str, uid: str, with_landlock: bool = True) -> landlock
                                 TMP_BYTES if u is not None and _own_mounts() else 0)
 
 
+@functools.lru_cache(maxsize=1)
+def _judge_domain() -> landlock.Confinement | None:
+    """The judge's landlock domain, built once per process (it names nothing of a run): None where landlock cannot
+    hold here."""
+    if landlock.refusal(landlock.abi(), os.geteuid() == 0) is not None:
+        return None
+    folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
+    domain = landlock.Confinement(landlock.abi(), folders, files, None, None, landlock.bpf_program("judge") or b"",
+                                  _needs_read_cap(tuple(folders)))
+    domain.shared = True  # runs share its ruleset: never closed by one of them
+    return domain
+
+
 def _judge_confinement(uid: str) -> landlock.Confinement | None:
     """The judge's confinement where landlock holds here: its own uid (as root), the "judge" seccomp rows, a
     landlock domain that reads the interpreter and the programs and writes nothing. None where landlock cannot
     (then the judge runs in a bubblewrap of its own, or, in guard-only, under its uid and filter alone)."""
-    if landlock.refusal(landlock.abi(), os.geteuid() == 0) is not None:
+    domain = _judge_domain()
+    if domain is None:
         return None
-    folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
-    u = None if uid == "-" else int(uid)
-    return landlock.Confinement(landlock.abi(), folders, files, None, u, landlock.bpf_program("judge") or b"",
-                                u is not None and _needs_read_cap(tuple(folders)))
+    conf = copy.copy(domain)
+    conf.uid = None if uid == "-" else int(uid)
+    return conf
 
 
 @functools.lru_cache(maxsize=4)

@@ -176,7 +176,7 @@ class Confinement:
 
     def __init__(self, version: int, read_only: list[str], files: dict[str, int], private: str | None,
                  uid: int | None, seccomp: bytes, keep_read_cap: bool, tmpfs_bytes: int = 0):
-        self.uid, self.keep_read_cap, self.ruleset = uid, keep_read_cap, -1
+        self.uid, self.keep_read_cap, self.ruleset, self.shared = uid, keep_read_cap, -1, False
         self._private = None if private is None else os.fsencode(private)
         self._tmpfs, self._private_rule, self._proc_rule = None, None, None
         if tmpfs_bytes and private is not None and uid is not None:
@@ -266,7 +266,7 @@ class Confinement:
         os.close(fd)
 
     def close(self) -> None:
-        if self.ruleset >= 0:
+        if self.ruleset >= 0 and not self.shared:
             os.close(self.ruleset)
 
 

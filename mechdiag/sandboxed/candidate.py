@@ -177,6 +177,7 @@ def _make_hook(root, state, refuse, flag_fd):
     _lstat, _readlink = os.lstat, os.readlink  # the C functions themselves: a solution cannot patch these
     _S_ISLNK = __import__("stat").S_ISLNK
     me = "/proc/" + _str(os.getpid())
+    links = {}  # path outside the work folder -> whether it is a symlink
 
     def norm(p):
         """The real path p names (symlinks and /proc magic links followed, as the kernel would), else None."""
@@ -197,10 +198,14 @@ def _make_hook(root, state, refuse, flag_fd):
                     parts.pop()
                 continue
             here = "/" + "/".join(parts + [part])
-            try:
-                link = _S_ISLNK(_lstat(here).st_mode)
-            except (OSError, ValueError):
-                link = False
+            link = links.get(here)
+            if link is None:
+                try:
+                    link = _S_ISLNK(_lstat(here).st_mode)
+                except (OSError, ValueError):
+                    link = False
+                if not inside(here):  # the folders outside cannot change under the program: looked at once
+                    links[here] = link
             if link:
                 hops += 1
                 try:
