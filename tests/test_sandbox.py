@@ -467,6 +467,8 @@ for p in os.listdir("/proc"):
         if p.isdigit() and int(st[16]) == 17 and b"import candidate" in open("/proc/%s/cmdline" % p, "rb").read():
             lingering += 1
             os.kill(int(p), 9)
+        elif p.isdigit() and int(st[1]) == os.getpid() and st[0] == "Z":  # a zombie of the host (CLONE_PARENT)
+            lingering += 1
     except (OSError, IndexError, ValueError):
         pass
 ipc = 0  # SysV objects with the corpus's key, and POSIX queues, left behind
