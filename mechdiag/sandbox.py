@@ -749,10 +749,10 @@ class _FolderUsage:
     def __init__(self, path: str, cap: int):
         self.path, self.cap, self.over, self.pid, self.checks, self.unlinked = path, cap, False, 0, 0, 0
 
-    def check(self) -> bool:
-        """Whether the folder is over its cap (then it stays so)."""
+    def check(self, force: bool = False) -> bool:
+        """Whether the folder is over its cap (then it stays so); force: count the open deleted files now."""
         self.checks += 1
-        if self.pid and self.checks % self.OPEN_EVERY == 0:
+        if self.pid and (force or self.checks % self.OPEN_EVERY == 0):
             self.unlinked = _open_unlinked(self.pid)
         total, stack = self.unlinked, [self.path]
         while stack and total <= self.cap:
@@ -829,6 +829,8 @@ def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int, usage: _F
                 over = True
         if over:
             break
+    if usage is not None and not timed_out and not over and usage.check(force=True):
+        over = True  # the last look, with the run's processes still holding their files: no pass past the cap
     if not timed_out and not over:  # output written just before the verdict
         drain = selectors.DefaultSelector()
         drain.register(out_r, selectors.EVENT_READ)
