@@ -3,13 +3,14 @@ charged wall time; each case driven by its own host process) and the cost per MB
 judge on one worker against a bare interpreter spawn (the floor), and run_many's programs per second at 1, 2 and
 all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
-    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
+    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus] [--no-throughput]
         [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -23,22 +24,55 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from mechdiag import sandbox  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
-from tests.test_sandbox import CORPUS, GUARD_ONLY_GAPS, OS_FAMILIES, WALL, corpus_figures  # noqa: E402
+from tests.sandbox_conditions import USER, as_user  # noqa: E402
+from tests.test_sandbox import CORPUS, GUARD_ONLY_GAPS, OS_FAMILIES, corpus_figures  # noqa: E402
+
+USER_RUN = """
+import json, os, sys
+from pathlib import Path
+from tests.test_sandbox import CORPUS, corpus_figures
+names = json.loads(sys.argv[3])
+fig = corpus_figures(Path(sys.argv[1]), names, iso=sys.argv[2], via="task")
+fig["by"] = {n: {k: v for k, v in r.items() if k != "detail"} for n, r in fig["by"].items()}
+print(os.getuid(), json.dumps(fig))
+"""
+
+
+def _row(label: str, fig: dict) -> str:
+    harmed = len(fig["host_dead"]) + (0 if fig["intact"] else 1)
+    return (f"| {label} | {fig['tried']} | {len(fig['wrong'])} | {harmed} | {len(fig['leaks'])} | "
+            f"{len(fig['left_behind'])} | {fig['worst_wall_s']:.2f} s |")
 
 
 def corpus() -> None:
-    runs = [(f"{iso} + guard", list(CORPUS), True, iso) for iso in ("bwrap", "landlock")]
-    runs += [(f"{iso} alone (guard off)", OS_FAMILIES, False, iso) for iso in ("bwrap", "landlock")]
-    runs.append(("guard-only (root)", [n for n in CORPUS if n not in GUARD_ONLY_GAPS], True, "guard-only"))
-    for label, names, guard, iso in runs:
+    """The whole hostile corpus through the trainer's path (a code task's components_many: extract_code, run_many,
+    run_tests) in each mode, as root and as an unprivileged user (uid 65534 through setpriv, the system Python);
+    then the escape families with the guard off (the OS layer alone), as root."""
+    print("| mode, user | cases | wrong verdicts | hosts harmed | secrets leaked | processes, IPC or folders left "
+          "| worst charged wall |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    names = [n for n in CORPUS if n not in GUARD_ONLY_GAPS]
+    for iso in ("bwrap", "landlock", "guard-only"):
         if iso != "guard-only" and sandbox._reason(iso) is not None:
-            print(f"{label}: not available here ({sandbox._reason(iso)})")
+            print(f"| {iso} | not available here ({sandbox._reason(iso)}) |")
             continue
-        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), names, guard=guard, iso=iso)
-        print(f"{label}: cases tried {fig['tried']}, contained {fig['contained']}, wrong verdicts "
-              f"{len(fig['wrong'])}, host killed {len(fig['host_dead'])}, secret leaks {len(fig['leaks'])}, "
-              f"left behind {len(fig['left_behind'])}, outside intact {fig['intact']}, worst charged wall "
-              f"{fig['worst_wall_s']:.2f} s (wall deadline {WALL} s)")
+        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), names, iso=iso, via="task")
+        print(_row(f"{iso}, root" if os.geteuid() == 0 else f"{iso}, uid {os.getuid()}", fig), flush=True)
+        cmd = as_user(USER_RUN)
+        if cmd is None:
+            continue
+        outside = Path(tempfile.mkdtemp(prefix="sbx-user-outside-"))
+        os.chown(outside, USER, USER)
+        p = subprocess.run(cmd + [str(outside), iso, json.dumps(names)], capture_output=True, text=True,
+                           timeout=3600, cwd="/tmp")
+        if p.returncode != 0:
+            print(f"| {iso}, uid {USER} | failed to run: {p.stderr.strip().splitlines()[-1:]} |")
+            continue
+        uid, text = p.stdout.strip().splitlines()[-1].split(" ", 1)
+        print(_row(f"{iso}, uid {uid}", json.loads(text)), flush=True)
+    for iso in ("bwrap", "landlock"):
+        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), OS_FAMILIES, guard=False, iso=iso)
+        print(_row(f"{iso} alone (guard off), root", fig), flush=True)
 
 
 def _per_run(fn, jobs) -> float:
@@ -130,10 +164,12 @@ if __name__ == "__main__":
     ap.add_argument("--n", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-corpus", action="store_true")
+    ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--before", help="a checkout of the earlier sandbox to compare against")
     a = ap.parse_args()
     if not a.no_corpus:
         corpus()
-    throughput(a.n, a.rounds)
+    if not a.no_throughput:
+        throughput(a.n, a.rounds)
     if a.before:
         before_after(a.before, a.n, a.rounds)

@@ -5,18 +5,24 @@ Two processes per run, both started by the caller (the host); the programs are f
   bwrap: bubblewrap (new pid, net, ipc, uts namespaces, a user namespace when not root; the interpreter's prefix,
   /usr, the programs and /etc/localtime read-only; a private 64 MiB tmpfs as its work folder; /proc read-only;
   no home, /root, host /tmp or project; --die-with-parent, --new-session) and its seccomp filter;
-  landlock: no namespaces (containers without user namespaces): an unprivileged uid, no_new_privs, a landlock
-  domain and a wider seccomp filter, set between fork and exec (mechdiag/sandbox_landlock.py);
-  guard-only (named by the user): the uid drop and the seccomp filter alone;
-  always under rlimits and with the in-process guard (an audit hook) as a second layer. It executes the
-  solution, then serves calls: it never sees the tests.
-- the judge: a clean `python -I -S judge.py` (unconfined: it runs only trusted code on plain data; see
-  docs/reliability.md) that executes the tests. Every name the tests take from the solution is a proxy: a
-  call sends its arguments to the candidate and only plain data comes back (None, bool, int, float, complex,
-  str, bytes; list, tuple, dict, set, frozenset nested), as tagged marshal frames validated type by type.
-  Anything else comes back as an opaque reference the tests may only pass back, call, or get/set attributes of;
-  using it as data (==, bool, hash, iter, str, ...) fails the test (status `nonplain`).
-A pass is the judge's `pass` line on a pipe only the judge holds, and the judge's exit status 0.
+  landlock: no user namespace (containers without them): an unprivileged uid, no_new_privs, a landlock
+  domain and a wider seccomp filter, set between fork and exec (mechdiag/sandbox_landlock.py); as root with
+  CAP_SYS_ADMIN also a mount and IPC namespace of its own with a 64 MiB tmpfs as its folder;
+  guard-only (named by the user): the uid drop (no capability kept: refused where the interpreter needs one)
+  and the seccomp filter;
+  always under rlimits and with the in-process guard (an audit hook): under guard-only it refuses what it
+  watches; under bwrap and landlock, which contain all of it, it records the attempt (`blocked`) and lets the
+  kernel answer. It executes the solution, then serves calls: it never sees the tests.
+- the judge: a clean `python -I -S judge.py`, confined (its own uid as root, a landlock domain that reads the
+  interpreter and writes nothing, the "judge" seccomp rows; a bubblewrap of its own where landlock cannot),
+  that executes the tests. Every name the tests take from the solution is the value the candidate sends, in a
+  closed codec (codec.py: None, bool, int, float, complex, str, bytes; list, tuple, dict, set, frozenset
+  nested); anything else stays in the candidate as a handle the tests may call, iterate, read or set
+  attributes of, or pass back, each done in the candidate's process; using it as data (==, bool, hash, str,
+  ...) fails the test (status `nonplain`). Nothing the candidate names is looked up on the judge's side.
+A pass is exactly one message on a pipe only the judge holds, `mechdiag-verdict TOKEN pass` (TOKEN: this run's,
+sent on the judge's stdin), and the judge's exit status 0; anything else on that pipe is a protocol error
+(status `protocol`, counted in PROTOCOL_ERRORS).
 
 Deadlines: CPU seconds (RLIMIT_CPU per process, and timeout_s + 1 for the candidate's whole tree), so a verdict
 does not depend on machine load; a wall-clock backstop WALL_FACTOR times longer, for sleepers: time the run
@@ -26,12 +32,15 @@ sandbox: auto takes bwrap, else landlock, else refuses (SandboxUnavailable); see
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 import math
 import os
 import queue
+import re
 import resource
+import secrets
 import selectors
 import shutil
 import signal
@@ -58,11 +67,12 @@ INSTALL_HINT = "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) f
 @dataclass
 class SandboxResult:
     passed: bool
-    # passed | failed | timeout | memory | output_limit | disk_limit | nonplain | blocked | exited | killed | error
+    # passed | failed | timeout | memory | output_limit | disk_limit | nonplain | blocked | exited | killed |
+    # protocol (the verdict channel held anything but the judge's one message) | error
     status: str
     duration_s: float
     detail: str = ""
-    blocked: bool = False  # the guard refused an operation, or the solution returned non-plain data
+    blocked: bool = False  # an attempt some layer stopped (seen by the guard), or the solution returned non-plain data
     isolation: str = ""  # bwrap | landlock | guard-only
     waited_s: float = 0.0  # time the run's processes waited for a CPU (measured once the backstop was reached)
 
@@ -168,19 +178,10 @@ def _bwrap_args(bwrap: str) -> list[str]:
     return args
 
 
-# syscalls no test needs, refused (EPERM) by a seccomp filter bwrap installs before it starts the candidate:
-# tracing and reading other processes, namespaces and mounts, the kernel keyring, eBPF, perf, io_uring, modules,
-# leaving the one core run_many gave the run
-SECCOMP_DENIED = ("ptrace", "process_vm_readv", "process_vm_writev", "mount", "umount2", "pivot_root", "setns",
-                  "unshare", "keyctl", "add_key", "request_key", "bpf", "perf_event_open", "userfaultfd",
-                  "io_uring_setup", "io_uring_enter", "io_uring_register", "init_module", "finit_module",
-                  "delete_module", "kexec_load", "kexec_file_load", "open_by_handle_at", "sched_setaffinity")
-
-
 def seccomp_program() -> bytes | None:
-    """bwrap's filter: SECCOMP_DENIED refused (syscalls of another architecture kill the process); None where
-    pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
-    return landlock.bpf_program(SECCOMP_DENIED)
+    """bwrap's filter (the "bwrap" rows of sandbox_landlock.SECCOMP_RULES, the one definition of every filter);
+    None where pyseccomp or libseccomp is not installed (the `sandbox` extra)."""
+    return landlock.bpf_program("bwrap")
 
 
 def _seccomp_fd(args: list[str]) -> int | None:
@@ -264,7 +265,7 @@ def _probe_bwrap() -> str | None:
 
 def _probe_landlock() -> str | None:
     why = landlock.refusal(landlock.abi(), os.geteuid() == 0)
-    if why is None and landlock.seccomp_program(SECCOMP_DENIED) is None:
+    if why is None and landlock.bpf_program("bare") is None:
         why = "pyseccomp or libseccomp2 is missing (pip install 'mechdiag[sandbox]', apt-get install libseccomp2)"
     if why is not None:
         return why
@@ -283,27 +284,85 @@ def _probe_landlock() -> str | None:
     except (OSError, subprocess.SubprocessError) as e:
         return f"the confined interpreter cannot start ({e})"
     finally:
-        shutil.rmtree(private, ignore_errors=True)
+        _remove_tree(private)
     if probe.returncode == 0 and probe.stdout.strip() == "ok":
         return None
     last = (probe.stderr.strip().splitlines() or [f"exit status {probe.returncode}"])[-1]
     return f"the confined interpreter cannot start ({last[:200]})"
 
 
+@functools.lru_cache(maxsize=1)
+def _own_mounts() -> bool:
+    """Whether runs without bubblewrap get a mount and IPC namespace of their own, with a tmpfs of TMP_BYTES as
+    their folder: as root with CAP_SYS_ADMIN (a container's root often lacks it). Probed once, by a child that
+    tries it and starts /bin/true."""
+    if os.geteuid() != 0 or not os.path.exists("/bin/true"):
+        return False
+    private = tempfile.mkdtemp(prefix="mechdiag-probe-")
+    try:
+        uid = int(_candidate_uid())
+        os.chown(private, uid, uid)
+        conf = landlock.Confinement(0, [], {}, private, uid, b"", False, TMP_BYTES)
+        return subprocess.run(["/bin/true"], cwd=private, preexec_fn=conf.preexec, stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return False
+    finally:
+        _remove_tree(private)
+
+
 def _confinement(private: str, uid: str, with_landlock: bool = True) -> landlock.Confinement:
-    """The kernel objects for one run whose private folder is `private`: the uid drop (as root), the seccomp
-    filter and landlock; with_landlock=False (guard-only): no landlock, and the filter only where pyseccomp is."""
+    """The kernel objects for one run's candidate whose private folder is `private`: the uid drop (as root), the
+    seccomp filter ("bare" rows), landlock, and (as root, where it can) a tmpfs and IPC namespace of its own;
+    with_landlock=False (guard-only): no landlock, and no capability kept."""
     folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
-    prog = landlock.seccomp_program(SECCOMP_DENIED)
+    prog = landlock.bpf_program("bare")
     assert prog is not None or not with_landlock  # the probe refused the landlock mode without it
     u = None if uid == "-" else int(uid)
     return landlock.Confinement(landlock.abi() if with_landlock else 0, folders, files, private, u, prog or b"",
-                                u is not None and _needs_read_cap(tuple(folders)))
+                                with_landlock and u is not None and _needs_read_cap(tuple(folders)),
+                                TMP_BYTES if u is not None and _own_mounts() else 0)
+
+
+@functools.lru_cache(maxsize=1)
+def _judge_domain() -> landlock.Confinement | None:
+    """The judge's landlock domain, built once per process (it names nothing of a run): None where landlock cannot
+    hold here."""
+    if landlock.refusal(landlock.abi(), os.geteuid() == 0) is not None:
+        return None
+    folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
+    domain = landlock.Confinement(landlock.abi(), folders, files, None, None, landlock.bpf_program("judge") or b"",
+                                  _needs_read_cap(tuple(folders)))
+    domain.shared = True  # runs share its ruleset: never closed by one of them
+    return domain
+
+
+def _judge_confinement(uid: str) -> landlock.Confinement | None:
+    """The judge's confinement where landlock holds here: its own uid (as root), the "judge" seccomp rows, a
+    landlock domain that reads the interpreter and the programs and writes nothing. None where landlock cannot
+    (then the judge runs in a bubblewrap of its own, or, in guard-only, under its uid and filter alone)."""
+    domain = _judge_domain()
+    if domain is None:
+        return None
+    conf = copy.copy(domain)
+    conf.uid = None if uid == "-" else int(uid)
+    return conf
 
 
 @functools.lru_cache(maxsize=4)
 def _needs_read_cap(folders: tuple[str, ...]) -> bool:
     return landlock.needs_read_cap(list(folders))
+
+
+def _guard_only_refusal() -> str | None:
+    """Why guard-only cannot hold here (one line), else None: as root, the candidate's unprivileged uid must reach
+    the interpreter without any capability (CAP_DAC_READ_SEARCH would let it read every file on the host, with
+    no landlock to bound it)."""
+    if os.geteuid() != 0 or not _needs_read_cap(tuple(landlock.system_paths(_prefixes(), PROGRAMS)[0])):
+        return None
+    return (f"sandbox: guard-only cannot hold here: the interpreter ({_python()}) sits in a folder only root may "
+            f"enter, and the candidate's unprivileged uid would need CAP_DAC_READ_SEARCH, which reads every file "
+            f"on the host; use a Python every user can read, or bubblewrap or landlock")
 
 
 def isolation() -> str:
@@ -359,6 +418,8 @@ def _check() -> str:
                                          f"({_reason('landlock')}), and model code does not run without OS "
                                          f"isolation; {INSTALL_HINT}, or set sandbox: guard-only to run it under "
                                          f"the in-process guard alone")
+            if _guard_only_refusal() is not None:
+                raise SandboxUnavailable(_guard_only_refusal())
             _warn_once(f"sandbox: guard-only: model code runs under the in-process guard only (no OS isolation); "
                        f"{INSTALL_HINT}")
         elif iso == "landlock":
@@ -373,7 +434,13 @@ def _check() -> str:
 def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 512, max_procs: int = 16,
               max_file_mb: int = 8, max_output: int = MAX_OUTPUT, wall_s: float | None = None,
               entry_points: tuple[str, ...] | list[str] = (), cpu: int | None = None) -> SandboxResult:
-    """Run `code` in the sandbox and `tests` (trusted) in a judge that reaches the code through proxies.
+    """Run `code` in the sandbox and `tests` (trusted) in a judge that reaches the code through handles.
+
+    Where the tests live: in the judge's memory only. The host sends them on the judge's stdin (after a one-run
+    token) and writes them to no file; the candidate cannot see the judge (bwrap: another pid namespace;
+    landlock: no /proc but its own; guard-only: another uid, and the guard), nor the task data on disk. The
+    judge receives values from the candidate, never names; its one message on a pipe only it holds is the
+    verdict.
 
     timeout_s: CPU seconds, for each of the candidate and the judge; wall_s: the wall-clock backstop (default
     WALL_FACTOR * timeout_s, not charged while the run waits for a CPU). entry_points: solution names the tests
@@ -386,15 +453,22 @@ def run_tests(code: str, tests: str, timeout_s: float = 5.0, memory_mb: int = 51
 def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, wall_s, entry, iso,
          guard: bool = True, cpu: int | None = None) -> SandboxResult:
     t0 = time.monotonic()
+    if iso == "guard-only" and _guard_only_refusal() is not None:
+        return SandboxResult(False, "error", 0.0, _guard_only_refusal(), isolation=iso)
     limits = _limits(timeout_s, memory_mb, max_procs, max_file_mb)
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     res_r, res_w = os.pipe()
     out_r, out_w = os.pipe()
-    judge_dir = tempfile.mkdtemp(prefix="mechdiag-judge-")
+    flag_r, flag_w = os.pipe()  # the guard's word that it saw an attempt (one byte), whatever the run does next
     cand_dir = None if iso == "bwrap" else tempfile.mkdtemp(prefix="mechdiag-sbx-")
-    usage = None if cand_dir is None else _FolderUsage(cand_dir, TMP_BYTES)  # bwrap's tmpfs has its own size
     uid = _candidate_uid()
+    judge_uid = _candidate_uid()
+    while judge_uid == uid != "-":
+        judge_uid = _candidate_uid()
+    own_mounts = cand_dir is not None and uid != "-" and _own_mounts()
+    # bwrap's tmpfs and a run's own tmpfs (root) are capped by the kernel; else the host holds the folder to its cap
+    usage = None if cand_dir is None or own_mounts else _FolderUsage(cand_dir, TMP_BYTES)
     if cand_dir is not None and uid != "-":
         os.chown(cand_dir, int(uid), int(uid))  # the candidate's own folder, writable by its uid
     env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
@@ -405,28 +479,48 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         # the uid drop happens between fork and exec, with the seccomp filter (and landlock in its mode)
         conf = _confinement(cand_dir, uid, iso == "landlock")
         uid = "-"
-    cand_cmd = [python, *launch("candidate", programs), str(req_r), str(resp_w), "guard" if guard else "none", uid]
+    cand_cmd = [python, *launch("candidate", programs), str(req_r), str(resp_w), iso if guard else "none", uid,
+                str(flag_w)]
+    # the judge: confined by landlock where it holds (every mode), else by a bubblewrap of its own (bwrap mode),
+    # else (guard-only) by its own uid and the judge's seccomp filter
+    jconf = _judge_confinement(judge_uid)
+    judge_programs, judge_wrap, judge_filter = PROGRAMS, [], None
+    if jconf is None and iso == "bwrap":
+        judge_wrap = _bwrap_args(shutil.which("bwrap") or "bwrap")
+        judge_filter = _seccomp_fd(judge_wrap)
+        judge_programs = PROGRAMS_INSIDE
+    elif jconf is None:
+        folders, files = landlock.system_paths(_prefixes(), PROGRAMS)
+        jconf = landlock.Confinement(0, folders, files, None, None if judge_uid == "-" else int(judge_uid),
+                                     landlock.bpf_program("judge") or b"", False)
+    if jconf is not None:
+        judge_uid = "-"
+    judge_cmd = judge_wrap + [python, *launch("judge", judge_programs), str(req_w), str(resp_r), str(res_w),
+                              str(MAX_MESSAGE), ",".join(entry), judge_uid]
     filter_fd = None
     if iso == "bwrap":
         args = _bwrap_args(shutil.which("bwrap") or "bwrap")
         filter_fd = _seccomp_fd(args)
         cand_cmd = args + cand_cmd
+    token = secrets.token_hex(16)
     procs: list[subprocess.Popen] = []
-    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w) + (() if filter_fd is None else (filter_fd,))
+    extra = tuple(fd for fd in (filter_fd, judge_filter) if fd is not None)
+    child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w, flag_w) + extra
     try:
         try:
             cand = subprocess.Popen(
-                cand_cmd, cwd=cand_dir or judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
+                cand_cmd, cwd=cand_dir or "/", stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
                 env=dict(env, HOME=cand_dir or "/tmp", TMPDIR=cand_dir or "/tmp"),
-                pass_fds=(req_r, resp_w) + (() if filter_fd is None else (filter_fd,)),
+                pass_fds=(req_r, resp_w, flag_w) + (() if filter_fd is None else (filter_fd,)),
                 start_new_session=True, preexec_fn=_make_preexec(limits, cpu, conf and conf.preexec))
             procs.append(cand)
             judge = subprocess.Popen(
-                [python, *launch("judge", PROGRAMS), str(req_w), str(resp_r), str(res_w), str(MAX_MESSAGE),
-                 ",".join(entry)], cwd=judge_dir, stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
-                env=dict(env, HOME=judge_dir, TMPDIR=judge_dir), pass_fds=(req_w, resp_r, res_w),
+                judge_cmd, cwd="/", stdin=subprocess.PIPE, stdout=out_w, stderr=out_w,
+                env=dict(env, HOME="/nonexistent", TMPDIR="/nonexistent"),
+                pass_fds=(req_w, resp_r, res_w) + (() if judge_filter is None else (judge_filter,)),
                 start_new_session=True, preexec_fn=_make_preexec([lim for lim in limits
-                                                                  if lim[0] != resource.RLIMIT_NPROC], cpu))
+                                                                  if lim[0] != resource.RLIMIT_NPROC], cpu,
+                                                                 jconf and jconf.preexec))
             procs.append(judge)
         except (OSError, subprocess.SubprocessError) as e:
             return SandboxResult(False, "error", time.monotonic() - t0, f"could not start the sandbox: {e}",
@@ -434,16 +528,20 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         finally:
             for fd in child_fds:
                 os.close(fd)
-            if conf is not None:
-                conf.close()
-        for proc, payload in ((cand, code), (judge, tests)):
+            for c in (conf, jconf):
+                if c is not None:
+                    c.close()
+        for proc, payload in ((cand, code.encode("utf-8", "replace")),
+                              (judge, token.encode() + b"\n" + tests.encode("utf-8", "replace"))):
             # from a thread: a child that never reads its stdin must not block us past the deadline
-            threading.Thread(target=_feed, args=(proc.stdin, payload.encode("utf-8", "replace")),
-                             daemon=True).start()
+            threading.Thread(target=_feed, args=(proc.stdin, payload), daemon=True).start()
         clock = _Charged(t0, wall_s, timeout_s, cand.pid, judge.pid)
+        if usage is not None:
+            usage.pid = cand.pid
         out, verdict, over, timed_out = _collect(out_r, res_r, clock, max_output, usage)
+        words = _verdict(verdict, token)
         try:  # the judge saw the candidate end: how it ended (a CPU-time kill is a timeout)
-            cand_rc = cand.wait(timeout=1.0) if b"gone" in verdict else cand.poll()
+            cand_rc = cand.wait(timeout=1.0) if words is not None and "gone" in words else cand.poll()
         except subprocess.TimeoutExpired:
             cand_rc = None
         for p in procs:
@@ -457,14 +555,20 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         for p in procs:
             _kill_group(p)
             p.wait()
-        for d in (judge_dir, cand_dir):
-            if d is not None:
-                shutil.rmtree(d, ignore_errors=True)
+        flagged = _flagged(flag_r)
+        if cand_dir is not None:
+            _remove_tree(cand_dir)
     duration = time.monotonic() - t0
     text = out.decode("utf-8", "replace")
     detail = text[-DETAIL_CHARS:]
-    words = verdict.decode("ascii", "replace").split()
-    blocked = "blocked" in words or "nonplain" in words
+    if words is None and verdict and not timed_out and not over:
+        # something other than the judge's one well-formed message on its channel: a failed run, counted
+        with _LOCK:
+            PROTOCOL_ERRORS[0] += 1
+        return SandboxResult(False, "protocol", duration, detail or "verdict channel: not one verdict message",
+                             True, iso, clock.waited)
+    words = words or []
+    blocked = flagged or "blocked" in words or "nonplain" in words
     if words[:1] == ["pass"] and judge_rc == 0 and not timed_out and not over:
         return SandboxResult(True, "passed", duration, detail, blocked, iso, clock.waited)
     cand_sig = _signal_of(cand_rc, iso == "bwrap")
@@ -481,12 +585,53 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
         status = "nonplain"
     elif "gone" in words:
         status = "killed" if cand_sig else "exited"
-    elif "blocked" in words:
+    elif blocked:
         status = "blocked"
     else:
         status = "failed"
     return SandboxResult(False, status, duration, detail or f"verdict {' '.join(words) or 'none'}", blocked, iso,
                          clock.waited)
+
+
+_VERDICT = re.compile(r"mechdiag-verdict ([0-9a-f]{32}) (pass|fail (?:error|gone|nonplain))( blocked)?\n")
+PROTOCOL_ERRORS = [0]  # runs whose verdict channel held anything but the judge's one message (this process)
+
+
+def _verdict(raw: bytes, token: str) -> list[str] | None:
+    """The words of the verdict channel's content when it is exactly one well-formed message of this run's judge
+    (its token), else None (nothing, two messages, a forged or truncated one)."""
+    m = _VERDICT.fullmatch(raw.decode("ascii", "replace"))
+    if m is None or not secrets.compare_digest(m.group(1), token):
+        return None
+    return (m.group(2) + (m.group(3) or "")).split()
+
+
+def _flagged(fd: int) -> bool:
+    """Whether the guard wrote on its flag pipe (read without waiting; every writer is gone by now), and close it."""
+    try:
+        os.set_blocking(fd, False)
+        return bool(os.read(fd, 16))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def _remove_tree(path: str) -> None:
+    """Remove a run's folder whatever the candidate built in it. shutil.rmtree recurses (a tree deeper than
+    Python's recursion limit raises RecursionError) and keeps a descriptor per level: on any failure the rest
+    goes to `rm -rf` in a child (coreutils removes trees of any depth), so cleanup never raises in the host."""
+    try:
+        shutil.rmtree(path)
+    except FileNotFoundError:
+        return
+    except (OSError, RecursionError, MemoryError):
+        try:
+            subprocess.run([shutil.which("rm") or "/bin/rm", "-rf", "--one-file-system", "--", path],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           timeout=300)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
 
 def _signal_of(rc: int | None, bwrap: bool) -> int:
@@ -594,16 +739,28 @@ def _tree(root: int) -> list[int]:
 
 class _FolderUsage:
     """The bytes a run's private folder holds on the host's disk, held to `cap` (the landlock and guard-only
-    modes: no tmpfs of their own to size, so the host checks the folder every POLL_S while the run lives)."""
+    modes where the run cannot have a tmpfs of its own: the host checks every POLL_S while the run lives). Files
+    the run unlinked but holds open count too: every OPEN_EVERY checks, the deleted files open in the
+    candidate's process tree (/proc/PID/fd) are added (O_TMPFILE is refused by seccomp)."""
 
     POLL_S = 0.01
+    OPEN_EVERY = 5
 
     def __init__(self, path: str, cap: int):
-        self.path, self.cap, self.over = path, cap, False
+        self.path, self.cap, self.over, self.pid, self.checks, self.unlinked = path, cap, False, 0, 0, 0
+        self.next_at = 0.0
 
-    def check(self) -> bool:
-        """Whether the folder is over its cap (then it stays so)."""
-        total, stack = 0, [self.path]
+    def check(self, force: bool = False) -> bool:
+        """Whether the folder is over its cap (then it stays so); force: look now, and count the open deleted
+        files. A scan that takes long (a tree of thousands of folders) spaces the next ones out: the host spends
+        at most a quarter of its time scanning."""
+        t0 = time.monotonic()
+        if not force and t0 < self.next_at:
+            return self.over
+        self.checks += 1
+        if self.pid and (force or self.checks % self.OPEN_EVERY == 0):
+            self.unlinked = _open_unlinked(self.pid)
+        total, stack = self.unlinked, [self.path]
         while stack and total <= self.cap:
             try:
                 with os.scandir(stack.pop()) as it:
@@ -615,7 +772,33 @@ class _FolderUsage:
             except OSError:  # removed while we looked, or unreadable: the rest still counts
                 continue
         self.over = self.over or total > self.cap
+        self.next_at = time.monotonic() + 3 * (time.monotonic() - t0)
         return self.over
+
+
+def _open_unlinked(root: int) -> int:
+    """Bytes of the deleted files open in the process tree of `root` (children from /proc/PID/task/*/children)."""
+    total, seen, todo = 0, set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                with open(f"/proc/{pid}/task/{tid}/children", "rb") as fh:
+                    todo.extend(int(x) for x in fh.read().split())
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except (OSError, ValueError):
+            continue
+        for fd in fds:
+            link = f"/proc/{pid}/fd/{fd}"
+            try:
+                if os.readlink(link).endswith(" (deleted)"):
+                    total += os.stat(link).st_blocks * 512
+            except OSError:
+                continue
+    return total
 
 
 def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int, usage: _FolderUsage | None = None):
@@ -653,6 +836,8 @@ def _collect(out_r: int, res_r: int, clock: _Charged, max_output: int, usage: _F
                 over = True
         if over:
             break
+    if usage is not None and not timed_out and not over and usage.check(force=True):
+        over = True  # the last look, with the run's processes still holding their files: no pass past the cap
     if not timed_out and not over:  # output written just before the verdict
         drain = selectors.DefaultSelector()
         drain.register(out_r, selectors.EVENT_READ)

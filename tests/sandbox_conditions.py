@@ -24,9 +24,9 @@ os.execv(sys.executable, [sys.executable] + sys.argv[1:])
 """
 
 
-def without_landlock(args: list[str]) -> list[str]:
+def without_landlock(args: list[str], python: str = sys.executable) -> list[str]:
     """A python command line (args after the interpreter) run where the kernel has no landlock."""
-    return [sys.executable, "-c", NO_LANDLOCK, *args]
+    return [python, "-c", NO_LANDLOCK, *args]
 
 
 def env_without_bwrap(tmp: Path, **extra: str) -> dict[str, str]:
@@ -55,6 +55,20 @@ def as_user(code: str, env: dict[str, str] | None = None) -> list[str] | None:
             "--bounding-set=-all", "env", "-i", f"PYTHONPATH={ROOT}:{packages}", "PATH=/usr/bin:/bin",
             "MECHDIAG_SHARED=" + os.environ.get("MECHDIAG_SHARED", str(ROOT.parent / "shared")),
             *(f"{k}={v}" for k, v in (env or {}).items()), SYSTEM_PYTHON, "-c", code]
+
+
+def guard_only_python() -> tuple[str, list[str]]:
+    """(interpreter, extra path) to run guard-only under: this one where every user can read it, else the system
+    Python with this interpreter's packages on the path (guard-only refuses an interpreter in a folder only root
+    may enter, as /root/.pyenv here: the candidate keeps no capability to reach it)."""
+    import pyseccomp
+
+    from mechdiag import sandbox
+
+    if sandbox._guard_only_refusal() is None:
+        return sys.executable, []
+    assert os.access(SYSTEM_PYTHON, os.X_OK)
+    return SYSTEM_PYTHON, [os.path.dirname(pyseccomp.__file__)]
 
 
 class GoldOrHostileMBPP(MBPP):

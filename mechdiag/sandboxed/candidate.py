@@ -1,7 +1,15 @@
-"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP GUARD UID,
-drops to UID, reads the solution on stdin, executes it once, then serves the judge's requests (names, call,
-getattr, setattr) on the REQ/RESP pipes. It never sees the tests. With GUARD == "guard", an audit hook (the
-in-process guard) refuses operations outside the work folder, process creation, signals and introspection.
+"""The sandbox's candidate (untrusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP GUARD UID FLAG,
+drops to UID, reads the solution on stdin, executes it once, then serves the judge's requests on the REQ/RESP
+pipes: names (the values of the solution's globals the tests use), call, getattr, setattr, iter, next, each on an
+object the candidate itself holds (by reference number). It never sees the tests. Only plain data leaves it
+(codec.py); every other object stays here and is named by a number.
+
+GUARD is the mode (bwrap, landlock, guard-only) or none: an audit hook (the in-process guard) watches for acts
+outside what a solution needs (reading or writing outside its folder, process creation, signals, sockets,
+native code, introspection). Under guard-only it refuses them (PermissionError): nothing else would hold them.
+Under bwrap and landlock the OS layer contains every one of them, so the guard only records the attempt (the
+run's `blocked`, written at once on the FLAG pipe to the host) and lets the kernel answer: a correct program is
+failed only where its own mode could not contain what it did.
 Arguments `probe - - UID`: drop and print ok (the host's probe of an isolation mode).
 
 Imported inside the sandbox from its own folder (mechdiag.sandbox.launch: the folder is on the path only while
@@ -10,12 +18,11 @@ it and codec.py load; their bytecode is cached beside them); stdlib only.
 
 import builtins
 import collections  # imported before the hook
-import marshal
 import os
 import sys
-import types  # imported before the hook (types reads a traceback frame on import)
+import types  # noqa: F401 - imported before the hook (types reads a traceback frame on import)
 
-from codec import dumps, enc, nan_of, read_frame
+from codec import Malformed, dumps, enc, loads, read_frame
 
 
 # the first statement (and the probe's): a root start drops every uid, gid and group, which clears all
@@ -29,9 +36,19 @@ def _drop(uid):
     if os.geteuid() == 0 or os.getuid() == 0:
         os._exit(3)
 
+
+def _kind(e, exceptions):
+    """The builtin exception kind of e: the first class of its MRO that is a builtin exception (a class the
+    solution defines never names a kind; the judge maps the name through its own closed table)."""
+    for k in type(e).__mro__:
+        if exceptions.get(k.__name__) is k:
+            return k.__name__
+    return "Exception"
+
+
 def _main():
     _drop(sys.argv[4])
-    _read, _write, _exit = os.read, os.write, os._exit
+    _read, _write, _exit, _id, _type = os.read, os.write, os._exit, id, type
     data = b""
     while True:
         chunk = _read(0, 1 << 20)
@@ -45,37 +62,42 @@ def _main():
     root = os.getcwd()
     state = {"blocked": False}
     _builtins, _dict_items = dict(vars(builtins)), dict.items
+    exceptions = {k: v for k, v in _builtins.items() if isinstance(v, type) and issubclass(v, BaseException)}
     # exact stdlib dicts travel as the plain dict they hold (read with dict's own C iteration): compared with a
     # dict they are equal exactly when that dict is, so the verdict is the same and no method of theirs runs
     as_dict = (collections.Counter, collections.OrderedDict, collections.defaultdict)
-    if sys.argv[3] == "guard":
-        sys.addaudithook(_make_hook(root, state))
-    refs = {}
+    if sys.argv[3] != "none":
+        hook = _make_hook(root, state, sys.argv[3] == "guard-only", int(sys.argv[5]))
+        sys.addaudithook(hook)
+        import posix  # noqa: PLC0415 - the same functions as os's, under their own module
 
-    def ref(v):
-        if type(v) in as_dict:
-            return enc({k: x for k, x in _dict_items(v)}, ref)
-        refs[len(refs) + 1] = v
-        return ["R", len(refs)]
+        def watch(name):  # special files raise no audit event: the guard sees them here
+            call, event = getattr(os, name), "os." + name
 
-    def dec(x):
-        t = type(x)
-        if t is not list:
-            return x
-        tag, rest = x[0], x[1:]
-        if tag == "R":
-            return refs[rest[0]]
-        if tag == "N":
-            return _builtins[rest[0]]
-        if tag == "D":
-            return {dec(rest[i]): dec(rest[i + 1]) for i in range(0, len(rest), 2)}
-        if tag == "B":
-            return rest[0]
-        if tag == "C":
-            return complex(rest[0], rest[1])
-        if tag in ("n", "m", "K"):
-            return nan_of(tag, rest)
-        return {"L": list, "T": tuple, "S": set, "F": frozenset}[tag](dec(v) for v in rest)
+            def watched(*a, **k):
+                hook(event, a)
+                return call(*a, **k)
+            setattr(os, name, watched)
+            setattr(posix, name, watched)
+
+        watch("mkfifo")
+        watch("mknod")
+    refs, numbers = {}, {}  # number -> object, id(object) -> number: one object, one number (`is` holds)
+
+    def ref(v, out):
+        if _type(v) in as_dict:
+            enc({k: x for k, x in _dict_items(v)}, ref, out)
+            return
+        n = numbers.get(_id(v))
+        if n is None:
+            n = numbers[_id(v)] = len(refs) + 1
+            refs[n] = v  # kept alive: its id stays its own
+        out += b"r" + n.to_bytes(4, "big")
+
+    def name_of(name):
+        if name not in _builtins:
+            raise Malformed("unknown builtin")
+        return _builtins[name]
 
     g = {"__name__": "__main__", "__builtins__": builtins}
     load_error = None
@@ -83,41 +105,40 @@ def _main():
         exec(compile(code, "solution.py", "exec"), g)
     except BaseException as e:
         load_error = e
-    _describe = _describer()
     while True:
         frame = read_frame(req, 1 << 30)
         if frame is None:
             _exit(0)
         try:
-            msg = marshal.loads(frame)
+            msg = loads(frame, refs.__getitem__, name_of)
             if load_error is not None:
                 raise load_error
             op = msg[0]
             if op == "names":
-                out = []
-                for name in msg[1]:
-                    if name in g:
-                        out.append([name] + _describe(g[name], ref))
-                value = out
+                value = {name: g[name] for name in msg[1] if name in g}
             elif op == "call":
-                value = enc(refs[msg[1]](*dec(msg[2]), **dec(msg[3])), ref)
+                value = refs[msg[1]](*msg[2], **msg[3])
             elif op == "getattr":
-                value = enc(getattr(refs[msg[1]], msg[2]), ref)
+                value = getattr(refs[msg[1]], msg[2])
             elif op == "setattr":
-                setattr(refs[msg[1]], msg[2], dec(msg[3]))
+                setattr(refs[msg[1]], msg[2], msg[3])
                 value = None
+            elif op == "iter":
+                value = iter(refs[msg[1]])
+            elif op == "next":
+                value = next(refs[msg[1]])
             else:
                 raise ValueError("unknown request")
-            reply = ["ok", value]
+            reply = ("ok", value)
         except BaseException as e:
             try:
-                reply = ["err", type(e).__name__, str(e)[:500]]
+                reply = ("err", _kind(e, exceptions), str(e)[:500])
             except BaseException:
-                reply = ["err", "Exception", "unprintable exception"]
+                reply = ("err", "Exception", "unprintable exception")
         try:
-            out = dumps(reply + [state["blocked"]])
+            out = dumps(reply + (state["blocked"],), ref)
         except BaseException as e:
-            out = dumps(["err", type(e).__name__, "result could not be sent", state["blocked"]])
+            out = dumps(("err", _kind(e, exceptions), "result could not be sent", state["blocked"]), ref)
         for stream in (sys.stdout, sys.stderr):  # the solution's prints, before the judge may end the run
             try:
                 stream.flush()
@@ -128,28 +149,11 @@ def _main():
             view = view[_write(resp, view):]
 
 
-def _describer():
-    """How a name the tests use travels: plain data or a reference; a module or a stdlib object also says its
-    name, so that the judge can use its own copy where that is safe (see PURE in the judge)."""
-    _stdlib, _type, _getattr, _str = frozenset(sys.stdlib_module_names), type, getattr, str
-    _module = types.ModuleType
-
-    def describe(v, ref):
-        if _type(v) is _module:
-            return ["module", _str(v.__name__), enc(v, ref)]
-        mod, qual = _getattr(v, "__module__", None), _getattr(v, "__qualname__", None)
-        if callable(v) and _type(mod) is _str and _type(qual) is _str and (mod.split(".")[0] in _stdlib
-                                                                           or mod == "builtins"):
-            return ["stdlib", mod, qual, enc(v, ref)]
-        return ["value", enc(v, ref)]
-    return describe
-
-
-def _make_hook(root, state):
-    _getcwd, _str, _bytes, _int = os.getcwd, str, bytes, int
-    allow_read = tuple(p.rstrip("/") + "/" for p in {sys.prefix, sys.base_prefix, sys.exec_prefix,
-                       sys.base_exec_prefix, "/usr/lib", "/usr/lib64", "/lib", "/lib64", "/usr/share",
-                       "/usr/local/lib"}) + (root + "/",)
+def _make_hook(root, state, refuse, flag_fd):
+    _getcwd, _str, _bytes, _int, _write = os.getcwd, str, bytes, int, os.write
+    allow_read = tuple({os.path.realpath(p).rstrip("/") + "/" for p in (
+        sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, "/usr/lib", "/usr/lib64", "/lib", "/lib64",
+        "/usr/share", "/usr/local/lib")}) + (root + "/",)
     allow_files = ("/dev/null", "/dev/urandom", "/dev/zero", "/etc/localtime", root)
     O_WRITE = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
     BLOCK = frozenset("""os.fork os.forkpty os.posix_spawn os.spawn os.exec os.system os.kill os.killpg
@@ -157,7 +161,8 @@ def _make_hook(root, state):
         socket.gethostbyname socket.gethostbyaddr socket.sendto ctypes.dlopen ctypes.dlsym ctypes.cdata
         ctypes.call_function sys.settrace sys.setprofile sys._current_frames gc.get_objects gc.get_referrers
         gc.get_referents resource.setrlimit resource.prlimit os.chroot os.setuid os.setgid os.symlink os.link
-        os.chown os.posix_fadvise os.mknod os.setxattr os.removexattr webbrowser.open urllib.Request""".split())
+        os.chown os.posix_fadvise os.mknod os.mkfifo os.setxattr os.removexattr webbrowser.open
+        urllib.Request""".split())
     # audit hooks are per interpreter: a subinterpreter (or _testcapi's run_in_subinterp) would run without this one;
     BLOCK_IMPORT = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_cffi_backend", "multiprocessing",
                               "_multiprocessing", "pty", "_xxsubinterpreters", "_xxinterpchannels", "_interpreters",
@@ -169,22 +174,51 @@ def _make_hook(root, state):
                    "os.rename": ((0, 1), (2, 3)), "os.chmod": ((0,), (2,)), "os.truncate": ((0,), ()),
                    "os.utime": ((0,), (3,)), "shutil.rmtree": ((0,), (1,)), "os.chflags": ((0,), ())}
 
+    _lstat, _readlink = os.lstat, os.readlink  # the C functions themselves: a solution cannot patch these
+    _S_ISLNK = __import__("stat").S_ISLNK
+    me = "/proc/" + _str(os.getpid())
+    links = {}  # path outside the work folder -> whether it is a symlink
+
     def norm(p):
+        """The real path p names (symlinks and /proc magic links followed, as the kernel would), else None."""
         if type(p) is _bytes:
             p = p.decode("utf-8", "surrogateescape")
         if type(p) is not _str:
             return None
-        if not p.startswith("/"):
-            p = _getcwd() + "/" + p
         parts = []
-        for part in p.split("/"):
+        if not p.startswith("/"):  # the cwd is a real path already (the kernel's): only the rest is resolved
+            parts = [x for x in _getcwd().split("/") if x]
+        todo, hops = p.split("/")[::-1], 0
+        while todo:
+            part = todo.pop()
             if part in ("", "."):
                 continue
             if part == "..":
                 if parts:
                     parts.pop()
-            else:
-                parts.append(part)
+                continue
+            here = "/" + "/".join(parts + [part])
+            link = links.get(here)
+            if link is None:
+                try:
+                    link = _S_ISLNK(_lstat(here).st_mode)
+                except (OSError, ValueError):
+                    link = False
+                if not inside(here):  # the folders outside cannot change under the program: looked at once
+                    links[here] = link
+            if link:
+                hops += 1
+                try:
+                    target = _readlink(here)
+                except (OSError, ValueError):
+                    return None  # a magic link that names no path (a pipe, another process's root): refused
+                if hops > 40 or ":" in target.split("/")[0]:  # pipe:[N], socket:[N], anon_inode:...
+                    return None
+                if target.startswith("/"):
+                    parts = []  # else relative to the link's folder (/proc/self -> PID)
+                todo.extend(target.split("/")[::-1])
+                continue
+            parts.append(part)
         return "/" + "/".join(parts)
 
     _stat, _S_ISDIR = os.stat, __import__("stat").S_ISDIR
@@ -192,17 +226,39 @@ def _make_hook(root, state):
     def isdir(p):
         try:
             return _S_ISDIR(_stat(p).st_mode)
-        except (OSError, ValueError):
+        except (OSError, ValueError, TypeError):
             return False
 
     def inside(p):
         return p is not None and (p == root or p.startswith(root + "/"))
 
+    def own(p):  # the program's own /proc files: harmless in every mode
+        return p is not None and (p == me or p.startswith(me + "/"))
+
     def deny(event):
-        state["blocked"] = True
-        raise PermissionError("sandbox: " + event + " is not allowed")
+        if not state["blocked"]:  # told to the host at once: a run that never replies (a loop, a kill) still shows
+            state["blocked"] = True
+            try:
+                _write(flag_fd, b"b")
+            except OSError:
+                pass
+        if refuse:  # guard-only: nothing else holds the act
+            raise PermissionError("sandbox: " + event + " is not allowed")
 
     def hook(event, args):
+        if event == "sys._getframe":
+            if refuse:  # the stdlib asks (namedtuple, logging, warnings) and copes with ValueError
+                raise ValueError("sandbox: frame introspection is not allowed")
+            return
+        try:
+            check(event, args)
+        except PermissionError:
+            raise  # guard-only's refusal
+        except Exception:  # arguments the checks cannot read: refused under guard-only, else left to the call
+            if refuse:
+                deny(event + " with unreadable arguments")
+
+    def check(event, args):
         if event in BLOCK:
             deny(event)
         if event == "open":
@@ -217,7 +273,7 @@ def _make_hook(root, state):
             if writing:
                 if not inside(p):
                     deny("writing outside the working folder")
-            elif p is None or not (p in allow_files or p.startswith(allow_read)):
+            elif p is None or not (p in allow_files or p.startswith(allow_read) or own(p)):
                 deny("reading " + _str(path))
         elif event in PATH_EVENTS:
             paths, dirfds = PATH_EVENTS[event]
@@ -230,13 +286,12 @@ def _make_hook(root, state):
         elif event in ("os.listdir", "os.scandir"):  # listing is reading: the same folders
             if type(args[0]) is not _int:
                 p = norm("." if args[0] is None else args[0])
-                if p is None or not (inside(p) or (p + "/").startswith(allow_read)):
+                if p is None or not (inside(p) or own(p) or (p + "/").startswith(allow_read)):
                     deny("listing " + _str(args[0]))
         elif event == "import":
-            if args[0] in BLOCK_IMPORT or args[0].split(".")[0] in BLOCK_IMPORT:
+            # every part: an extension module loads under a dotted name (x._ctypes runs PyInit__ctypes)
+            if any(part in BLOCK_IMPORT for part in _str(args[0]).split(".")):
                 deny("import " + args[0])
-        elif event == "sys._getframe":
-            raise ValueError("sandbox: frame introspection is not allowed")
         elif event == "object.__getattr__" and args[1] in FRAME_ATTRS:
             deny("frame access")
     return hook

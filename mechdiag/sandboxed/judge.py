@@ -1,30 +1,39 @@
-"""The sandbox's judge (trusted side; see mechdiag/sandbox.py): `main()`, arguments REQ RESP RES MAX ENTRY, reads
-the tests on stdin and executes them; every name they take from the solution is a proxy that reaches the
-candidate over the REQ/RESP pipes, and only plain data comes back. Its last word, on the RES pipe only it holds,
-is `pass` or `fail KIND` (and `blocked` when the guard refused something).
+"""The sandbox's judge (trusted code, run confined; see mechdiag/sandbox.py): `main()`, arguments REQ RESP RES MAX
+ENTRY UID. It drops to UID (as root), reads a token line and then the tests on stdin, and executes them. Every
+name the tests take from the solution is the value the candidate sends: plain data (codec.py), or a `Remote`
+handle for anything else, which the tests may call, read attributes of, iterate, or pass back: each of these runs
+in the candidate's process. Nothing the candidate names (a module, a qualified name, a class) is looked up here.
+Its one message, on the RES pipe only it holds, is `mechdiag-verdict TOKEN pass|fail KIND [blocked]`.
 
 Imported from its own folder as candidate.py is (mechdiag.sandbox.launch); stdlib only.
 """
 
 import builtins
-import marshal
 import os
 import sys
 
-from codec import dumps, enc, nan_of, read_frame
+from codec import Malformed, dumps, loads, read_frame
 
 
 class CandidateGone(BaseException):
     """The candidate process ended or broke the protocol: no test after this can pass."""
 
+
 class CandidateError(Exception):
     """An exception the solution raised (of a kind that is not a builtin exception)."""
+
 
 class NonPlainData(TypeError):
     pass
 
+
 NONPLAIN = []  # set when a test used a candidate's object as data
 BLOCKED = []
+# the exception kinds a reply may name: the builtin exceptions, by the judge's own table. StopIteration would end
+# the test's own iteration (all(map(f, xs)) stops early and passes): it is a kind only for `next` on a handle.
+KINDS = {k: v for k, v in vars(builtins).items() if isinstance(v, type) and issubclass(v, Exception)
+         and not issubclass(v, (StopIteration, StopAsyncIteration))}
+
 
 def _refuse(name):
     def method(self, *a, **k):
@@ -32,135 +41,111 @@ def _refuse(name):
         raise NonPlainData("the solution returned an object that is not plain data (" + name + ")")
     return method
 
+
 class Remote:
-    """A candidate's object: it can be called, passed back, and have attributes read and set. Nothing else."""
+    """A candidate's object: called, read, set, iterated and passed back in the candidate's process; never used
+    here as data (==, bool, hash, str, arithmetic... fail the test as `nonplain`). It has no __len__ (list()
+    asks for a length hint and goes on without one; len() of it fails the test) and no __contains__ (`in`
+    iterates it, in the candidate, and compares here)."""
     __slots__ = ("_id",)
 
     def __init__(self, i):
         object.__setattr__(self, "_id", i)
 
     def __call__(self, *args, **kwargs):
-        return request(["call", self._id, send(list(args)), send(kwargs)])
+        return request(("call", self._id, list(args), kwargs))
 
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return request(["getattr", self._id, name])
+        return request(("getattr", self._id, name))
 
     def __setattr__(self, name, value):
-        request(["setattr", self._id, name, send(value)])
+        request(("setattr", self._id, name, value))
+
+    def __iter__(self):  # a generator, a map object, a custom iterable: iterated in the candidate
+        it = request(("iter", self._id))
+        if type(it) is not Remote:
+            raise CandidateGone("malformed reply from the solution")
+        return it
+
+    def __next__(self):
+        return request(("next", self._id))
 
     def __repr__(self):
         return "<solution object>"
 
-for _name in ("__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __bool__ __hash__ __len__ __iter__ __contains__ "
+
+for _name in ("__eq__ __ne__ __lt__ __le__ __gt__ __ge__ __bool__ __hash__ "
               "__getitem__ __str__ __format__ __int__ __float__ __index__ __complex__ __bytes__ __add__ __radd__ "
               "__sub__ __rsub__ __mul__ __rmul__ __truediv__ __rtruediv__ __mod__ __neg__ __abs__ __round__").split():
     setattr(Remote, _name, _refuse(_name))
 
-def send(v):
-    def ref(x):
-        if type(x) is Remote:
-            return ["R", object.__getattribute__(x, "_id")]
-        name = getattr(x, "__name__", None)
-        if type(name) is str and getattr(builtins, name, None) is x:
-            return ["N", name]
-        raise TypeError("a test argument of type " + type(x).__name__ + " cannot be sent to the solution")
-    out = enc(v, ref)
-    return out
+REMOTES = {}  # number -> its one Remote (the same object twice is the same handle: `is` holds)
 
-def dec(x):
-    """Plain data from the candidate, type by type; anything else breaks the protocol."""
-    t = type(x)
-    if x is None or t is bool or t is int or t is float or t is str:
-        return x
-    if t is not list or not x or type(x[0]) is not str:
-        raise CandidateGone("malformed data from the solution")
-    tag, rest = x[0], x[1:]
-    if tag == "L":
-        return [dec(v) for v in rest]
-    if tag == "T":
-        return tuple(dec(v) for v in rest)
-    if tag == "S":
-        return set(dec(v) for v in rest)
-    if tag == "F":
-        return frozenset(dec(v) for v in rest)
-    if tag == "D" and len(rest) % 2 == 0:
-        return {dec(rest[i]): dec(rest[i + 1]) for i in range(0, len(rest), 2)}
-    if tag == "B" and len(rest) == 1 and type(rest[0]) is bytes:
-        return rest[0]
-    if tag == "C" and len(rest) == 2 and all(type(v) is float for v in rest):
-        return complex(float(rest[0]), float(rest[1]))
-    if tag == "R" and len(rest) == 1 and type(rest[0]) is int:
-        return Remote(rest[0])
-    if tag in ("n", "m", "K"):
-        v = nan_of(tag, rest)
-        if v is not None:
-            return v
-    raise CandidateGone("malformed data from the solution")
 
-REQ = RESP = None
+def remote(n):
+    r = REMOTES.get(n)
+    if r is None:
+        r = REMOTES[n] = Remote(n)
+    return r
+
+
+def _send_ref(x, out):
+    if type(x) is Remote:
+        out += b"r" + object.__getattribute__(x, "_id").to_bytes(4, "big")
+        return
+    name = getattr(x, "__name__", None)
+    if type(name) is str and getattr(builtins, name, None) is x:
+        data = name.encode()
+        out += b"B" + len(data).to_bytes(4, "big") + data
+        return
+    raise TypeError("a test argument of type " + type(x).__name__ + " cannot be sent to the solution")
+
+
+REQ = RESP = MAX = None
+
 
 def request(msg):
     try:
-        os.write(REQ, dumps(msg))
+        frame = dumps(msg, _send_ref)
+    except RecursionError:
+        raise TypeError("a test argument too deep to send") from None
+    try:
+        os.write(REQ, frame)
     except OSError:
         raise CandidateGone("the solution's process ended") from None
-    frame = read_frame(RESP, MAX)
-    if frame is None:
+    body = read_frame(RESP, MAX)
+    if body is None:
         raise CandidateGone("the solution's process ended, or its reply was too large")
     try:
-        reply = marshal.loads(frame)
-    except (ValueError, TypeError, EOFError, RecursionError):
+        reply = loads(body, remote)
+    except Malformed:
         raise CandidateGone("malformed reply from the solution") from None
-    if type(reply) is not list or len(reply) < 2:
+    except TypeError as e:  # a handle inside a set or as a dict key: hashing it is using it as data
+        raise NonPlainData("data from the solution rejected: " + str(e)) from None
+    if type(reply) is not tuple or len(reply) not in (3, 4) or type(reply[-1]) is not bool:
         raise CandidateGone("malformed reply from the solution")
-    ok, blocked = reply[0], reply[-1]
-    if blocked is True:
+    if reply[-1]:
         BLOCKED.append(1)
-    if ok == "ok" and len(reply) == 3:
-        try:
-            return dec(reply[1]) if msg[0] != "names" else reply[1]
-        except (TypeError, ValueError, RecursionError) as e:
-            raise NonPlainData("data from the solution rejected: " + str(e)) from None
-    if ok == "err" and len(reply) == 4 and type(reply[1]) is str and type(reply[2]) is str:
-        kind = getattr(builtins, reply[1], None)
-        # StopIteration would end the test's own iteration (all(map(f, xs)) stops early and passes): plain failure
-        if not (isinstance(kind, type) and issubclass(kind, Exception)) or issubclass(
-                kind, (StopIteration, StopAsyncIteration)):
-            kind = CandidateError
-        raise kind("from the solution: " + reply[1] + ": " + reply[2])
+    if reply[0] == "ok" and len(reply) == 3:
+        return reply[1]
+    if reply[0] == "err" and len(reply) == 4 and type(reply[1]) is str and type(reply[2]) is str:
+        if msg[0] == "next" and reply[1] == "StopIteration":
+            raise StopIteration
+        raise KINDS.get(reply[1], CandidateError)("from the solution: " + reply[1] + ": " + reply[2])
     raise CandidateGone("malformed reply from the solution")
 
-# Modules whose objects the judge may use in place of the solution's (patching them in the candidate then changes
-# nothing): pure computation, no files, processes or I/O. Anything else the tests take from the solution stays a
-# proxy to the solution's object, so a solution cannot make the judge call, say, os.system with test arguments.
-PURE = frozenset("""math cmath re collections itertools functools operator heapq bisect string statistics fractions
-    decimal copy datetime calendar numbers typing enum array struct textwrap unicodedata random difflib""".split())
-PURE_BUILTINS = frozenset("""abs all any ascii bin bool bytearray bytes chr complex dict divmod enumerate filter
-    float format frozenset hash hex int isinstance issubclass iter len list map max min next oct ord pow range
-    repr reversed round set slice sorted str sum tuple type zip""".split())
-
-def resolve(module, qualname):
-    """The judge's own object for module.qualname when that is pure, else None."""
-    if module == "builtins":
-        return getattr(builtins, qualname) if qualname in PURE_BUILTINS else None
-    if module.lstrip("_").split(".")[0] not in PURE:
-        return None
-    obj = load(module)
-    for part in qualname.split("."):
-        if part.startswith("_") or part == "<locals>":
-            return None
-        obj = getattr(obj, part, None)
-    return obj
 
 def load(module):
     __import__(module)
     return sys.modules[module]
 
+
 # a standard module name the tests use without importing it (MBPP 596 uses sys) is a fresh import of the judge's,
 # never the solution's object of that name; modules with effects on import are left out
 STANDARD = frozenset(n for n in sys.stdlib_module_names if not n.startswith("_")) - {"this", "antigravity"}
+
 
 class Standard(dict):
     """The tests' builtins: the builtins, and a standard module on first use of its name."""
@@ -171,8 +156,20 @@ class Standard(dict):
             return self[name]
         raise KeyError(name)
 
+
+def _drop(uid):
+    if uid != "-":
+        u = int(uid)
+        os.setgroups([])
+        os.setresgid(u, u, u)
+        os.setresuid(u, u, u)
+    if os.geteuid() == 0 or os.getuid() == 0:
+        os._exit(3)
+
+
 def main():
     global REQ, RESP, MAX
+    _drop(sys.argv[6])
     data = b""
     while True:
         chunk = os.read(0, 1 << 20)
@@ -180,7 +177,8 @@ def main():
             break
         data += chunk
     os.close(0)
-    tests = data.decode("utf-8", "replace")
+    token, _, rest = data.partition(b"\n")
+    tests = rest.decode("utf-8", "replace")
     REQ, RESP, res = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     MAX, entry = int(sys.argv[4]), set(filter(None, sys.argv[5].split(",")))
     outcome = "fail error"
@@ -193,25 +191,14 @@ def main():
             used.update(c.co_names)
             todo.extend(k for k in c.co_consts if type(k) is type(code))
         # a solution's name that shadows a builtin is taken only when the caller names it an entry point:
-        # else `set = lambda x: 0` would rig `set(f(x)) == set(expected)`
-        wanted = [n for n in used if n in entry or not (hasattr(builtins, n) or n in STANDARD)]
+        # else `set = lambda x: 0` would rig `set(f(x)) == set(expected)`. A name the tests define themselves
+        # (a task's helper, such as HumanEval's poly) is rebound by the tests when they run: the task's wins.
+        wanted = sorted(n for n in used if n in entry or not (hasattr(builtins, n) or n in STANDARD))
         g = {"__name__": "__main__", "__builtins__": Standard(vars(builtins))}
-        for item in request(["names", sorted(wanted)]):
-            if type(item) is not list or len(item) < 3 or not all(type(x) is str for x in item[:2]):
-                raise CandidateGone("malformed reply from the solution")
-            name, kind = item[0], item[1]
-            if name not in wanted:
-                raise CandidateGone("malformed reply from the solution")
-            if kind == "module" and len(item) == 4:
-                own = load(item[2]) if type(item[2]) is str and item[2] in PURE else None
-                g[name] = own if own is not None else dec(item[3])
-            elif kind == "stdlib" and len(item) == 5 and type(item[2]) is str and type(item[3]) is str:
-                own = resolve(item[2], item[3])
-                g[name] = own if own is not None else dec(item[4])
-            elif kind == "value":
-                g[name] = dec(item[2])
-            else:
-                raise CandidateGone("malformed reply from the solution")
+        values = request(("names", wanted))
+        if type(values) is not dict or not all(type(k) is str and k in wanted for k in values):
+            raise CandidateGone("malformed reply from the solution")
+        g.update(values)
         exec(code, g)
         outcome = "pass"
     except CandidateGone as e:
@@ -224,5 +211,6 @@ def main():
         outcome = "fail nonplain"  # a test swallowed the refusal: still not a pass
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os.write(res, (outcome + (" blocked" if BLOCKED else "") + "\n").encode())
+    os.write(res, b"mechdiag-verdict " + token + b" " + (outcome + (" blocked" if BLOCKED else "")).encode() + b"\n")
     os._exit(0)
+

@@ -22,7 +22,7 @@ from collections import OrderedDict
 from mechdiag.sandbox import SandboxResult, run_many, run_tests
 from mechdiag.tasks.base import Example, format_prompt
 from mechdiag.tasks.data import FileTask
-from mechdiag.tasks.rewards import extract_answer, extract_reasoning, nonempty, xml_count
+from mechdiag.tasks.rewards import capped, extract_answer, extract_reasoning, nonempty, xml_count
 
 CODE_SYSTEM = ("Think step by step inside <reasoning>...</reasoning>, then give only the Python code inside "
                "<answer>...</answer>.")
@@ -30,7 +30,9 @@ _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n?(.*?)(?:```|\Z)", re.S |
 
 
 def extract_code(completion: str, answer_tag: str = "answer") -> str | None:
-    """Code from the answer block (fences unwrapped), else from the last fenced block; None if neither."""
+    """Code from the answer block (fences unwrapped), else from the last fenced block; None if neither. Linear in
+    the completion, which is cut to MAX_COMPLETION_CHARS first."""
+    completion = capped(completion)
     block = extract_answer(completion, answer_tag)
     if block is not None:
         fenced = _FENCE.search(block)
@@ -253,6 +255,22 @@ def entry_points(gold_code: str, tests: str) -> tuple[str, ...]:
     return tuple(sorted(defined & used))
 
 
+def task_helpers(prompt: str, entry: str) -> str:
+    """The prompt without the definition of `entry` (the function the model writes): its imports and helper
+    functions, run by the judge before the tests (trusted text from the data set); "" if it does not parse."""
+    try:
+        tree = _parse(prompt)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return ""
+    lines = prompt.splitlines(keepends=True)
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry:
+            first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+            lines[first - 1:node.end_lineno] = [""] * (node.end_lineno - first + 1)
+    text = "".join(lines)
+    return text if text.endswith("\n") or not text else text + "\n"
+
+
 def gold_code_completion(code: str) -> str:
     return f"<reasoning>Write the function.</reasoning><answer>\n```python\n{code}\n```\n</answer>"
 
@@ -297,14 +315,17 @@ class HumanEval(CodeTask):
     def make_example(self, rec, index, split):
         entry = str(rec["entry_point"])
         gold = rec["prompt"] + rec.get("canonical_solution", "")
+        # the tests run after the prompt's own helpers (HumanEval/32's poly, /38's encode_cyclic): the names the
+        # tests call that the task defines are the task's, never a completion's redefinition of them
         return Example(id=str(rec["task_id"]), question=rec["prompt"],
-                       answer=f"{rec['test']}\n\ncheck({entry})\n",
+                       answer=f"{task_helpers(rec['prompt'], entry)}{rec['test']}\n\ncheck({entry})\n",
                        meta={"entry_point": entry, "gold_code": gold, "gold_completion": gold_code_completion(gold),
                              "entry_points": (entry,)})
 
     def program(self, code, example):
         entry = example.meta["entry_point"]
-        if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.M):
+        # [ \t], not \s: `^\s*` under re.M spans lines, quadratic in a run of blank lines
+        if re.search(rf"^[ \t]*(?:async[ \t]+)?def[ \t]+{re.escape(entry)}[ \t]*\(", code, re.M):
             # the prompt (imports, helpers, the docstring-only stub) first; the model's definition replaces the stub
             return example.question + "\n" + code
         return example.question + code  # a completion of the body
