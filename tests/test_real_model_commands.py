@@ -23,12 +23,13 @@ from tests.toy import Toy
 
 torch.set_num_threads(1)
 SMOL = "smollm2-135m-instruct"
-# two steps of 2 prompts x 2 completions of 6 tokens; LoRA r=2 on the first two and last two of 30 layers keeps
-# attribute's per-layer passes few; no final geometry pass over 135M float64 weights
+# two steps of 2 prompts x 2 completions of 6 tokens; LoRA r=2 on the first and last of 30 layers and on four
+# modules (attention and MLP) keeps attribute's passes few; no final geometry pass over 135M float64 weights
 REAL = ["task.name=tests.test_real_model_commands:ChatToy", "group_size=2", "prompts_per_step=2",
         "max_completion_tokens=6", "max_prompt_tokens=96", "eval_n=3", "threads=1", "learning_rate=0.02",
         "record.shift_n=2", "save_every=2", "eval_every=2", "record.displacement_every=1", "lora.r=2",
-        "lora.alpha=4", "lora.layers=first2+last2", "record.final_geometry=false", "max_time_s=null"]
+        "lora.alpha=4", "lora.layers=0,29",
+        "lora.target_modules=[q_proj,v_proj,up_proj,down_proj]", "record.final_geometry=false", "max_time_s=null"]
 
 
 class ChatToy(Toy):
@@ -56,21 +57,25 @@ def test_train_records_the_adapters_exact_displacement(smol_runs):
     cells.check_train_records(folder, runs)
     for run in runs.values():
         cfg = json.loads((run / "final" / "adapter_config.json").read_text())
-        assert sorted(cfg["layers_to_transform"]) == [0, 1, 28, 29]
+        assert sorted(cfg["layers_to_transform"]) == [0, 29]
         sample = RunDir(run).read("samples")[0]
         assert sample["prompt"].startswith("<|im_start|>system\nAnswer in one short sentence.")
 
 
 def test_displacement_of_the_named_model(smol_runs):
+    """check_displacement's float64 products on the converted folder; the model's name gives the same rows."""
     folder, runs, _ = smol_runs
-    rows = cells.check_displacement(SMOL, runs["native"])
-    assert {r["layer"] for r in rows.values() if r["delta_fro"] > 0} == {0, 1, 28, 29}
+    rows = cells.check_displacement(folder, runs["native"])
+    assert {r["layer"] for r in rows.values() if r["delta_fro"] > 0} == {0, 29}
+    assert cells.displacement_rows(SMOL, runs["native"], "--by", "layer") == \
+        cells.displacement_rows(folder, runs["native"], "--by", "layer")
 
 
 def test_shift_through_the_chat_template(smol_runs):
     """`mechdiag shift --task arith` on the named model: the last layer's logit-lens KL is the mean over prompts of
-    the last position's KL(base || tuned), the output KL the mean over every position but the chat template's
-    leading <|im_start|> (the BOS), from transformers + peft on prompts templated here."""
+    the last position's KL(base || tuned), the output KL the mean over every position (the template's leading
+    <|im_start|>, the BOS, included: only the norms leave it out), from transformers + peft on prompts templated
+    here."""
     folder, runs, _ = smol_runs
     code, out, err = cells.cli("shift", SMOL, runs["native"], "--task", "arith", "--n", 2, "--format", "json")
     assert code == 0, err
@@ -89,14 +94,27 @@ def test_shift_through_the_chat_template(smol_runs):
             p, q = (F.log_softmax(m(ids).logits[0].double(), -1) for m in (ref, tuned))
             kl = (p.exp() * (p - q)).sum(-1)
             lens.append(float(kl[-1]))
-            pooled.extend(kl[1:].tolist())
+            pooled.extend(kl.tolist())
     assert max(lens) > 0
     assert last["logit_kl"] == pytest.approx(sum(lens) / len(lens), rel=1e-4, abs=1e-9)
     assert last["output_kl"] == pytest.approx(sum(pooled) / len(pooled), rel=1e-4, abs=1e-9)
 
 
 def test_attribute_reference_rows_are_the_summary(smol_runs):
-    cells.check_attribute(smol_runs[1])
+    """check_attribute's checks, by layer on the native run and by module on TRL's (each pass on a real model
+    costs seconds; both groupings on both backends run in the family matrix)."""
+    _, runs, _ = smol_runs
+    for backend, by in (("native", "layer"), ("trl", "module")):
+        code, out, err = cells.cli("attribute", runs[backend], "--by", by, "--format", "json")
+        assert code == 0, (backend, err)
+        rows = json.loads(out)
+        s = RunDir(runs[backend]).summary()
+        ref = {r["part"]: r for r in rows if r["by"] == "reference"}
+        assert ref["none"]["accuracy_without"] == pytest.approx(s["final_accuracy"], abs=1e-12), backend
+        assert ref["all"]["accuracy_without"] == pytest.approx(s["base_accuracy"], abs=1e-12), backend
+        assert ref["none"]["output_kl_without"] == 0.0 and ref["all"]["output_kl_without"] > 0, backend
+        shares = [r["disp_share"] for r in rows if r["by"] == by]
+        assert len(shares) == (2 if by == "layer" else 4) and math.fsum(shares) == pytest.approx(1.0), backend
 
 
 def test_recommend_then_train_its_refined_config(smol_runs):
