@@ -102,3 +102,33 @@ def test_bad_gguf_files_are_one_line_and_leave_nothing(tmp_path, monkeypatch, cl
         assert_bad_input(proc)
         assert says in proc.stderr, proc.stderr
     assert [p.name for p in cache.iterdir() if not p.name.endswith(".lock")] == []  # no folder, no temp left
+
+
+def test_arith_shots_and_prefill_through_the_chat_template(smol_model):
+    """The recipe's arith prompt: its worked example is an earlier chat turn (a train problem, never a test one),
+    the answer starts with the prefill, and the default prompt is unchanged."""
+    from mechdiag import config as C
+    from mechdiag import tasks
+    from mechdiag.demo import MODEL_RECIPES
+    from mechdiag.tasks.base import SYSTEM_PROMPT
+
+    _, tok = smol_model
+    for name, recipe in MODEL_RECIPES.items():
+        cfg = C.load(None, recipe)
+        assert cfg.model.name_or_path == name and name in R.REAL_MODELS
+    task = tasks.get_task("arith", **C.load(None, MODEL_RECIPES[SMOL]).task.options)
+    (q, a), = task.shots
+    test = task.examples("test", 50)
+    assert q not in {e.question for e in test} and a.startswith("<reasoning>") and a.endswith("</answer>")
+    ex = test[0]
+    want = tok.apply_chat_template([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q},
+                                    {"role": "assistant", "content": a}, {"role": "user", "content": ex.question}],
+                                   tokenize=False, add_generation_prompt=True) + "<reasoning>"
+    assert task.prompt(ex, tok) == want
+    assert task.correct("3+4=7</reasoning><answer>" + ex.answer + "</answer>", ex)
+    plain = tasks.get_task("arith", difficulty=1)
+    assert plain.prompt(ex, tok) == tok.apply_chat_template(
+        [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": ex.question}], tokenize=False,
+        add_generation_prompt=True)
+    with pytest.raises(UserError, match="shots"):
+        tasks.get_task("arith", shots=-1)
