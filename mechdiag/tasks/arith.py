@@ -13,7 +13,7 @@ import hashlib
 import random
 
 from mechdiag.errors import UserError
-from mechdiag.tasks.base import Example, Task
+from mechdiag.tasks.base import Example, Task, format_prompt
 from mechdiag.tasks.math_tasks import NumericScoring
 
 NAMES = ["Ann", "Ben", "Cal", "Dee", "Eli", "Fay", "Gus", "Ivy", "Jo", "Kim", "Lu", "Max", "Ned", "Ola", "Pam"]
@@ -65,7 +65,7 @@ class Arith(NumericScoring, Task):
     name = "arith"
 
     def __init__(self, path: str | None = None, difficulty: int = 2, steps: list[int] | None = None,
-                 max_number: int | None = None, seed: int = 0):
+                 max_number: int | None = None, seed: int = 0, shots: int = 0, prefill: str = ""):
         if path is not None:
             raise UserError("task arith is generated; it takes no path")
         if difficulty not in LEVELS:
@@ -78,6 +78,15 @@ class Arith(NumericScoring, Task):
         self.seed = seed
         if not (1 <= lo <= hi) or self.max_number < 2:
             raise UserError("arith needs 1 <= steps and max_number >= 2")
+        if not (isinstance(shots, int) and 0 <= shots <= 8):
+            raise UserError(f"arith shots must be an integer from 0 to 8, got {shots!r}")
+        # worked examples shown before each question (a small model that ignores the system prompt's format copies
+        # them), from the train split (never a test problem); prefill: the text the answer starts with
+        self.shots = [(e.question, e.meta["gold_completion"]) for e in self.examples("train", shots, seed=1)]
+        self.prefill = str(prefill)
+
+    def prompt(self, example: Example, tokenizer=None) -> str:
+        return format_prompt(example.question, tokenizer, shots=self.shots, prefill=self.prefill)
 
     def examples(self, split: str = "train", n: int | None = None, seed: int = 0) -> list[Example]:
         if split not in SPLITS:

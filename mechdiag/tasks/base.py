@@ -70,9 +70,15 @@ SYSTEM_PROMPT = ("Think step by step inside <reasoning>...</reasoning>, then giv
                  "inside <answer>...</answer>.")
 
 
-def format_prompt(question: str, tokenizer=None, system: str = SYSTEM_PROMPT) -> str:
-    """The training prompt: the model's chat template where it has one, else the plain 'Q: ...\\nA: ' form."""
+def format_prompt(question: str, tokenizer=None, system: str = SYSTEM_PROMPT,
+                  shots: list[tuple[str, str]] = (), prefill: str = "") -> str:
+    """The training prompt: the model's chat template where it has one, else the plain 'Q: ...\\nA: ' form.
+    shots: worked (question, completion) pairs shown first (as earlier chat turns); prefill: text the answer
+    starts with (the completion, and so its reward, is what the model writes after it)."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return f"Q: {question}\nA: "
+        messages = [{"role": "system", "content": system}]
+        for q, a in shots:
+            messages += [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        messages.append({"role": "user", "content": question})
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + prefill
+    return "".join(f"Q: {q}\nA: {a}\n" for q, a in shots) + f"Q: {question}\nA: {prefill}"
