@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 import torch
 
+from mechdiag.console import note
 from mechdiag.errors import UserError
 from mechdiag.metrics import DELTA_W, update_mass, update_mass_size_normalised, wdisp
 from mechdiag.parts import output_axis, output_parts
@@ -195,6 +196,8 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     shape_b = files.shape(eb.dense)
     if shape != shape_b:
         raise UserError(f"tensor {name}: shape {'x'.join(map(str, shape))} vs {'x'.join(map(str, shape_b))}")
+    if ea.delta is not None or eb.delta is not None:
+        return _delta_row(files, name, ea, eb, shape, spectral, chunk_elems, experts)
     numel = math.prod(shape)
     same_dense = ea.dense == eb.dense
     ref_lr = lowrank_factors(ea.lora)  # LoRA on the reference side (adapter vs adapter)
@@ -271,6 +274,57 @@ def tensor_row(files: SafeFiles, name: str, ea: Entry, eb: Entry, spectral: bool
     return row
 
 
+def _side_rows(files, e: Entry, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(stored rows, their float64 additions: LoRA terms multiplied out for these rows and the form's delta)."""
+    dense = files.read(e.dense, start, stop)
+    extra = torch.zeros(dense.shape, dtype=_F64)
+    for t in e.lora:
+        extra += t.scale * (t.B[start:stop].to(_F64) @ t.A.to(_F64))
+    if e.delta is not None:
+        extra += e.delta.rows(start, stop)
+    return dense, extra
+
+
+def _delta_row(files, name: str, ea: Entry, eb: Entry, shape, spectral: bool, chunk_elems, experts: bool) -> dict:
+    """tensor_row where a side's update is not low-rank (mechdiag.adapters): both sides' rows in float64, the
+    difference of the stored values taken in float64 (exact) plus the difference of their float64 additions."""
+    numel = math.prod(shape)
+    rows = shape[0] if shape else 1
+    cols = numel // rows if rows else 0
+    step = max(1, (chunk_elems or CHUNK_ELEMS) // max(cols, 1))
+    ref_sq = delta_sq = 0.0
+    gram, kept = None, []
+    for start in range(0, max(rows, 1), step):
+        stop = min(start + step, rows)
+        a, xa = _side_rows(files, ea, start, stop)
+        b, xb = _side_rows(files, eb, start, stop)
+        ref = a.to(_F64) + xa
+        d = (b.to(_F64) - a.to(_F64)) + (xb - xa)
+        ref_sq += float((ref * ref).sum())
+        delta_sq += float((d * d).sum())
+        if spectral and len(shape) == 2:
+            if cols <= rows:
+                gram = d.T @ d if gram is None else gram.add_(d.T @ d)
+            else:
+                kept.append(d)
+    nonfinite = not (math.isfinite(ref_sq) and math.isfinite(delta_sq))
+    ref_fro = math.sqrt(ref_sq) if math.isfinite(ref_sq) else math.nan
+    delta_fro = math.sqrt(delta_sq) if math.isfinite(delta_sq) else math.nan
+    layer, module = tensor_site(name, experts)
+    row = {"name": name, "layer": layer, "module": module, "shape": "x".join(map(str, shape)),
+           "dtype": files.dtype(eb.dense), "numel": numel, "ref_fro": ref_fro, "delta_fro": delta_fro,
+           "rel_fro": math.nan if nonfinite else rel_fro(delta_fro, ref_fro), "frac_unchanged": None,
+           "frac_sub_ulp": None, "lora_rank": None, "nonfinite": nonfinite, "part_of": None,
+           "expert": expert_index(name)}
+    if spectral:
+        row.update(_spectral(shape, False, None, gram, [k.to(torch.float32) for k in kept], delta_sq, nonfinite))
+
+        def read(e):
+            return lambda start, stop: (lambda d, x: d.to(_F64) + x)(*_side_rows(files, e, start, stop))
+        row.update(_geometry(read(ea), read(eb), shape, None, None, delta_sq, nonfinite, chunk_elems))
+    return row
+
+
 class _PartView:
     """The SafeFiles interface over one part of every tensor it reads: the output features `idx` on `axis`
     (rows of a Linear weight or a bias, columns of a Conv1D weight), gathered a chunk of part rows at a time."""
@@ -303,6 +357,10 @@ def restrict(terms, idx: torch.Tensor, axis: int) -> list[LoraFactor]:
             for t in terms]
 
 
+def _restricted(e: Entry, idx: torch.Tensor, axis: int) -> Entry:
+    return Entry(e.dense, restrict(e.lora, idx, axis), None if e.delta is None else e.delta.restrict(idx, axis))
+
+
 def part_rows(files: SafeFiles, name: str, ea: Entry, eb: Entry, config: dict, spectral: bool = False,
               experts: bool = False) -> list[dict]:
     """One row per logical part of a fused tensor (mechdiag.parts), every column computed as for a tensor, module
@@ -315,8 +373,8 @@ def part_rows(files: SafeFiles, name: str, ea: Entry, eb: Entry, config: dict, s
     out = []
     for part, idx in output_parts(module.rsplit(".", 1)[-1], shape[axis], config):
         view = _PartView(files, idx, axis)
-        row = tensor_row(view, name, Entry(ea.dense, restrict(ea.lora, idx, axis)),
-                         Entry(eb.dense, restrict(eb.lora, idx, axis)), spectral, experts=experts)
+        row = tensor_row(view, name, _restricted(ea, idx, axis), _restricted(eb, idx, axis), spectral,
+                         experts=experts)
         out.append({**row, "name": f"{name}[{part}]", "module": f"{module}.{part}", "part_of": module})
     return out
 
@@ -446,26 +504,71 @@ def pair_names(a: Side, b: Side) -> list[str]:
 
 
 def _rows_of(files, name, ea, eb, config, spectral, experts) -> list[dict]:
-    return [tensor_row(files, name, ea, eb, spectral, experts=experts),
-            *part_rows(files, name, ea, eb, config, spectral, experts)]
+    try:
+        sa, sb = files.shape(ea.dense), files.shape(eb.dense)
+        if sa != sb:  # a resized vocabulary (resized_rows checked it): the shared rows, then the rows one side adds
+            return resized_rows(files, name, ea, eb, sa, sb, spectral, experts)
+        return [tensor_row(files, name, ea, eb, spectral, experts=experts),
+                *part_rows(files, name, ea, eb, config, spectral, experts)]
+    finally:
+        for e in (ea, eb):
+            if e.delta is not None:
+                e.delta.release()
+
+
+def resizable(name: str, sa: tuple, sb: tuple) -> bool:
+    """An embedding or output head whose vocabulary was resized (added tokens): same width, other row count."""
+    return (name in embedding_names() or name in lm_head_names()) and len(sa) == len(sb) == 2 and sa[1] == sb[1]
+
+
+def resized_rows(files, name, ea, eb, sa, sb, spectral, experts) -> list[dict]:
+    """A resized vocabulary: the tensor's row over the rows both sides have, and one row `NAME[added]` (or
+    `[removed]`, tuned smaller) for the rows only one side has: delta_fro their norm, ref_fro 0, part_of the
+    module, so it is reported apart and left out of the layer and whole-model totals."""
+    n = min(sa[0], sb[0])
+    idx = torch.arange(n)
+    view = _PartView(files, idx, 0)
+    row = tensor_row(view, name, _restricted(ea, idx, 0), _restricted(eb, idx, 0), spectral, experts=experts)
+    big, more = (eb, sb) if sb[0] > sa[0] else (ea, sa)
+    sq = 0.0
+    step = max(1, CHUNK_ELEMS // max(more[1], 1))
+    for start in range(n, more[0], step):
+        stop = min(start + step, more[0])
+        dense, extra = _side_rows(files, big, start, stop)
+        x = dense.to(_F64) + extra
+        sq += float((x * x).sum())
+    layer, module = tensor_site(name, experts)
+    what = "added" if big is eb else "removed"
+    extra_row = {**dict.fromkeys(row), "name": f"{name}[{what}]", "layer": layer, "module": f"{module}.{what}",
+                 "shape": f"{more[0] - n}x{more[1]}", "dtype": row["dtype"], "numel": (more[0] - n) * more[1],
+                 "ref_fro": 0.0, "delta_fro": math.sqrt(sq), "rel_fro": rel_fro(math.sqrt(sq), 0.0),
+                 "nonfinite": not math.isfinite(sq), "part_of": module, "expert": None}
+    return [row, extra_row]
 
 
 def compare(a, b, base=None, spectral: bool = False, progress: Callable[[int, int], None] | None = None,
-            files: SafeFiles | None = None, workers: int | None = None, experts: bool = False) -> list[dict]:
+            files: SafeFiles | None = None, workers: int | None = None, experts: bool = False,
+            against: str = "original") -> list[dict]:
     """Per-tensor rows for reference A vs tuned B (paths: model folder, .safetensors file, or LoRA adapter), each
     fused tensor followed by its parts (part_of set; mechdiag.parts). experts: a mixture-of-experts' expert
-    modules per expert (experts.5.up_proj) instead of aggregated (experts.up_proj).
+    modules per expert (experts.5.up_proj) instead of aggregated (experts.up_proj). against: an adapter whose
+    init rewrote the base is measured against the original base (default) or the residual (mechdiag.adapters).
     Tensors are processed by `workers` threads (default: up to 2 cores), each running single-threaded torch ops:
     on a busy machine this beats intra-op threads, whose barriers stall when cores are oversubscribed."""
     files = files or SafeFiles()
-    side_a = open_side(a, files, base=base, other=b)
-    side_b = open_side(b, files, base=base, other=a)
+    side_a = open_side(a, files, base=base, other=b, against=against)
+    side_b = open_side(b, files, base=base, other=a, against=against)
     for side, other in ((side_a, side_b), (side_b, side_a)):  # an adapter's experts, named as the model does
         regroup(other.entries, side.regroup)
+        if side.note:
+            note(side.note)
+        if not other.is_adapter:  # --against residual: the base side is the residual an init left
+            for n, d in side.reference.items():
+                other.entries[n].delta = d
     names = pair_names(side_a, side_b)
     for n in names:  # every bad shape is reported before any work
         sa, sb = files.shape(side_a.entries[n].dense), files.shape(side_b.entries[n].dense)
-        if sa != sb:
+        if sa != sb and not resizable(n, sa, sb):
             raise UserError(f"tensor {n}: shape {'x'.join(map(str, sa))} vs {'x'.join(map(str, sb))}")
     sizes = [max(1, math.prod(files.shape(side_a.entries[n].dense))) for n in names]
     total, done = sum(sizes), 0
@@ -559,12 +662,13 @@ def group_wdisp(rows_df: pd.DataFrame, by: str = "module", delta_w: float = DELT
     return g.drop(columns=["ref_sq", "delta_sq", "is_part"])
 
 
-def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False, experts: bool = False) -> pd.DataFrame:
+def displacement(a, b, base=None, by: str = "tensor", spectral: bool = False, experts: bool = False,
+                 against: str = "original") -> pd.DataFrame:
     """Python API: a DataFrame of per-tensor rows (by="tensor") or grouped WDisp (by="module"|"layer"|"all");
-    experts: a mixture-of-experts' expert modules one per expert."""
+    experts: a mixture-of-experts' expert modules one per expert; against: see compare."""
     if by not in ("tensor", "module", "layer", "all"):
         raise UserError(f"by must be tensor, module, layer or all, not {by!r}")
-    df = rows_frame(compare(a, b, base=base, spectral=spectral, experts=experts), spectral)
+    df = rows_frame(compare(a, b, base=base, spectral=spectral, experts=experts, against=against), spectral)
     return df if by == "tensor" else group_wdisp(df, by=by)
 
 
