@@ -44,6 +44,12 @@ def rewriting_init(cfg: dict) -> str | None:
     return None
 
 
+def scoped(cfg: dict) -> bool:
+    """Whether disabling the adapter gives the base back: not after an init that rewrote the base (the residual
+    is left), nor with bias="all" / "lora_only" (peft trains the base layers' own biases)."""
+    return rewriting_init(cfg) is None and cfg.get("bias", "none") in (None, "none")
+
+
 def is_plain_lora(cfg: dict) -> bool:
     """Plain LoRA: every module is base + s B A, exact from its factors."""
     return (cfg.get("peft_type", "LORA") == "LORA" and not cfg.get("use_dora") and not cfg.get("lora_bias")

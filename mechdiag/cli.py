@@ -361,8 +361,9 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts, 
 @_checkpoint_option
 @_rows_options
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
+@_against_option
 def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
-              fmt, out, html):
+              fmt, out, html, against):
     """Per-layer activation shift of TUNED against BASE (each: bundled, a model folder, a PEFT adapter folder or a
     run directory).
 
@@ -396,7 +397,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
     lines = Progress("shift prompts", total=len(prompts))
     df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
-               device=device, progress=lambda done, total: lines.update(done))
+               device=device, progress=lambda done, total: lines.update(done), against=against)
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
     if not keep_bos:

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pandas as pd
 import torch
 
+from mechdiag import adapters
 from mechdiag.console import note
 from mechdiag.errors import UserError
 from mechdiag.metrics import DELTA_W, update_mass, update_mass_size_normalised, wdisp
@@ -713,8 +714,7 @@ def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
     config = config.to_dict() if hasattr(config, "to_dict") else {}
     rows = []
     if engine is None:
-        modules = ((p, m) for p, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "scaling")
-                   and hasattr(m, "get_base_layer"))
+        modules = ((p, m) for p, m in model.named_modules() if _is_tuner_layer(m))
         full = _same
     else:
         cache = engine.base_sq
@@ -725,6 +725,12 @@ def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
             raise ValueError(f"{path}: adapter is merged into the base weight; unmerge before lora_rows")
         if hasattr(mod, "get_param") and hasattr(mod, "num_experts"):  # peft target_parameters (MoE experts)
             rows.extend(_expert_rows(path, mod, config, geometry))
+            continue
+        if not _plain_lora_layer(mod):  # DoRA, lora_bias, any other peft type: its dense delta (mechdiag.adapters)
+            if engine is not None:
+                raise RuntimeError(f"{path}: a {type(mod).__name__} adapter is measured from its dense delta, which "
+                                   "needs the whole weight; record it unsharded")
+            rows.extend(_dense_rows(path, mod, config))
             continue
         terms = _lora_terms(path, mod, full)
         if not terms:
@@ -756,6 +762,47 @@ def _lora_rows(model, geometry: bool, engine=None) -> list[dict]:
                 ref_sq = engine.base_sq[row_name]
             row = _lora_row(row_name, layer, row_module, base_w, sub, geometry, ref_sq, get)
             rows.append({**row, "part_of": module} if part else row)
+    return rows
+
+
+def _is_tuner_layer(m) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415 - peft loads with the first model
+
+    return isinstance(m, BaseTunerLayer) and hasattr(m, "get_base_layer") and bool(getattr(m, "active_adapters", ()))
+
+
+def _plain_lora_layer(mod) -> bool:
+    """A LoRA layer whose active adapters are all s B A (no DoRA magnitude, no lora_bias): kept as factors."""
+    if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling")):
+        return False
+    use_dora, lora_bias = getattr(mod, "use_dora", {}), getattr(mod, "lora_bias", {})
+    return not any(use_dora.get(a) or lora_bias.get(a) for a in mod.active_adapters)
+
+
+def _dense_rows(path: str, mod, config: dict) -> list[dict]:
+    """Rows of a peft layer whose update is not low-rank: its float64 delta from peft's merge (the definition
+    displacement replays from the files, mechdiag.adapters.module_delta), the weight, its parts, and its bias when
+    the form moves it."""
+    dw, db = adapters.module_delta(mod)
+    base = mod.get_base_layer()
+    name = _row_name(path)
+    layer, module = tensor_site(name)
+    w = base.weight.detach()
+    axis = output_axis(config, w.dim())
+    rows = []
+    sites = [(name, module, "", None)] + [(f"{name}[{part}]", f"{module}.{part}", part, idx)
+                                          for part, idx in output_parts(module, w.shape[axis], config)]
+    for row_name, row_module, part, idx in sites:
+        get = None if idx is None else (lambda i=idx: w.index_select(axis, i.to(w.device)))
+        d = dw if idx is None else dw.index_select(axis, idx.to(dw.device))
+        ref_fro, delta_fro = math.sqrt(_base_sumsq(w, part, get)), float(d.norm())
+        row = {"name": row_name, "layer": layer, "module": row_module, "ref_fro": ref_fro, "delta_fro": delta_fro,
+               "rel_fro": rel_fro(delta_fro, ref_fro)}
+        rows.append({**row, "part_of": module} if part else row)
+    if db is not None and bool(db.any()):
+        ref_fro, delta_fro = float(base.bias.detach().double().norm()), float(db.norm())
+        rows.append({"name": name.removesuffix(".weight") + ".bias", "layer": layer, "module": module,
+                     "ref_fro": ref_fro, "delta_fro": delta_fro, "rel_fro": rel_fro(delta_fro, ref_fro)})
     return rows
 
 
