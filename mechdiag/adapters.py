@@ -50,10 +50,16 @@ def scoped(cfg: dict) -> bool:
     return rewriting_init(cfg) is None and cfg.get("bias", "none") in (None, "none")
 
 
+_PLAIN_FLAGS = ("use_rslora", "use_label_mask")  # use_* settings that leave the update s B A
+
+
 def is_plain_lora(cfg: dict) -> bool:
-    """Plain LoRA: every module is base + s B A, exact from its factors."""
-    return (cfg.get("peft_type", "LORA") == "LORA" and not cfg.get("use_dora") and not cfg.get("lora_bias")
-            and rewriting_init(cfg) is None and not cfg.get("layer_replication"))
+    """Plain LoRA: every module is base + s B A, exact from its factors. Any LoRA variant (use_dora, use_qalora,
+    use_bdlora..., lora_bias, alora_invocation_tokens) goes through peft's own algebra instead."""
+    variant = any(v for k, v in cfg.items() if k.startswith("use_") and k not in _PLAIN_FLAGS)
+    return (cfg.get("peft_type", "LORA") == "LORA" and not variant and not cfg.get("lora_bias")
+            and not cfg.get("alora_invocation_tokens") and rewriting_init(cfg) is None
+            and not cfg.get("layer_replication"))
 
 
 def check(folder: str | Path, cfg: dict) -> None:
@@ -77,6 +83,9 @@ def check(folder: str | Path, cfg: dict) -> None:
     if init.startswith(("corda", "lora_ga")):
         raise UserError(f"{folder}: init {init} rewrote the base from calibration data that is not saved, so its "
                         f"tuned weights are unknown; {CONVERT}")
+    if init == "loftq" and not _loftq_runs():
+        raise UserError(f"{folder}: init loftq rewrote the base with bitsandbytes' quantization, which peft runs "
+                        f"only on a GPU with bitsandbytes installed (neither is here); run it there, or {CONVERT}")
     if cfg.get("layer_replication"):
         raise UserError(f"{folder}: layer_replication builds the tuned model's blocks from repeated base blocks, so "
                         "its blocks have no one-to-one reference in the base; merge it (merge_and_unload) and "
@@ -84,6 +93,12 @@ def check(folder: str | Path, cfg: dict) -> None:
     if kind == "VERA" and not cfg.get("save_projection", True):
         raise UserError(f"{folder}: a VeRA adapter saved without its projection (save_projection=False) is "
                         "regenerated from the whole model's shapes; save it with save_projection=True")
+
+
+def _loftq_runs() -> bool:
+    import importlib.util  # noqa: PLC0415
+
+    return importlib.util.find_spec("bitsandbytes") is not None and torch.cuda.is_available()
 
 
 def note(cfg: dict, against: str) -> str | None:

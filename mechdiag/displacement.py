@@ -773,10 +773,13 @@ def _is_tuner_layer(m) -> bool:
 
 def _plain_lora_layer(mod) -> bool:
     """A LoRA layer whose active adapters are all s B A (no DoRA magnitude, no lora_bias): kept as factors."""
-    if not (hasattr(mod, "lora_A") and hasattr(mod, "scaling")):
+    from peft.tuners.adalora import AdaLoraLayer  # noqa: PLC0415
+    from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+    if not isinstance(mod, LoraLayer) or isinstance(mod, AdaLoraLayer):
         return False
-    use_dora, lora_bias = getattr(mod, "use_dora", {}), getattr(mod, "lora_bias", {})
-    return not any(use_dora.get(a) or lora_bias.get(a) for a in mod.active_adapters)
+    variant, lora_bias = getattr(mod, "lora_variant", {}), getattr(mod, "lora_bias", {})
+    return not any(variant.get(a) is not None or lora_bias.get(a) for a in mod.active_adapters)
 
 
 def _dense_rows(path: str, mod, config: dict) -> list[dict]:

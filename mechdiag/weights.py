@@ -584,8 +584,22 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
+    _check_vocabulary(folder, base, entries, config, files)
     return Side(str(folder), entries, config, is_adapter=True, regroup=plan, reference=reference,
                 note=adapters.note(cfg, against))
+
+
+def _check_vocabulary(folder: Path, base: Side, entries: dict[str, Entry], config: dict, files: SafeFiles) -> None:
+    """An adapter that resized the vocabulary must hold both of an untied model's resized tensors: peft saves the
+    embedding it adapted, and a head it did not train is not in the files (its added rows are unknown)."""
+    emb = next((e for e in _EMBEDDINGS if e in entries), None)
+    head = next((h for h in _LM_HEADS if h in entries), None)
+    if config.get("tie_word_embeddings") or emb is None or head is None or head not in base.entries:
+        return
+    rows = [files.shape(entries[n].dense)[0] for n in (emb, head)]
+    if rows[0] != rows[1] and files.shape(base.entries[emb].dense)[0] == files.shape(base.entries[head].dense)[0]:
+        raise UserError(f"{folder}: the adapter resized {emb} to {rows[0]} rows but holds no {head} of that size (the "
+                        f"head's added rows are not saved); save it with modules_to_save=['{head.split('.')[0]}']")
 
 
 def _replay_call(replay, files: SafeFiles, mod: str, weight: TensorRef, bias: TensorRef | None,

@@ -51,6 +51,7 @@ def _check_adapter_dir(path: Path) -> None:
     if not (path / ADAPTER_WEIGHTS).is_file():
         refuse_pickle(path)
         raise UserError(f"no {ADAPTER_WEIGHTS} in {path}")
+    adapters.check(path, adapter_config(path))  # before any model loads
 
 
 def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
