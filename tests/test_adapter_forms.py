@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from mechdiag.displacement import displacement, lora_rows
 from mechdiag.probes.shift import shift
 from tests.helpers import assert_bad_input
-from tests.tiny_models import family_config, family_folder
+from tests.tiny_models import MATRIX, family_config, family_folder
 
 QKV = ["q_proj", "v_proj"]
 FORMS = {  # name: (family, tied, peft config); a tiny model of the family, its parameters moved by training
@@ -238,3 +238,40 @@ def test_shift_sees_the_tuned_model(tmp_path, form):
     assert df["logit_kl"].iloc[-1] == pytest.approx(sum(last) / len(last), rel=1e-4)
     assert df["output_kl"].iloc[0] == pytest.approx(sum(every) / len(every), rel=1e-4)
     assert math.isfinite(df["shift"].iloc[-1])
+
+
+LENS_CASES = [(f, False) for f in MATRIX] + [("qwen2", True)]
+
+
+@pytest.mark.parametrize(("family", "tied"), LENS_CASES, ids=[f"{f}{'-tied' if t else ''}" for f, t in LENS_CASES])
+def test_last_layer_lens_is_the_models_own_next_token_kl(tmp_path, family, tied):
+    """The logit lens is one definition of the model's head after its last block (final norm, head, soft cap or
+    scaling): on every family of the matrix, the last layer's logit_kl equals the models' own next-token KL at the
+    last position of each prompt, and output_kl their mean over every position, each prompt run alone (shift runs
+    them padded in one batch)."""
+    folder = family_folder(family, tmp_path / "base")
+    if tied:
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        model.config.tie_word_embeddings = True
+        model.tie_weights()
+        model.save_pretrained(folder)
+    base = AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert (base.get_output_embeddings().weight is base.get_input_embeddings().weight) == tied
+    torch.manual_seed(2)
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
+                        peft.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False))
+    pm.save_pretrained(tmp_path / "adapter")
+    from mechdiag.models import load_tokenizer
+
+    tok = load_tokenizer(str(folder))
+    last, every = [], []
+    with torch.no_grad():
+        for text in PROMPTS:
+            ids = torch.tensor([tok(text)["input_ids"]])
+            kl = _kl(base(ids).logits[0], pm(input_ids=ids).logits[0])
+            last.append(float(kl[-1]))
+            every.extend(kl.tolist())
+    df = shift(str(folder), str(tmp_path / "adapter"), PROMPTS, device="cpu", batch_size=len(PROMPTS))
+    assert max(last) > 0
+    assert df["logit_kl"].iloc[-1] == pytest.approx(sum(last) / len(last), rel=1e-4, abs=1e-10)
+    assert df["output_kl"].iloc[0] == pytest.approx(sum(every) / len(every), rel=1e-4, abs=1e-10)
