@@ -256,7 +256,7 @@ def test_last_layer_lens_is_the_models_own_next_token_kl(tmp_path, family, tied)
         model.tie_weights()
         model.save_pretrained(folder)
     base = AutoModelForCausalLM.from_pretrained(folder).eval()
-    assert (base.get_output_embeddings().weight is base.get_input_embeddings().weight) == tied
+    assert not tied or base.get_output_embeddings().weight is base.get_input_embeddings().weight
     torch.manual_seed(2)
     pm = get_peft_model(AutoModelForCausalLM.from_pretrained(folder),
                         peft.LoraConfig(r=2, target_modules="all-linear", init_lora_weights=False))
