@@ -486,6 +486,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
     replayed: dict[str, dict[str, str]] = {}  # other forms: module -> {saved name: file key}
     shared: dict[str, torch.Tensor] = {}  # tensors of no module (VeRA's shared projections)
     tokens: dict[str, str] = {}  # module -> its trainable tokens' rows
+    tied_copies: dict[str, str] = {}  # a tied base's head or embedding saved as a modules_to_save copy
     for key in files.keys(wpath):
         name, base_copy = canonical_key(key)
         if name is None:
@@ -498,11 +499,10 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
             continue
         site = _module_of(name, prefix)
         if site is None:  # modules_to_save / bias copies / a saved base layer: a full replacement tensor
-            if name in _LM_HEADS and tied_head is not None:
-                if base_copy:  # the tied embedding's bytes, saved again
-                    continue
-                entries[name] = Entry(TensorRef(wpath, key))
-                config["tie_word_embeddings"] = False
+            if tied_head is not None and name in (*_LM_HEADS, tied_head) and not base_copy:
+                tied_copies[name] = key  # a copy of one side of the tied pair: _tied_copies
+                continue
+            if name in _LM_HEADS and tied_head is not None:  # the tied embedding's bytes, saved again
                 continue
             if name not in entries:
                 raise UserError(f"{folder}: adapter tensor {key} has no counterpart in the base {base.label}")
@@ -514,6 +514,9 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
             factors.setdefault(mod, {})[param] = files.read(TensorRef(wpath, key)).clone()
         else:
             replayed.setdefault(mod, {})[name] = key
+
+    if tied_copies:
+        _tied_copies(cfg, base, entries, config, tied_head, {n: TensorRef(wpath, k) for n, k in tied_copies.items()})
 
     def target_of(mod: str) -> str:
         target = mod + ".weight"
@@ -587,6 +590,23 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
     _check_vocabulary(folder, base, entries, config, files)
     return Side(str(folder), entries, config, is_adapter=True, regroup=plan, reference=reference,
                 note=adapters.note(cfg, against))
+
+
+def _tied_copies(cfg: dict, base: Side, entries: dict[str, Entry], config: dict, embedding: str,
+                 copies: dict[str, TensorRef]) -> None:
+    """modules_to_save copies of a tied base's head or embedding, as peft leaves the model: with
+    ensure_weight_tying the copy is the one tied tensor (the model stays tied); without it, the copy unties the
+    pair, the other side keeping the base's tensor (an lm_head row against the base's embedding)."""
+    head_name = next((h for h in _LM_HEADS if h in copies), "embed_out.weight" if embedding.startswith("gpt_neox")
+                     else "lm_head.weight")
+    head, emb = copies.get(head_name), copies.get(embedding)
+    if cfg.get("ensure_weight_tying"):
+        entries[embedding] = Entry(emb or head)
+        return
+    if emb is not None:
+        entries[embedding] = Entry(emb)
+    entries[head_name] = Entry(head or base.entries[embedding].dense)
+    config["tie_word_embeddings"] = False
 
 
 def _check_vocabulary(folder: Path, base: Side, entries: dict[str, Entry], config: dict, files: SafeFiles) -> None:
