@@ -280,3 +280,26 @@ def test_last_layer_lens_is_the_models_own_next_token_kl(tmp_path, family, tied)
     assert max(last) > 0
     assert df["logit_kl"].iloc[-1] == pytest.approx(sum(last) / len(last), rel=1e-4, abs=1e-10)
     assert df["output_kl"].iloc[0] == pytest.approx(sum(every) / len(every), rel=1e-4, abs=1e-10)
+
+
+@pytest.mark.parametrize("form", ["dora", "dora_conv1d", "lora_bias"])
+def test_attribute_switches_a_module_off_to_its_base(form):
+    """attribute's "module off" is the base module itself for every LoRA form it switches: B (and a lora_bias)
+    zero, a DoRA magnitude set to the base's own row norms (B = 0 alone would leave m / ||W|| scaling W)."""
+    from mechdiag.attribute import _switches
+
+    family, tied, make = FORMS[form]
+    base = _model(family, tied)
+    ids = torch.randint(0, base.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    pm = get_peft_model(copy.deepcopy(base), make())
+    with torch.no_grad():
+        want = base(ids).logits
+        for p in pm.parameters():
+            if p.requires_grad:
+                p.add_(0.1 * torch.randn_like(p))
+        assert not torch.allclose(pm(ids).logits, want, atol=1e-4)
+        for m in pm.modules():
+            if "default" in getattr(m, "lora_B", {}):
+                for w, _, off in _switches(m, "default"):
+                    w.copy_(off)
+        assert torch.allclose(pm(ids).logits, want, rtol=0, atol=1e-5)
