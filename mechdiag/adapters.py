@@ -8,10 +8,10 @@ its layer, the saved tensors load, and peft merges; tuned - base is the module's
 routine the trainer's records run on a live layer). This covers DoRA, lora_bias, AdaLoRA, LoHa, LoKr, IA3, VeRA,
 OFT, BOFT, HRA, MiSS, FourierFT and every other peft type whose layers merge.
 
-Inits that rewrite the base (PiSSA, OLoRA, LoftQ) are replayed in the skeleton exactly as peft runs them when it
-loads the adapter, so the tuned weights are residual + update and the default reference is the original base;
-`against="residual"` measures against the residual instead (the update alone). A form that cannot be measured
-exactly gets one line (`check`), the same from every command.
+Inits that rewrite the base (PiSSA, OLoRA; LoftQ where peft can run it: a GPU with bitsandbytes) are replayed in
+the skeleton exactly as peft runs them when it loads the adapter, so the tuned weights are residual + update and
+the default reference is the original base; `against="residual"` measures against the residual instead (the update
+alone). A form that cannot be measured exactly gets one line (`check`), the same from every command.
 """
 
 from __future__ import annotations
