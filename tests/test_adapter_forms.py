@@ -149,6 +149,12 @@ def test_form_is_measured_exactly(tmp_path, form):
         assert _close(r["ref_fro"], float(ref.norm())), name
         moved += float(delta.norm()) > 0
     assert moved  # the form moved something: equal figures are not two zeros
+    parts: dict[str, float] = {}  # a fused tensor's parts (GPT-2's c_attn q / k / v) add up to the tensor
+    for r in rows:
+        if isinstance(r["part_of"], str) and not r["name"].endswith(("[added]", "[removed]")):
+            parts[r["name"].split("[")[0]] = parts.get(r["name"].split("[")[0], 0.0) + r["delta_fro"] ** 2
+    for name, sq in parts.items():
+        assert _close(math.sqrt(sq), whole[name]["delta_fro"]), name
     if FORMS[form][2]().to_dict().get("init_lora_weights") in ("pissa", "olora"):
         return  # in memory, the original base is gone: the trainer's records measure the update alone
     live = lora_rows(pm)  # the trainer's records of the same model in memory
