@@ -51,12 +51,14 @@ def scoped(cfg: dict) -> bool:
 
 
 _PLAIN_FLAGS = ("use_rslora", "use_label_mask")  # use_* settings that leave the update s B A
+_INIT_CONFIGS = ("loftq_config", "eva_config", "corda_config", "lora_ga_config")  # set the start, not the update
 
 
 def is_plain_lora(cfg: dict) -> bool:
     """Plain LoRA: every module is base + s B A, exact from its factors. Any LoRA variant (use_dora, use_qalora,
     use_bdlora..., lora_bias, alora_invocation_tokens) goes through peft's own algebra instead."""
-    variant = any(v for k, v in cfg.items() if k.startswith("use_") and k not in _PLAIN_FLAGS)
+    variant = any(v for k, v in cfg.items() if (k.startswith("use_") and k not in _PLAIN_FLAGS)
+                  or (k.endswith("_config") and k not in _INIT_CONFIGS))  # arrow_config, monteclora_config...
     return (cfg.get("peft_type", "LORA") == "LORA" and not variant and not cfg.get("lora_bias")
             and not cfg.get("alora_invocation_tokens") and rewriting_init(cfg) is None
             and not cfg.get("layer_replication"))
