@@ -32,7 +32,7 @@ from mechdiag.recorder import HeldOut, heldout_eval
 from mechdiag.run import CALLBACK_DIR, RunDir, resolve_run
 from mechdiag.train.lora import lora_modules, merge_into, site_name
 from mechdiag.train.trainer import auto_threads, prepare_model
-from mechdiag.weights import ADAPTER_WEIGHTS
+from mechdiag.weights import ADAPTER_WEIGHTS, adapter_config
 
 COLUMNS = ["part", "by", "layer", "module", "disp_share", "accuracy_without", "reward_without", "output_kl_without",
            "accuracy_only", "output_kl_only"]
@@ -99,6 +99,26 @@ def callback_adapter(run: RunDir, summary: dict) -> Path:
                     f"{ADAPTER_WEIGHTS} saved after the run); call trainer.save_model() after trainer.train()")
 
 
+def _switches(mod, adapter: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(tensor, its trained value, its value with the module off) for one adapter of a LoRA layer: B (and a
+    lora_bias) zero; a DoRA magnitude set to the base weight's own row norms, so m / ||W + s B A|| (W + s B A) with
+    B = 0 is W itself (peft's get_weight_norm, the norm its forward divides by)."""
+    B = mod.lora_B[adapter]
+    out = [(B.weight, B.weight.detach().clone(), torch.zeros_like(B.weight))]
+    if getattr(B, "bias", None) is not None:
+        out.append((B.bias, B.bias.detach().clone(), torch.zeros_like(B.bias)))
+    magnitude = getattr(mod, "lora_magnitude_vector", {})
+    if adapter in magnitude:
+        from peft.utils.other import transpose  # noqa: PLC0415
+
+        m, w = magnitude[adapter].weight, mod.get_base_layer().weight  # stored orientation, as peft's forward passes it
+        zero = torch.zeros_like(transpose(w, getattr(magnitude[adapter], "fan_in_fan_out", False)))
+        with torch.no_grad():
+            norm = magnitude[adapter].get_weight_norm(w, zero, scaling=1).to(m.dtype)
+        out.append((m, m.detach().clone(), norm.reshape(m.shape)))
+    return out
+
+
 class Attribution:
     """The final model of a LoRA run, with parts of its adapter switched off and on in place."""
 
@@ -108,6 +128,10 @@ class Attribution:
         cfg = self.cfg
         torch.set_num_threads(cfg.threads or auto_threads())  # the trainer's setting: same kernels, same numbers
         if src.trl:  # the adapter as TRL saved it, evaluated through itself like the run's evaluator
+            kind = adapter_config(src.adapter).get("peft_type", "LORA")
+            if kind != "LORA":
+                raise UserError(f"{src.adapter}: attribute switches the modules of a LoRA adapter off and on; a {kind} "
+                                "adapter has no LoRA modules (displacement and shift measure it)")
             model, self.tokenizer = models.load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype)
             self.model, self._sampler = models.load_adapters(model, {"default": src.adapter}), None
         else:
@@ -117,13 +141,12 @@ class Attribution:
         heldout = HeldOut.from_config(cfg, self.tokenizer)  # the trainer's held-out set
         self.task, self.examples, self.prompts = heldout.task, heldout.examples[:n or None], heldout.prompts[:n or None]
         self.sites = {r["name"]: r for r in lora_modules(self.model)}
-        self._factors = {}  # module path -> (B weight, saved copy)
+        self._factors = {}  # module path -> [(tensor, saved copy, its value when the module is off)]
         for name, mod in self.model.named_modules():
             short = site_name(name, mod)
             if short in self.sites:
                 for a in mod.active_adapters:
-                    w = mod.lora_B[a].weight
-                    self._factors.setdefault(short, []).append((w, w.detach().clone()))
+                    self._factors.setdefault(short, []).extend(_switches(mod, a))
         self._tuned_tokens: list | None = None
         self._tuned_out: list | None = None  # per batch: the tuned model's (head, hidden) or (None, log-softmax)
         # an adapted head changes with the adapter state, so the tuned model's head cannot be kept by reference
@@ -149,11 +172,8 @@ class Attribution:
         names = set(names)
         with torch.no_grad():
             for short, pairs in self._factors.items():
-                for w, saved in pairs:
-                    if short in names:
-                        w.copy_(saved)
-                    else:
-                        w.zero_()
+                for w, saved, off in pairs:
+                    w.copy_(saved if short in names else off)
 
     # ---- measuring ----------------------------------------------------------------------------------------
     def eval_model(self):

@@ -292,6 +292,12 @@ def _rows_options(f):
                         show_default=True)(f)
 
 
+def _against_option(f):
+    return click.option("--against", type=click.Choice(["original", "residual"]), default="original",
+                        show_default=True, help="An adapter whose init rewrote the base (PiSSA, OLoRA, LoftQ): "
+                        "compare with the original base, or with the residual base it left (the update alone).")(f)
+
+
 @main.command(short_help="How far checkpoint B moved from A, per tensor/module/layer.")
 @click.argument("a", type=click.Path())
 @click.argument("b", type=click.Path())
@@ -305,7 +311,8 @@ def _rows_options(f):
 @click.option("--html", "html", type=click.Path(), default=None, help="Write a heatmap of rel_fro (layers x modules).")
 @click.option("--experts", is_flag=True, help="Mixture-of-experts: each expert its own module (experts.5.up_proj) "
               "instead of aggregated over the experts (experts.up_proj).")
-def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts):
+@_against_option
+def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts, against):
     """Weight displacement of checkpoint B against reference A (each: bundled, a model folder, a .safetensors file,
     a PEFT adapter folder or a run directory).
 
@@ -326,7 +333,7 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts):
     a, b = checkpoint_folder(a), checkpoint_folder(b, checkpoint)
     base = None if base is None else checkpoint_folder(base)
     with progress("displacement (%)", 100) as update:
-        rows = compare(a, b, base=base, spectral=spectral, experts=experts,
+        rows = compare(a, b, base=base, spectral=spectral, experts=experts, against=against,
                        progress=lambda done, total: update(round(100 * done / max(total, 1))))
     df = rows_frame(rows, spectral)
     result = df if by == "tensor" else group_wdisp(df, by=by)
@@ -357,8 +364,9 @@ def displacement(a, b, base, checkpoint, by, fmt, out, spectral, html, experts):
 @_checkpoint_option
 @_rows_options
 @click.option("--html", type=click.Path(dir_okay=False), help="also write an offline HTML figure")
+@_against_option
 def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length, keep_bos, device, dtype, checkpoint,
-              fmt, out, html):
+              fmt, out, html, against):
     """Per-layer activation shift of TUNED against BASE (each: bundled, a model folder, a PEFT adapter folder or a
     run directory).
 
@@ -392,7 +400,7 @@ def shift_cmd(base, tuned, prompts_file, task, split, n, batch_size, max_length,
 
     lines = Progress("shift prompts", total=len(prompts))
     df = shift(base, tuned, prompts, batch_size=batch_size, keep_bos=keep_bos, max_length=max_length, dtype=dtype,
-               device=device, progress=lambda done, total: lines.update(done))
+               device=device, progress=lambda done, total: lines.update(done), against=against)
     if df.attrs.get("truncated"):
         note(f"{df.attrs['truncated']} of {len(prompts)} prompts truncated to {df.attrs['max_length']} tokens")
     if not keep_bos:

@@ -28,12 +28,13 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from mechdiag import adapters as adapter_forms
 from mechdiag import realmodels
 from mechdiag.console import note
 from mechdiag.errors import UserError, first_line
 from mechdiag.paths import ASSETS
 from mechdiag.run import find_checkpoint, is_run_dir
-from mechdiag.weights import ADAPTER_WEIGHTS, is_adapter, local_base, refuse_pickle
+from mechdiag.weights import ADAPTER_WEIGHTS, adapter_config, is_adapter, local_base, refuse_pickle
 
 BUNDLED = "bundled"
 BUNDLED_ASSETS = {BUNDLED: "arith-base", "bundled:deep": "arith-deep"}  # name -> folder under mechdiag/assets
@@ -156,9 +157,13 @@ def checkpoint_folder(arg: str | Path, checkpoint: int | None = None) -> Path:
 
 
 def load_adapters(model, adapters: dict[str, Path]):
-    """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter)."""
+    """`model` with each PEFT adapter loaded under its name (one PeftModel; switch with set_adapter). An init that
+    rewrote the base (PiSSA, OLoRA, LoftQ) is run again by peft as it loads, so the model is the residual plus the
+    adapter (mechdiag.adapters); forms that cannot be measured are refused with mechdiag.adapters.check's line."""
 
     out = model
+    for path in adapters.values():  # a form that cannot be measured: the line displacement gives
+        adapter_forms.check(path, adapter_config(path))
     for name, path in adapters.items():
         try:
             with warnings.catch_warnings():

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from mechdiag import adapters
 from mechdiag.errors import UserError, first_line
 from mechdiag.parts import experts_in_out
 
@@ -244,10 +245,47 @@ class LoraFactor:
     A: torch.Tensor
 
 
+class Delta:
+    """A float64 addition to a dense tensor that is not low-rank (a peft form replayed by mechdiag.adapters, the
+    rows trainable tokens replace), computed when first read and released after its tensor's row."""
+
+    def __init__(self, compute):
+        self._compute, self._value = compute, None
+
+    def whole(self) -> torch.Tensor:
+        if self._value is None:
+            self._value = self._compute()
+        return self._value
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.whole()[start:stop]
+
+    def release(self) -> None:
+        self._value = None
+
+    def restrict(self, idx: torch.Tensor, axis: int) -> Delta:
+        return Delta(lambda: self.whole().index_select(axis, idx))
+
+
+class RowsDelta(Delta):
+    """Rows `idx` of an n-row tensor moved by `values` (float64), every other row unchanged: trainable tokens."""
+
+    def __init__(self, idx: torch.Tensor, values: torch.Tensor, n: int):
+        super().__init__(lambda: self.rows(0, n))
+        self.idx, self.values = idx, values
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        out = torch.zeros((stop - start, *self.values.shape[1:]), dtype=torch.float64)
+        sel = (self.idx >= start) & (self.idx < stop)
+        out[self.idx[sel] - start] = self.values[sel]
+        return out
+
+
 @dataclass
 class Entry:
     dense: TensorRef
     lora: list[LoraFactor] = field(default_factory=list)
+    delta: Delta | None = None  # a form that is not low-rank: tuned = dense + LoRA terms + delta
 
 
 @dataclass
@@ -260,6 +298,9 @@ class Side:
     # an adapter's parameter LoRA names its experts as the model does: new name -> [(saved name, expert or None,
     # read transposed)] (regroup)
     regroup: dict[str, list[tuple[str, int | None, bool]]] = field(default_factory=dict)
+    # against="residual": the reference's own delta per name (the residual an init left), applied to the base side
+    reference: dict[str, Delta] = field(default_factory=dict)
+    note: str | None = None  # the one line said about this side (an init that rewrote the base)
 
 
 # --- opening sources --------------------------------------------------------------------------------------------
@@ -373,18 +414,58 @@ def _pattern_value(patterns: dict, module_path: str, default):
     return default
 
 
-_ADAPTER_KEY = re.compile(r"^(?P<path>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B|"
-                          r"base_layer\.weight|lora_B\.bias|lora_magnitude_vector(?:\.weight)?)$")
+_ADAPTER_KEY = re.compile(r"^(?P<path>.+)\.(?P<kind>lora_A\.weight|lora_B\.weight|lora_embedding_A|lora_embedding_B)$")
+_TOKENS = ".token_adapter.trainable_tokens_delta"
 
 
-def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
-    """PEFT LoRA adapter on `base`: each adapted weight is base + s * B @ A (kept as factors)."""
+def canonical_key(key: str) -> tuple[str | None, bool]:
+    """(the name a saved adapter key stands for, whether it is a base-layer copy). peft saves without the adapter
+    name; a raw state dict keeps it (lora_A.default.weight, modules_to_save.default.weight): both read the same.
+    A modules_to_save copy is the module's own tensor; its original_module copy is the base (None: skipped)."""
+    name = re.sub(r"\.default(?=\.|$)", "", key.removeprefix("base_model.model."))
+    if ".original_module." in name:
+        return None, False
+    name = name.replace(".modules_to_save.", ".")
+    base_copy = name.endswith((".base_layer.weight", ".base_layer.bias"))  # not a parameter LoRA's nested wrapper
+    return (name.replace(".base_layer.", ".") if base_copy else name), base_copy
+
+
+def _peft_prefix(cfg: dict) -> str:
+    from peft.mapping import PEFT_TYPE_TO_PREFIX_MAPPING  # noqa: PLC0415 - peft loads with the first adapter
+
+    return PEFT_TYPE_TO_PREFIX_MAPPING.get(cfg.get("peft_type", "LORA"), "lora_")
+
+
+def _module_of(name: str, prefix: str) -> tuple[str, str] | None:
+    """(module path, peft parameter name) of an adapter tensor name, or None for a full tensor of the model."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[1:], 1):
+        if p.startswith(prefix):
+            return ".".join(parts[:i]), ".".join(parts[i:])
+    return None
+
+
+def _token_indices(cfg: dict, module: str) -> list[int]:
+    spec = cfg.get("trainable_token_indices")
+    if isinstance(spec, dict):
+        for k, v in spec.items():
+            if module == k or module.endswith("." + k):
+                return list(v)
+        raise UserError(f"trainable tokens on {module}, which trainable_token_indices {spec} does not name")
+    return list(spec or [])
+
+
+def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against: str = "original") -> Side:
+    """A PEFT adapter on `base`. Plain LoRA: each adapted weight is base + s * B @ A (kept as factors). Every
+    other form (mechdiag.adapters): each adapted module's float64 delta from peft's own algebra, computed when its
+    tensor is compared. Full tensors (modules_to_save, bias="all") replace the base's; trainable tokens replace
+    their rows. against="residual": an init that rewrote the base is measured against the residual it left (the
+    reference's own delta, in `reference`)."""
     folder = Path(path)
     cfg = adapter_config(folder)
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise UserError(f"{folder}: peft_type {cfg.get('peft_type')} is not supported (LoRA adapters only)")
-    if cfg.get("use_dora"):
-        raise UserError(f"{folder}: DoRA adapters are not supported (the update is not low-rank)")
+    adapters.check(folder, cfg)
+    if against not in adapters.AGAINST:
+        raise UserError(f"--against must be {' or '.join(adapters.AGAINST)}, not {against!r}")
     wfile = folder / ADAPTER_WEIGHTS
     if not wfile.exists():
         if any((folder / n).exists() for n in ("adapter_model.bin", "adapter_model.pt")):
@@ -394,49 +475,94 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
     wpath = os.path.realpath(wfile)
     r_default, alpha_default = cfg.get("r", 8), cfg.get("lora_alpha", 8)
     rslora, fan_in_fan_out = bool(cfg.get("use_rslora")), bool(cfg.get("fan_in_fan_out"))
+    plain, prefix = adapters.is_plain_lora(cfg), _peft_prefix(cfg)
 
     entries = {k: Entry(e.dense, list(e.lora)) for k, e in base.entries.items()}
     config = dict(base.config)
-    # A tied base's output head is its embedding (`tied_head`): LoRA on the head changes that one tensor, as
+    # A tied base's output head is its embedding (`tied_head`): an update of the head changes that one tensor, as
     # merge_and_unload does; a modules_to_save copy of the head unties it (a head of its own, as merged saves it).
     tied_head = tied_embedding(base)
-    redirect: dict[str, str] = {}  # head weight -> the tied embedding its LoRA term lands on
-    factors: dict[str, dict[str, torch.Tensor]] = {}
+    factors: dict[str, dict[str, torch.Tensor]] = {}  # plain LoRA: module -> its factors
+    replayed: dict[str, dict[str, str]] = {}  # other forms: module -> {saved name: file key}
+    shared: dict[str, torch.Tensor] = {}  # tensors of no module (VeRA's shared projections)
+    tokens: dict[str, str] = {}  # module -> its trainable tokens' rows
+    tied_copies: dict[str, str] = {}  # a tied base's head or embedding saved as a modules_to_save copy
     for key in files.keys(wpath):
-        name = key.removeprefix("base_model.model.")
-        m = _ADAPTER_KEY.match(name)
-        if m is None:  # modules_to_save / trainable copies: a full replacement tensor
-            if name in _LM_HEADS and tied_head is not None:
-                entries[name] = Entry(TensorRef(wpath, key))
-                config["tie_word_embeddings"] = False
+        name, base_copy = canonical_key(key)
+        if name is None:
+            continue
+        if name.endswith(_TOKENS):
+            tokens[name.removesuffix(_TOKENS)] = key
+            continue
+        if name.startswith("base_model."):
+            shared[key] = files.read(TensorRef(wpath, key)).clone()
+            continue
+        site = _module_of(name, prefix)
+        if site is None:  # modules_to_save / bias copies / a saved base layer: a full replacement tensor
+            if tied_head is not None and name in (*_LM_HEADS, tied_head) and not base_copy:
+                tied_copies[name] = key  # a copy of one side of the tied pair: _tied_copies
+                continue
+            if name in _LM_HEADS and tied_head is not None:  # the tied embedding's bytes, saved again
                 continue
             if name not in entries:
                 raise UserError(f"{folder}: adapter tensor {key} has no counterpart in the base {base.label}")
             entries[name].dense = TensorRef(wpath, key)
             entries[name].lora = []
             continue
-        mod, kind = m.group("path"), m.group("kind")
-        if kind.startswith("lora_magnitude"):
-            raise UserError(f"{folder}: DoRA adapters are not supported (the update is not low-rank)")
-        if kind == "lora_B.bias":
-            raise UserError(f"{folder}: lora_bias adapters are not supported")
-        if tied_head is not None and mod + ".weight" in _LM_HEADS:
-            if kind == "base_layer.weight":  # the tied embedding's bytes, saved again
-                continue
-            redirect[mod + ".weight"] = tied_head
-        if kind == "base_layer.weight":  # saved embedding base copy
-            entries.setdefault(mod + ".weight", Entry(TensorRef(wpath, key))).dense = TensorRef(wpath, key)
-            continue
-        factors.setdefault(mod, {})[kind] = files.read(TensorRef(wpath, key)).clone()
+        mod, param = site
+        if plain:
+            factors.setdefault(mod, {})[param] = files.read(TensorRef(wpath, key)).clone()
+        else:
+            replayed.setdefault(mod, {})[name] = key
+
+    if tied_copies:
+        _tied_copies(cfg, base, entries, config, tied_head, {n: TensorRef(wpath, k) for n, k in tied_copies.items()})
+
+    def target_of(mod: str) -> str:
+        target = mod + ".weight"
+        if tied_head is not None and target in _LM_HEADS and target not in entries:
+            target = tied_head  # the head of a tied base is its embedding
+        if target not in entries:
+            raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
+        return target
+
+    reference: dict[str, Delta] = {}
+    if replayed:
+        if cfg.get("target_parameters"):
+            raise UserError(f"{folder}: target_parameters with {cfg.get('peft_type', 'LORA')} "
+                            f"{'(DoRA) ' if cfg.get('use_dora') else ''}is not supported (plain LoRA only)")
+        replay = adapters.Replay(folder, cfg, shared)
+        for mod, saved in replayed.items():
+            target, bias = target_of(mod), mod + ".bias"
+            has_bias = bias in entries and not (tied_head is not None and target == tied_head)
+            if any(n.endswith(".lora_B.bias") for n in saved) and not has_bias:
+                raise UserError(f"{folder}: lora_bias on {mod}, whose base layer has no bias: the adapter adds a "
+                                "bias the base does not have (peft cannot merge it either); train without lora_bias")
+            run = _replay_call(replay, files, mod, entries[target].dense, entries[bias].dense if has_bias else None,
+                               {n: TensorRef(wpath, k) for n, k in saved.items()})
+            entries[target].delta = Delta(lambda run=run: run()[0])
+            if has_bias:
+                entries[bias].delta = Delta(lambda run=run: run()[1])
+            if against == "residual" and adapters.rewriting_init(cfg):
+                reference[target] = Delta(lambda run=run: run()[2])
+    for mod, key in tokens.items():
+        target = target_of(mod)
+        idx = torch.tensor(_token_indices(cfg, mod), dtype=torch.long)
+        rows = files.read(TensorRef(wpath, key)).to(torch.float64)
+        shape = files.shape(entries[target].dense)
+        if rows.shape != (len(idx), *shape[1:]) or (len(idx) and int(idx.max()) >= shape[0]):
+            raise UserError(f"{folder}: trainable tokens of {mod} ({tuple(rows.shape)}, indices "
+                            f"{idx.tolist()[:8]}) do not fit {target} {tuple(shape)}")
+        old = torch.stack([files.read(entries[target].dense, int(i), int(i) + 1)[0].to(torch.float64) for i in idx]) \
+            if len(idx) else rows
+        entries[target].delta = RowsDelta(idx, rows - old, shape[0])
 
     plan: dict[str, list[tuple[str, int | None, bool]]] = {}  # expert tensors renamed as the model names them
     for mod, f in factors.items():
         if _targets_parameter(mod, cfg.get("target_parameters")):
-            _parameter_lora(folder, cfg, mod, f, entries, files, plan, config)
+            _parameter_lora(folder, cfg, mod, {k: v for k, v in f.items()}, entries, files, plan, config)
             continue
-        target = redirect.get(mod + ".weight", mod + ".weight")
-        if target not in entries:
-            raise UserError(f"{folder}: adapter targets {target}, which the base {base.label} does not have")
+        target = target_of(mod)
         if "lora_A.weight" in f and "lora_B.weight" in f:
             A, B, embedding = f["lora_A.weight"], f["lora_B.weight"], False
         elif "lora_embedding_A" in f and "lora_embedding_B" in f:
@@ -461,7 +587,48 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles) -> Side:
             raise UserError(f"{folder}: adapter delta for {target} is {B.shape[0]}x{A.shape[1]}, base weight is "
                             f"{'x'.join(map(str, shape))}")
         entries[target].lora.append(LoraFactor(scale, B, A))
-    return Side(str(folder), entries, config, is_adapter=True, regroup=plan)
+    _check_vocabulary(folder, base, entries, config, files)
+    return Side(str(folder), entries, config, is_adapter=True, regroup=plan, reference=reference,
+                note=adapters.note(cfg, against))
+
+
+def _tied_copies(cfg: dict, base: Side, entries: dict[str, Entry], config: dict, embedding: str,
+                 copies: dict[str, TensorRef]) -> None:
+    """modules_to_save copies of a tied base's head or embedding, as peft leaves the model: with
+    ensure_weight_tying the copy is the one tied tensor (the model stays tied); without it, the copy unties the
+    pair, the other side keeping the base's tensor (an lm_head row against the base's embedding)."""
+    head_name = next((h for h in _LM_HEADS if h in copies), "embed_out.weight" if embedding.startswith("gpt_neox")
+                     else "lm_head.weight")
+    head, emb = copies.get(head_name), copies.get(embedding)
+    if cfg.get("ensure_weight_tying"):
+        entries[embedding] = Entry(emb or head)
+        return
+    if emb is not None:
+        entries[embedding] = Entry(emb)
+    entries[head_name] = Entry(head or base.entries[embedding].dense)
+    config["tie_word_embeddings"] = False
+
+
+def _check_vocabulary(folder: Path, base: Side, entries: dict[str, Entry], config: dict, files: SafeFiles) -> None:
+    """An adapter that resized the vocabulary must hold both of an untied model's resized tensors: peft saves the
+    embedding it adapted, and a head it did not train is not in the files (its added rows are unknown)."""
+    emb = next((e for e in _EMBEDDINGS if e in entries), None)
+    head = next((h for h in _LM_HEADS if h in entries), None)
+    if config.get("tie_word_embeddings") or emb is None or head is None or head not in base.entries:
+        return
+    rows = [files.shape(entries[n].dense)[0] for n in (emb, head)]
+    if rows[0] != rows[1] and files.shape(base.entries[emb].dense)[0] == files.shape(base.entries[head].dense)[0]:
+        raise UserError(f"{folder}: the adapter resized {emb} to {rows[0]} rows but holds no {head} of that size (the "
+                        f"head's added rows are not saved); save it with modules_to_save=['{head.split('.')[0]}']")
+
+
+def _replay_call(replay, files: SafeFiles, mod: str, weight: TensorRef, bias: TensorRef | None,
+                 saved: dict[str, TensorRef]):
+    """The replay of one module, read from the files when first called (its weight and bias share one call)."""
+    def run():
+        return replay.delta(mod, files.read(weight).clone(), None if bias is None else files.read(bias).clone(),
+                            {n: files.read(r).clone() for n, r in saved.items()})
+    return run
 
 
 # A stacked expert parameter and the per-expert tensors transformers saves it as, in the stack's output order
@@ -583,9 +750,9 @@ def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, f
 
 
 def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike | None = None,
-              other: str | os.PathLike | None = None) -> Side:
+              other: str | os.PathLike | None = None, against: str = "original") -> Side:
     """Open a checkpoint; an adapter goes on --base, else its local base_model_name_or_path, else the other side
-    when that is a dense checkpoint."""
+    when that is a dense checkpoint (against: open_adapter)."""
     p = Path(path)
     if not p.exists():
         raise UserError(f"{p}: no such file or folder")
@@ -598,7 +765,7 @@ def open_side(path: str | os.PathLike, files: SafeFiles, base: str | os.PathLike
                         "pass --base BASE_DIR")
     if is_adapter(base_path):
         raise UserError(f"{base_path}: the base of an adapter must be a full checkpoint, not another adapter")
-    return open_adapter(p, open_dense(base_path, files), files)
+    return open_adapter(p, open_dense(base_path, files), files, against)
 
 
 def architecture(side: Side) -> str | None:

@@ -15,13 +15,14 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig
 
-from mechdiag import models
+from mechdiag import adapters, models
 from mechdiag.blocks import n_layers_of
+from mechdiag.console import note
 from mechdiag.errors import UserError, first_line
 from mechdiag.models import adapter_context as _adapter_ctx
 from mechdiag.models import load_adapters as _with_adapters
 from mechdiag.probes.capture import Probe
-from mechdiag.weights import ADAPTER_WEIGHTS, adapter_base, is_adapter, local_base, refuse_pickle
+from mechdiag.weights import ADAPTER_WEIGHTS, adapter_base, adapter_config, is_adapter, local_base, refuse_pickle
 
 
 @dataclass
@@ -50,6 +51,7 @@ def _check_adapter_dir(path: Path) -> None:
     if not (path / ADAPTER_WEIGHTS).is_file():
         refuse_pickle(path)
         raise UserError(f"no {ADAPTER_WEIGHTS} in {path}")
+    adapters.check(path, adapter_config(path))  # before any model loads
 
 
 def resolve(base: str | Path, tuned: str | Path) -> tuple[Source, Source]:
@@ -110,16 +112,27 @@ class Pair:
 
 
 def load_pair(base: str | Path, tuned: str | Path, dtype: str = "float32",
-              device: str | torch.device = "cpu") -> Pair:
+              device: str | torch.device = "cpu", against: str = "original") -> Pair:
+    """The two models of a comparison (against: see mechdiag.adapters)."""
+    if against not in adapters.AGAINST:
+        raise UserError(f"--against must be {' or '.join(adapters.AGAINST)}, not {against!r}")
     ref_src, tun_src = resolve(base, tuned)
     tok = models.load_tokenizer(ref_src.model_dir)
     for d in {tun_src.model_dir, tun_src.adapter_dir} - {None, ref_src.model_dir}:
         if _has_tokenizer(d) and models.load_tokenizer(d).get_vocab() != tok.get_vocab():
             raise UserError(f"base and tuned have different vocabularies: tokenizer of {d} differs from "
                             f"{ref_src.model_dir}")
-    if ref_src.model_dir.resolve() == tun_src.model_dir.resolve():
-        adapters = {k: s.adapter_dir for k, s in (("ref", ref_src), ("tuned", tun_src)) if s.adapter_dir}
-        model = _with_adapters(_load(ref_src.model_dir, dtype, device), adapters)
+    cfgs = [adapter_config(s.adapter_dir) for s in (ref_src, tun_src) if s.adapter_dir]
+    for cfg in cfgs:
+        if adapters.note(cfg, against):
+            note(adapters.note(cfg, against))
+    # an adapter that trains the base's own biases, or whose init rewrote the base, leaves the base changed when it
+    # is disabled: the reference is then a model of its own (the residual, when asked for, is the shared one's)
+    residual = against == "residual" and all(c.get("bias", "none") in (None, "none") for c in cfgs)
+    if ref_src.model_dir.resolve() == tun_src.model_dir.resolve() and (
+            all(adapters.scoped(c) for c in cfgs) or residual):
+        loaded = {k: s.adapter_dir for k, s in (("ref", ref_src), ("tuned", tun_src)) if s.adapter_dir}
+        model = _with_adapters(_load(ref_src.model_dir, dtype, device), loaded)
         probe = Probe(model)
         return Pair(probe, probe, tok, _adapter_ctx(model, "ref" if ref_src.adapter_dir else None),
                     _adapter_ctx(model, "tuned" if tun_src.adapter_dir else None), shared=True)

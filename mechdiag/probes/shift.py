@@ -159,8 +159,9 @@ def _prepare(tokenizer, config, prompts: list[str], max_length: int | None):
 
 def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool = False,
           max_length: int | None = None, dtype: str = "float32", device: str = "auto", n_boot: int = N_BOOT,
-          seed: int = 0, progress=None):
-    """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame.
+          seed: int = 0, progress=None, against: str = "original"):
+    """Per-layer activation shift of `tuned` against `base` on `prompts` -> DataFrame (against: an adapter whose
+    init rewrote the base, against the original base or the residual; mechdiag.adapters).
 
     prompts: a list of strings, or a pathlib.Path to a probe file (see read_prompts).
 
@@ -175,7 +176,7 @@ def shift(base, tuned, prompts: list[str], batch_size: int = 16, keep_bos: bool 
     elif isinstance(prompts, str):
         raise UserError("prompts must be a list of strings or a pathlib.Path to a probe file")
     device = models.device(device)
-    pair = load_pair(base, tuned, dtype=dtype, device=device)
+    pair = load_pair(base, tuned, dtype=dtype, device=device, against=against)
     seqs, truncated, limit = _prepare(pair.tokenizer, pair.ref.inner.config, list(prompts), max_length)
     sums = measure(pair.ref, pair.tuned, seqs, pad_id(pair.tokenizer), batch_size, pair.ref_ctx,
                    pair.tuned_ctx, keep_bos, pair.tokenizer.bos_token_id, progress)
