@@ -1,10 +1,11 @@
-"""Sandbox figures: hostile-corpus containment per isolation mode (cases tried / contained / wrong verdicts, worst
-charged wall time; each case driven by its own host process) and the cost per MBPP gold program: each mode +
+"""Sandbox figures: the hostile corpus per isolation mode through a code task's components_many, as root and as
+an unprivileged user (cases, wrong verdicts, hosts harmed, secrets leaked, processes, IPC or folders left, worst
+charged wall time; each case driven by its own host process), and the cost per MBPP gold program: each mode +
 judge on one worker against a bare interpreter spawn (the floor), and run_many's programs per second at 1, 2 and
 all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
-    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus] [--no-throughput] [--new-corpus]
-        [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
+    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
+        [--no-throughput] [--new-corpus] [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
 from __future__ import annotations
