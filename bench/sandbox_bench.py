@@ -5,7 +5,8 @@ judge on one worker against a bare interpreter spawn (the floor), and run_many's
 all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
     MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
-        [--no-throughput] [--new-corpus] [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
+        [--no-throughput] [--new-corpus: issue 40's cases only]
+        [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
 from __future__ import annotations
