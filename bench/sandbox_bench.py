@@ -1,9 +1,11 @@
-"""Sandbox figures: hostile-corpus containment per isolation mode (cases tried / contained / wrong verdicts, worst
-charged wall time; each case driven by its own host process) and the cost per MBPP gold program: each mode +
+"""Sandbox figures: the hostile corpus per isolation mode through a code task's components_many, as root and as
+an unprivileged user (cases, wrong verdicts, hosts harmed, secrets leaked, processes, IPC or folders left, worst
+charged wall time; each case driven by its own host process), and the cost per MBPP gold program: each mode +
 judge on one worker against a bare interpreter spawn (the floor), and run_many's programs per second at 1, 2 and
 all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
-    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus] [--no-throughput]
+    MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
+        [--no-throughput] [--new-corpus: issue 40's cases only]
         [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
@@ -25,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mechdiag import sandbox  # noqa: E402
 from mechdiag.tasks import get_task  # noqa: E402
 from tests.sandbox_conditions import USER, as_user  # noqa: E402
-from tests.test_sandbox import CORPUS, GUARD_ONLY_GAPS, OS_FAMILIES, corpus_figures  # noqa: E402
+from tests.test_sandbox import CORPUS, CORPUS_40, GUARD_ONLY_GAPS, OS_FAMILIES, corpus_figures  # noqa: E402
 
 USER_RUN = """
 import json, os, sys
@@ -44,14 +46,14 @@ def _row(label: str, fig: dict) -> str:
             f"{len(fig['left_behind'])} | {fig['worst_wall_s']:.2f} s |")
 
 
-def corpus() -> None:
+def corpus(only_new: bool = False) -> None:
     """The whole hostile corpus through the trainer's path (a code task's components_many: extract_code, run_many,
     run_tests) in each mode, as root and as an unprivileged user (uid 65534 through setpriv, the system Python);
     then the escape families with the guard off (the OS layer alone), as root."""
     print("| mode, user | cases | wrong verdicts | hosts harmed | secrets leaked | processes, IPC or folders left "
           "| worst charged wall |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
-    names = [n for n in CORPUS if n not in GUARD_ONLY_GAPS]
+    names = list(CORPUS_40) if only_new else [n for n in CORPUS if n not in GUARD_ONLY_GAPS]
     for iso in ("bwrap", "landlock", "guard-only"):
         if iso != "guard-only" and sandbox._reason(iso) is not None:
             print(f"| {iso} | not available here ({sandbox._reason(iso)}) |")
@@ -71,7 +73,8 @@ def corpus() -> None:
         uid, text = p.stdout.strip().splitlines()[-1].split(" ", 1)
         print(_row(f"{iso}, uid {uid}", json.loads(text)), flush=True)
     for iso in ("bwrap", "landlock"):
-        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), OS_FAMILIES, guard=False, iso=iso)
+        escapes = [n for n in names if n in OS_FAMILIES]
+        fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), escapes, guard=False, iso=iso)
         print(_row(f"{iso} alone (guard off), root", fig), flush=True)
 
 
@@ -165,10 +168,11 @@ if __name__ == "__main__":
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-corpus", action="store_true")
     ap.add_argument("--no-throughput", action="store_true")
+    ap.add_argument("--new-corpus", action="store_true", help="the corpus: issue 40's cases only (CORPUS_40)")
     ap.add_argument("--before", help="a checkout of the earlier sandbox to compare against")
     a = ap.parse_args()
     if not a.no_corpus:
-        corpus()
+        corpus(a.new_corpus)
     if not a.no_throughput:
         throughput(a.n, a.rounds)
     if a.before:
