@@ -500,7 +500,8 @@ class MechdiagCallback(TrainerCallback):
                 "steps": step // n, "planned_steps": state.max_steps // n, "source": "trl",
                 "trl_output_dir": str(args.output_dir), "wall_time_s": time.perf_counter() - self._created,
                 "recorder_s": self.recorder_s, "recorder_once_s": self.recorder_once_s,
-                "config_derived": self._derived, "engine": self.engine.name, "world_size": self.engine.world_size})
+                "config_derived": self._derived, "engine": self.engine.name, "world_size": self.engine.world_size,
+                **({"task": None, "eval_n": None} if self._derived else {})})  # a derived config names no task
         if self.writer:
             self.report.deliver(args, state, control)
 
