@@ -338,8 +338,9 @@ class Summary(Signal):
 
     def on_end(self, rec, step, ctx):
         cfg = self.cfg
+        heldout = rec.find(HeldOut)  # the problems it really has (a task may hold fewer than eval_n)
         out = {"steps": step, "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-               "eval_n": cfg.eval_n}
+               "eval_n": len(heldout.examples) if heldout is not None else cfg.eval_n}
         evals = [e for e in rec.find(EvalRecords).records if "accuracy" in e]
         if evals:
             out.update(final_accuracy=evals[-1]["accuracy"], final_eval_reward=evals[-1].get("eval_reward"))
@@ -347,7 +348,7 @@ class Summary(Signal):
             if base is not None:
                 out.update(base_accuracy=base["accuracy"], base_eval_reward=base.get("eval_reward"),
                            accuracy_gain=evals[-1]["accuracy"] - base["accuracy"])
-        return [{**out, **ctx["summary"]}]
+        return [{k: v for k, v in {**out, **ctx["summary"]}.items() if v is not None}]  # None: the trainer's "unknown"
 
     def write(self, run, records):
         run.write_summary(records[0])

@@ -134,6 +134,9 @@ HOMES = {
     "tensor_site": "weights.py", "expert_index": "weights.py",
     "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",
     "LOGIT_COPIES": "train/memory.py", "is_number": "metrics.py", "load_object": "config.py",
+    # issue 36: one step record, every per-step signal computed from it once
+    "StepRecord": "recorder.py", "Update": "recorder.py", "step_metrics": "recorder.py", "group_stats": "outcomes.py",
+    "all_equal": "outcomes.py", "run_config": "train/trainer.py", "load_adapter_weights": "models.py",
     "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
 }
 # inline forms of those ideas that must not come back outside their home
@@ -155,6 +158,10 @@ PATTERNS = {
     "activation bytes per token": (r"16 \* \w*hidden", "train/memory.py"),
     "is a finite number": (r"not isinstance\(\w+, bool\) and math\.isfinite", "metrics.py"),
     "package.module:Name loader": (r"importlib\.import_module\(", "config.py"),
+    "a zero-std tolerance": (r"std\)? <= (1e-8|EQ_TOL)", "outcomes.py"),
+    "reward weights resolved": (r"resolve_rewards\(cfg\)", "train/trainer.py"),
+    "adapter factors loaded": (r"set_peft_model_state_dict\(", "models.py"),
+    "the held-out set": (r"eval_split, n=cfg\.eval_n", "recorder.py"),
 }
 
 
@@ -202,7 +209,11 @@ def test_inline_copies_do_not_come_back():
            "gathering a sharded parameter": "with FSDP.summon_full_params(model, writeback=False):",
            "activation bytes per token": 'per_token = 4 * getattr(c, "num_hidden_layers", 1) * (16 * hidden + 6 * mlp)',
            "is a finite number": "return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)",
-           "package.module:Name loader": "mod = importlib.import_module(mod_name)"}
+           "package.module:Name loader": "mod = importlib.import_module(mod_name)",
+           "a zero-std tolerance": "zero += std <= 1e-8",
+           "reward weights resolved": "tasks.resolve_rewards(cfg)  # before config.yaml is saved",
+           "adapter factors loaded": "set_peft_model_state_dict(self.model, load_file(path / ADAPTER_WEIGHTS))",
+           "the held-out set": "self.task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)"}
     assert [idea for idea, (pattern, _) in PATTERNS.items() if not re.search(pattern, old[idea])] == []
 
 

@@ -408,9 +408,9 @@ class MechdiagCallback(TrainerCallback):
         if roll is None and path is not None:
             _, rows = completions_rows(path, names, self.reward_weights, args.num_generations)
             roll = {"group_ids": [r["group"] for r in rows], "prompts": [r["prompt"] for r in rows],
-                    "texts": [r["completion"] for r in rows], "rewards": [_nan(r["reward"]) for r in rows],
-                    "advantages": [_nan(r.get("advantage")) for r in rows],
-                    "components": {n: [_nan(r.get(f"reward/{n}")) for r in rows] for n in names}}
+                    "texts": [r["completion"] for r in rows], "rewards": [r["reward"] for r in rows],  # None: NaN
+                    "advantages": [r["advantage"] for r in rows] if rows and "advantage" in rows[0] else None,
+                    "components": {n: [r.get(f"reward/{n}") for r in rows] for n in names}}
         for k, v in (roll or {}).items():
             setattr(record, k, v)
         self.recorder.train(record)
@@ -500,16 +500,13 @@ class MechdiagCallback(TrainerCallback):
                 "steps": step // n, "planned_steps": state.max_steps // n, "source": "trl",
                 "trl_output_dir": str(args.output_dir), "wall_time_s": time.perf_counter() - self._created,
                 "recorder_s": self.recorder_s, "recorder_once_s": self.recorder_once_s,
-                "config_derived": self._derived, "engine": self.engine.name, "world_size": self.engine.world_size})
+                "config_derived": self._derived, "engine": self.engine.name, "world_size": self.engine.world_size,
+                **({"task": None, "eval_n": None} if self._derived else {})})  # a derived config names no task
         if self.writer:
             self.report.deliver(args, state, control)
 
 
 UPDATE_FIELDS = [f.name for f in dataclasses.fields(R.Update)]
-
-
-def _nan(v) -> float:
-    return math.nan if v is None else float(v)
 
 
 class Evaluate(R.Signal):
