@@ -5,7 +5,7 @@ judge on one worker against a bare interpreter spawn (the floor), and run_many's
 all cores against the bare-spawn floor at as many workers, in alternating rounds.
 
     MECHDIAG_SHARED=/path/to/shared python bench/sandbox_bench.py [--n 40] [--rounds 3] [--no-corpus]
-        [--no-throughput] [--new-corpus: issue 40's cases only]
+        [--no-throughput] [--new-corpus: issue 40's cases only] [--gold strict|landlock|guard-only]
         [--before CHECKOUT]   # also: this checkout's sandbox vs CHECKOUT's (e.g. a worktree of main), alternating
 """
 
@@ -76,6 +76,29 @@ def corpus(only_new: bool = False) -> None:
         escapes = [n for n in names if n in OS_FAMILIES]
         fig = corpus_figures(Path(tempfile.mkdtemp(prefix="sbx-outside-")), escapes, guard=False, iso=iso)
         print(_row(f"{iso} alone (guard off), root", fig), flush=True)
+
+
+def gold(mode: str) -> None:
+    """Every gold program (MBPP 974, HumanEval 164) in one mode, 2 workers, the tasks' timeout: passed, blocked.
+    guard-only is refused for an interpreter only root may reach: run this bench with a Python every user reads
+    (e.g. the system one, with this interpreter's packages on PYTHONPATH)."""
+    from tests.test_sandbox import GOLD_TIMEOUT, _gold_jobs  # noqa: PLC0415
+
+    ids, jobs = _gold_jobs(None)
+    t0 = time.monotonic()
+    if mode == "guard-only":
+        with ThreadPoolExecutor(2) as pool:
+            res = list(pool.map(lambda j: sandbox._run(j[0], j[1], GOLD_TIMEOUT, 512, 16, 8, sandbox.MAX_OUTPUT,
+                                                       4 * GOLD_TIMEOUT, j[2], "guard-only"), jobs))
+    else:
+        sandbox.use(mode)
+        res = sandbox.run_many(jobs, workers=2, timeout_s=GOLD_TIMEOUT)
+    passed = {k: sum(1 for i, r in zip(ids, res, strict=True) if r.passed and i.lower().startswith(k))
+              for k in ("mbpp", "humaneval")}
+    print(f"gold, {mode} ({', '.join(sorted({r.isolation for r in res}))}): MBPP {passed['mbpp']}/974, HumanEval "
+          f"{passed['humaneval']}/164, blocked {sum(r.blocked for r in res)}, failed "
+          f"{[(i, r.status) for i, r in zip(ids, res, strict=True) if not r.passed]}, "
+          f"{time.monotonic() - t0:.0f} s")
 
 
 def _per_run(fn, jobs) -> float:
@@ -169,6 +192,7 @@ if __name__ == "__main__":
     ap.add_argument("--no-corpus", action="store_true")
     ap.add_argument("--no-throughput", action="store_true")
     ap.add_argument("--new-corpus", action="store_true", help="the corpus: issue 40's cases only (CORPUS_40)")
+    ap.add_argument("--gold", choices=["strict", "landlock", "guard-only"], help="also every gold program in a mode")
     ap.add_argument("--before", help="a checkout of the earlier sandbox to compare against")
     a = ap.parse_args()
     if not a.no_corpus:
@@ -177,3 +201,5 @@ if __name__ == "__main__":
         throughput(a.n, a.rounds)
     if a.before:
         before_after(a.before, a.n, a.rounds)
+    if a.gold:
+        gold(a.gold)

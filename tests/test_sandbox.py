@@ -367,7 +367,7 @@ CORPUS_40 = {
                            "            return False\n        ctypes.memset(a, 1, 64 << 20)\n        libc.shmdt(a)\n"
                            "        n += 1\n    return n == 4\n", "assert f()\n"),
     # the run's folder on the host: a tree deeper than the recursion limit, unlinked files past the cap
-    "disk_deep_tree": ("import os\ndef f():\n    for _ in range(1500):\n        os.mkdir('d')\n        os.chdir('d')\n"
+    "disk_deep_tree": ("import os\ndef f():\n    for _ in range(1200):\n        os.mkdir('d')\n        os.chdir('d')\n"
                        "    return 1\n", "f()\nassert False\n"),
     "disk_tmpfile_fill": ("import os\ndef f():\n    total, fds = 0, []\n    for _ in range(50):\n        try:\n"
                           "            fd = os.open('.', os.O_TMPFILE | os.O_RDWR, 0o600)\n"

@@ -27,6 +27,7 @@ def launched(tmp_path_factory):
            "--out", str(out), "--set", f"max_steps={STEPS}", "--set", f"prompts_per_step={PROMPTS}", "--set",
            f"group_size={G}", "--set", "eval_n=4", "--set", "max_completion_tokens=16", "--set", "save_every=0",
            "--set", "threads=1", "--set", "record.shift_n=4", "--set", "temperature=1.5",
+           "--set", "record.samples_every=1",
            "--trl", "log_completions=true"]
     proc = subprocess.run(cmd, cwd=tmp_path_factory.mktemp("cwd"), env=env, capture_output=True, text=True,
                           timeout=600)
