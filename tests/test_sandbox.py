@@ -413,6 +413,7 @@ CORPUS_40 = {
                               "assert f() == '" + SECRET + "'\n"),
 }
 assert len(CORPUS_40) >= 40  # and the batch, helper, parsing and hidden-test cases of test_sandbox_verdicts.py
+BEFORE_40 = list(CORPUS)  # the cases of issues 19 and 27
 CORPUS.update(CORPUS_40)
 
 # the cases that reach outside the process (signals, /proc, files, special files, listings, network, exits)
@@ -581,10 +582,11 @@ def test_isolation_is_bwrap():
 
 
 def test_hostile_corpus_contained(tmp_path):
-    fig = corpus_figures(tmp_path, list(CORPUS))
+    # (issue 40's cases run with the guard on through the trainer's path, per mode: the last test here)
+    fig = corpus_figures(tmp_path, BEFORE_40)
     by = fig["by"]
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
-    assert fig["contained"] == fig["tried"] == len(CORPUS) and fig["left_behind"] == []
+    assert fig["contained"] == fig["tried"] == len(BEFORE_40) and fig["left_behind"] == []
     assert fig["worst_wall_s"] <= WALL + SLACK, {n: (r["duration_s"], r["waited_s"]) for n, r in by.items()}
     assert all(r["isolation"] == "bwrap" for r in by.values())
     assert by["infinite_loop"]["status"] == "timeout" and by["sleep_forever"]["status"] == "timeout"
@@ -633,7 +635,7 @@ def test_bwrap_without_libseccomp_warns_once(tmp_path):
 def test_guard_only_mode_contains_the_corpus_as_root(tmp_path):
     # sandbox: guard-only (no bwrap): the guard, rlimits and, as root, the candidate's own uid (no signals to the
     # host, no /proc/<judge>, RLIMIT_NPROC enforced) hold every case
-    names = [n for n in CORPUS if n not in GUARD_ONLY_GAPS]
+    names = [n for n in BEFORE_40 if n not in GUARD_ONLY_GAPS]
     fig = corpus_figures(tmp_path, names, iso="guard-only")
     assert fig["wrong"] == [] and fig["host_dead"] == [] and fig["leaks"] == [] and fig["intact"], fig
     assert fig["contained"] == fig["tried"] == len(names) and fig["left_behind"] == []

@@ -18,7 +18,17 @@ from mechdiag import sandbox
 from mechdiag import sandbox_landlock as landlock
 from mechdiag.run import RunDir
 from tests.sandbox_conditions import USER, as_user, env_without_bwrap, without_landlock
-from tests.test_sandbox import CORPUS, GOLD_LOAD, GOLD_TIMEOUT, OS_FAMILIES, SLACK, WALL, _gold_jobs, corpus_figures
+from tests.test_sandbox import (
+    BEFORE_40,
+    CORPUS,
+    GOLD_LOAD,
+    GOLD_TIMEOUT,
+    OS_FAMILIES,
+    SLACK,
+    WALL,
+    _gold_jobs,
+    corpus_figures,
+)
 from tests.test_sandbox_verdicts import guard_only_runs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,8 +51,9 @@ def _contained(fig: dict, n: int) -> None:
 
 
 def test_landlock_contains_the_corpus_as_root(tmp_path):
-    fig = corpus_figures(tmp_path, list(CORPUS), iso="landlock")
-    _contained(fig, len(CORPUS))
+    # (issue 40's cases: through the trainer's path per mode, tests/test_sandbox.py)
+    fig = corpus_figures(tmp_path, BEFORE_40, iso="landlock")
+    _contained(fig, len(BEFORE_40))
     by = fig["by"]
     assert all(r["isolation"] == "landlock" for r in by.values())
     assert by["infinite_loop"]["status"] == "timeout" and by["sleep_forever"]["status"] == "timeout"
