@@ -114,8 +114,27 @@ class Config(_Strict):
     epsilon_high: float | None = Field(None, ge=0, le=10)  # None = epsilon (symmetric clip)
     beta: float = Field(0.0, ge=0)
     num_iterations: int = Field(1, ge=1)
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "grpo"
+    # TRL 1.16 defaults to dapo; grpo is the study's per-sequence mean (docs/training.md, "Defaults")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    # TRL 1.16's GRPO family, named as GRPOConfig names them (docs/training.md: each formula and its paper)
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    delta: float | None = Field(None, gt=1)  # INTELLECT-2's upper bound on the unclipped ratio
+    mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_tokens leave the loss
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)  # < 1: the loss on the top-entropy tokens only
+    entropy_coef: float = 0.0  # the entropy bonus: loss - coef x mean token entropy
+    use_bias_correction_kl: bool = False  # TRL 1.16 defaults to True (rho x k3); the study's KL is plain k3
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    vespo_k_pos: float = Field(2.0, ge=0)
+    vespo_lambda_pos: float = Field(3.0, ge=0)
+    vespo_k_neg: float = Field(3.0, ge=0)
+    vespo_lambda_neg: float = Field(2.0, ge=0)
+    # updates per rollout x grad_accum: the rollout holds prompts_per_step x steps_per_generation prompts and makes
+    # steps_per_generation / grad_accum updates (PPO-style mini-batches); None = grad_accum (one update)
+    steps_per_generation: int | None = Field(None, ge=1)
+    off_policy_mask_threshold: float | None = Field(None, ge=0)  # DeepSeek-V3.2's off-policy sequence mask
 
     # optimisation
     learning_rate: float = Field(1e-3, gt=0, le=1)
@@ -174,6 +193,9 @@ class Config(_Strict):
             raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
+        if self.steps_per_generation is not None and self.steps_per_generation % self.grad_accum:
+            raise ValueError(f"steps_per_generation {self.steps_per_generation} is not a multiple of grad_accum "
+                             f"{self.grad_accum}")
         return self
 
 

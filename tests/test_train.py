@@ -205,7 +205,8 @@ def test_zero_advantage_rows_skipped_exactly_when_beta_is_zero(stories260k, tmp_
     logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask,
                            prompt_of=torch.tensor(roll.group_ids))  # the update pass's forward, on every row
     logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature)
-    full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask, loss_type=loss_type)
+    full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask,
+                                  objective.Objective(loss_type=loss_type))
     slow = torch.autograd.grad(full, params)
     assert loss.item() == pytest.approx(full.item(), abs=1e-7)
     for a, b in zip(fast, slow, strict=True):

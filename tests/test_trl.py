@@ -237,9 +237,7 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
         trl_loss = float(trainer.compute_loss(model, inputs))
         logp = objective.token_logprobs(policy_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask), completion_ids, cfg.temperature)
-        ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, epsilon=cfg.epsilon,
-                                          epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                          max_completion_tokens=cfg.max_completion_tokens)
+        ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, objective.Objective.of(cfg))
     assert stats["policy_clip_fraction"] > 0 and stats["kl"] > 0
     assert abs(trl_loss - float(ours)) <= 1e-5 * max(1.0, abs(float(ours))), (trl_loss, float(ours))
     assert trainer.args.epsilon_high == 0.28 and trainer.args.num_iterations == 2 and trainer.args.max_steps == 4

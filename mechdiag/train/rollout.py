@@ -104,6 +104,17 @@ def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
     return out
 
 
+def advantages(cfg, rewards: torch.Tensor, components: dict[str, list[float]], weights: dict[str, float]):
+    """The rollout's advantages: of the weighted reward (sum_then_normalize), or GDPO's per-component group
+    normalisation then weighted sum (multi_objective_aggregation: normalize_then_sum)."""
+    if cfg.multi_objective_aggregation == "normalize_then_sum" and components:
+        names = list(components)
+        c = torch.tensor([components[k] for k in names], dtype=torch.float64).T
+        return obj.decoupled_advantages(c, torch.tensor([float(weights.get(k, 0.0)) for k in names]),
+                                        cfg.group_size)
+    return obj.group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+
+
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
     """Sample cfg.group_size completions per example and score them (paper-notes §2).
 
@@ -138,7 +149,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         rewards = torch.tensor(totals, dtype=torch.float32)
         r = Rollout(p_ids, p_mask, c_ids, c_mask, trunc.cpu(), rewards,
                     {k: torch.tensor(v) for k, v in comps.items()},
-                    obj.group_advantages(rewards, g, cfg.scale_rewards).to(device), texts,
+                    advantages(cfg, rewards, comps, weights).to(device), texts,
                     [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
                     sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
         if cfg.num_iterations > 1:

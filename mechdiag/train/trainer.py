@@ -38,7 +38,7 @@ from mechdiag.train import hooks as H
 from mechdiag.train import memory
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import collect, policy_logprobs
+from mechdiag.train.rollout import collect, policy_logits, policy_logprobs
 from mechdiag.weights import ADAPTER_WEIGHTS
 
 
@@ -104,6 +104,31 @@ def auto_threads() -> int:
     return max(1, min(n, n - busy))
 
 
+def generation_steps(cfg: Config) -> int:
+    """Micro-batches per rollout: steps_per_generation, or grad_accum (one update per rollout)."""
+    return cfg.steps_per_generation or cfg.grad_accum
+
+
+def updates_per_rollout(cfg: Config) -> int:
+    return generation_steps(cfg) // cfg.grad_accum
+
+
+def update_plan(n_rows: int, micro: int, accum: int) -> list[list[torch.Tensor]]:
+    """A rollout's rows as updates, each of `accum` micro-batches of `micro` consecutive rows (whole groups)."""
+    batches = [torch.arange(s, min(s + micro, n_rows)) for s in range(0, n_rows, micro)]
+    return [batches[u:u + accum] for u in range(0, len(batches), accum)]
+
+
+def loss_mask(cfg: Config, roll, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens the loss counts: the completion's, less a truncated completion's under
+    mask_truncated_completions (DAPO's overlong filtering)."""
+    mask = roll.completion_mask if rows is None else roll.completion_mask[rows]
+    if not cfg.mask_truncated_completions:
+        return mask
+    cut = roll.truncated if rows is None else roll.truncated[rows]
+    return mask * (~cut).to(mask.device, mask.dtype).unsqueeze(1)
+
+
 def check_data(cfg: Config) -> None:
     """--dry-run's data check: every task (main and mixture) resolves and its training and eval splits have
     examples, so a misspelt name or a missing file fails now rather than after the model is loaded."""
@@ -151,7 +176,8 @@ class Trainer:
         self.eval_examples = self.heldout.examples
         self.eval_prompts = self.heldout.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
-        self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
+        self.prompts_per_update = cfg.prompts_per_step * generation_steps(cfg)  # a rollout's prompts
+        self.objective = obj.Objective.of(cfg)
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -161,7 +187,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
-        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
+        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations * updates_per_rollout(cfg))
         self.step, self.bad_steps, self.base_eval = 0, 0, None
         for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
             H.hook_factory(spec)
@@ -232,47 +258,14 @@ class Trainer:
                        sampler=self.sampler())
         t_roll = time.perf_counter() - t0
         model.train()
-        micro = cfg.prompts_per_step * cfg.group_size
         stats: dict[str, list[float]] = {}
         lr = self.sched.get_last_lr()[0]
         skipped = 0
-        n = len(roll)
+        # dapo / cispo / vespo divide by the loss tokens of the whole rollout per update (TRL's num_items_in_batch)
+        update_tokens = float(loss_mask(cfg, roll).sum()) / updates_per_rollout(cfg)
         for _ in range(cfg.num_iterations):
-            self.opt.zero_grad(set_to_none=True)
-            finite = True
-            per_pass = self.rows_per_pass(roll)
-            self._predict_peak(roll, per_pass)
-            for s in range(0, n, micro):
-                rows = torch.arange(s, min(s + micro, n))
-                summed: dict[str, float] = {}
-                for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
-                    loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows)
-                    st["loss"] = loss.item()
-                    finite = finite and math.isfinite(st["loss"])
-                    if finite and loss.requires_grad:
-                        (loss / cfg.grad_accum).backward()
-                    for k, v in st.items():
-                        summed[k] = summed.get(k, 0.0) + v
-                for k, v in summed.items():
-                    stats.setdefault(k, []).append(v)
-            params = [p for p in model.parameters() if p.requires_grad]
-            for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
-            stats.setdefault("grad_norm", []).append(grad_norm)
-            if finite and math.isfinite(grad_norm):
-                self.opt.step()
-                self.bad_steps = 0
-            else:
-                skipped += 1
-                self.bad_steps += 1
-                self.opt.zero_grad(set_to_none=True)
-                warnings.warn(f"step {step}: non-finite loss or gradient; update skipped", stacklevel=2)
-                if self.bad_steps >= cfg.max_bad_steps:
-                    raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
-                                    "lower learning_rate or check the rewards")
-            self.sched.step()
+            for update in update_plan(len(roll), cfg.prompts_per_step * cfg.group_size, cfg.grad_accum):
+                skipped += not self._update(step, roll, update, update_tokens, stats)
         dt = time.perf_counter() - t0
         n_tok = int(roll.completion_mask.sum())
         m_all = roll.completion_mask
@@ -290,9 +283,53 @@ class Trainer:
                    "skipped_updates": skipped}
         return metrics, roll
 
+    def _update(self, step: int, roll, update: list[torch.Tensor], update_tokens: float,
+                stats: dict[str, list[float]]) -> bool:
+        """One optimizer update: the micro-batches' backward passes, gradients accumulated, then the step (False
+        when a non-finite loss or gradient skipped it)."""
+        cfg, model = self.cfg, self.model
+        self.opt.zero_grad(set_to_none=True)
+        finite = True
+        per_pass = self.rows_per_pass(roll)
+        self._predict_peak(roll, per_pass)
+        for rows in update:
+            summed: dict[str, float] = {}
+            for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
+                loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows, update_tokens=update_tokens)
+                st["loss"] = loss.item() * cfg.grad_accum  # the micro-batch's, as the update's loss averages them
+                finite = finite and math.isfinite(st["loss"])
+                if finite and loss.requires_grad:
+                    loss.backward()  # the objective divides by the accumulation (objective.Share)
+                for k, v in st.items():
+                    summed[k] = summed.get(k, 0.0) + v
+            for k, v in summed.items():
+                stats.setdefault(k, []).append(v)
+        params = [p for p in model.parameters() if p.requires_grad]
+        for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)) if finite else math.nan
+        stats.setdefault("grad_norm", []).append(grad_norm)
+        ok = finite and math.isfinite(grad_norm)
+        if ok:
+            self.opt.step()
+            self.bad_steps = 0
+        else:
+            self.bad_steps += 1
+            self.opt.zero_grad(set_to_none=True)
+            warnings.warn(f"step {step}: non-finite loss or gradient; update skipped", stacklevel=2)
+            if self.bad_steps >= cfg.max_bad_steps:
+                raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
+                                "lower learning_rate or check the rewards")
+        self.sched.step()
+        return ok
+
     def rows_per_pass(self, roll) -> int:
         """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes (mechdiag.train.memory:
-        saved activations per token, the vocabulary's logits and their gradient counted)."""
+        saved activations per token, the vocabulary's logits and their gradient counted). A whole micro-batch when
+        the objective reads its entropies (the quantile's threshold and the bonus's mean are the micro-batch's)."""
+        if self.objective.entropy_needed:
+            return len(roll)
         if self.cfg.update_rows:
             return self.cfg.update_rows
         return memory.rows_per_pass(memory.shape_of(self.model, roll), self.memory["weights_bytes"])
@@ -306,31 +343,43 @@ class Trainer:
         if pred["predicted_peak_bytes"] > m.get("predicted_peak_bytes", 0):
             m.update(pred)
 
-    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
-        (mechdiag.train.objective.grpo_loss) weighs it by the micro-batch's counts, so the shares sum to its loss.
+    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None,
+                    update_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself) in an update of
+        grad_accum micro-batches; the objective (mechdiag.train.objective.grpo_loss) weighs it by the counts in
+        its Share, so the shares sum to the update's loss.
 
-        With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
-        the forward pass (often half the batch: groups with equal rewards); the objective is told the counts.
+        When a completion whose advantage is 0 has exactly zero loss and gradient (Objective.
+        zero_advantage_rows_vanish: beta = 0, no entropy term) it is left out of the forward pass (often half the
+        batch: groups with equal rewards); the objective is told the counts.
         """
         cfg = self.cfg
-        keep = rows[roll.advantages[rows].cpu() != 0] if cfg.beta == 0 else rows
+        keep = rows[roll.advantages[rows].cpu() != 0] if self.objective.zero_advantage_rows_vanish else rows
         of = rows if of is None else of
-        n_tokens = int(roll.completion_mask[of].sum())
+        n_tokens = int(loss_mask(cfg, roll, of).sum())
         if len(keep) == 0:
             return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
+        mask = loss_mask(cfg, mb)
         # a group's prompt runs once; not under checkpointing (no KV cache in train mode) nor LoRA dropout (each
         # row's prompt would no longer draw its own dropout mask)
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
-        logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                               cfg.temperature, prompt_of=torch.tensor(mb.group_ids) if shared else None)
-        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                 epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
-                                 n_rows=len(of), n_tokens=n_tokens)
+        prompt_of = torch.tensor(mb.group_ids) if shared else None
+        entropy = None
+        if self.objective.entropy_needed:  # the full logits: the entropy and its gradient need every entry
+            logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                   prompt_of)
+            logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature) * mb.completion_mask
+            entropy = obj.token_entropy(logits, cfg.temperature)
+            del logits
+        else:
+            logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                   cfg.temperature, prompt_of=prompt_of)
+        share = obj.Share(rows=len(of), tokens=n_tokens, accum=cfg.grad_accum, update_tokens=update_tokens)
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, self.objective, share,
+                                 entropy=entropy)
         if "kl" in st:  # a token mean over these rows: weighted so the passes' values sum to the micro-batch's
-            st["kl"] *= int(mb.completion_mask.sum()) / max(n_tokens, 1)
+            st["kl"] *= int(mask.sum()) / max(n_tokens, 1)
         return loss, st
 
     # ---- data -----------------------------------------------------------------------------------------
