@@ -41,7 +41,7 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
-from mechdiag.integrations.trl_args import config_from_grpo
+from mechdiag.integrations.trl_args import OBJECTIVE_FIELDS, config_from_grpo
 from mechdiag.models import context_of, device, fit_to_context, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
@@ -206,7 +206,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     updates = (cfg.max_steps or 0) * cfg.num_iterations
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
-        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
+        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.steps_per_generation or cfg.grad_accum,
         num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=C.LR_SCHEDULERS[cfg.lr_schedule],
@@ -219,9 +219,10 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
         use_cpu=not cuda and not ds,
-        log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
-        dataloader_num_workers=0,
-        use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
+        # forced, each for a reason in docs/trl.md: dropout as lora.dropout says, the reward columns kept, the
+        # callback logs the samples, data loaded in the training process
+        log_completions=False, disable_dropout=False, remove_unused_columns=False, dataloader_num_workers=0,
+        **{f: getattr(cfg, f) for f in OBJECTIVE_FIELDS},  # the objective as config.yaml records it
     )
     if cfg.max_steps:
         kw["max_steps"] = updates
