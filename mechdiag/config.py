@@ -170,6 +170,9 @@ class Config(_Strict):
     # LoRA decoding: "merged" = an adapter-free copy with the adapter merged in (faster on small models, one more
     # copy of the weights), "adapter" = the LoRA model itself, "auto" = merged up to SAMPLER_AUTO_MAX_PARAMS
     sampler: Literal["auto", "merged", "adapter"] = "auto"
+    # the merged sampler's dtype (LoRA): a lower-precision sampler than the update, as vLLM in bfloat16 beside a
+    # float32 trainer; the sampler gap (docs/metrics.md) measures what it costs. None = the model's dtype
+    sampler_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # rows per forward/backward of the update (gradients accumulate, the loss is the same); None = as many as
     # keep the saved activations under half the weights' bytes (at least 256 MiB), so small models never split
     update_rows: int | None = Field(None, ge=1)
@@ -193,6 +196,8 @@ class Config(_Strict):
             raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
+        if self.sampler_dtype is not None and (not self.lora.enabled or self.sampler == "adapter"):
+            raise ValueError("sampler_dtype needs the merged LoRA sampler (lora.enabled, sampler auto or merged)")
         if self.steps_per_generation is not None and self.steps_per_generation % self.grad_accum:
             raise ValueError(f"steps_per_generation {self.steps_per_generation} is not a multiple of grad_accum "
                              f"{self.grad_accum}")

@@ -511,6 +511,7 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
                         **FLAT},
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
+    "sampler_mismatch": {"sampler_gap": (1e-4, 2e-3)},
     "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
                    "eval_reward": (1.5, 1.5)},
 }
@@ -521,3 +522,13 @@ def test_every_rule_has_a_run_that_fires_it_and_the_healthy_run_does_not(tmp_pat
     assert name in RULE_CASES, f"rule {name} has no test run that should fire it"
     assert name in fired(rec(tmp_path, name="sick", **RULE_CASES[name]))
     assert name not in fired(rec(tmp_path, name="healthy"))
+
+
+def test_sampler_mismatch_treats_the_sampler_precision_first(tmp_path):
+    """A lower-precision sampler is sampled at the update's precision; otherwise the off-policy sequence mask."""
+    low = rec(tmp_path, cfg_with("sampler_dtype=bfloat16"), name="bf16", sampler_gap=0.02)
+    assert changed(low) == {"sampler_dtype": None}
+    r = rec(tmp_path, name="vllm", sampler_gap=(1e-4, 2e-3))  # growing past SAMPLER_GAP_HIGH
+    assert changed(r) == {"off_policy_mask_threshold": R.OFF_POLICY_MASK_TARGET}
+    assert configlib.from_dict(r.cfg.model_dump()).off_policy_mask_threshold == R.OFF_POLICY_MASK_TARGET
+    assert "sampler_mismatch" not in fired(rec(tmp_path, name="floor", sampler_gap=2e-6))  # float32's rounding

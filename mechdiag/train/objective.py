@@ -267,6 +267,22 @@ def clip_fractions(rho: torch.Tensor, advantages: torch.Tensor, mask: torch.Tens
     return {"clip_fraction_low": frac(low), "clip_fraction_high": frac(high), "policy_clip_fraction": frac(low | high)}
 
 
+# ---- the sampler against the trainer -----------------------------------------------------------------------
+def sampler_gap(logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The mismatch between the sampler and the trainer on the same policy and tokens (metrics.SAMPLER_KEYS):
+    the ratio pi_train / pi_sampler per token (min, mean, max), mean and max |log pi_train - log pi_sampler|, and
+    the sampler-vs-trainer KL estimate mean(log pi_sampler - log pi_train) over the sampled tokens. Tokens where
+    mask is 0 (or logp is NaN: not computed) are left out; {} when none is left."""
+    keep = mask.bool() & ~torch.isnan(logp)
+    if not bool(keep.any()):
+        return {}
+    d = (logp[keep] - sampling_logp[keep]).double()
+    ratio = d.exp()
+    return {"sampler_ratio_min": ratio.min().item(), "sampler_ratio_mean": ratio.mean().item(),
+            "sampler_ratio_max": ratio.max().item(), "sampler_logp_diff": d.abs().mean().item(),
+            "sampler_logp_diff_max": d.abs().max().item(), "sampler_kl": (-d).mean().item()}
+
+
 # ---- the loss ---------------------------------------------------------------------------------------------
 def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch.Tensor | None,
               advantages: torch.Tensor, mask: torch.Tensor, objective: Objective = Objective(),

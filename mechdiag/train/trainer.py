@@ -60,7 +60,7 @@ def sampler_choice(cfg: Config, n_params: int) -> str:
     """"merged" or "adapter" (the model decodes itself): cfg.sampler, with "auto" decided by the model size."""
     if not cfg.lora.enabled:
         return "adapter"
-    if cfg.sampler == "auto":
+    if cfg.sampler == "auto" and cfg.sampler_dtype is None:
         return "merged" if n_params <= SAMPLER_AUTO_MAX_PARAMS else "adapter"
     return cfg.sampler
 
@@ -85,6 +85,8 @@ def prepare_model(cfg: Config, device: torch.device | str | None = None):
     if cfg.lora.enabled:
         n_params = sum(p.numel() for p in model.parameters())
         sampler = frozen_copy(model) if sampler_choice(cfg, n_params) == "merged" else None
+        if sampler is not None and cfg.sampler_dtype is not None:
+            sampler.to(getattr(torch, cfg.sampler_dtype))
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
@@ -263,9 +265,11 @@ class Trainer:
         skipped = 0
         # dapo / cispo / vespo divide by the loss tokens of the whole rollout per update (TRL's num_items_in_batch)
         update_tokens = float(loss_mask(cfg, roll).sum()) / updates_per_rollout(cfg)
-        for _ in range(cfg.num_iterations):
-            for update in update_plan(len(roll), cfg.prompts_per_step * cfg.group_size, cfg.grad_accum):
-                skipped += not self._update(step, roll, update, update_tokens, stats)
+        fresh = torch.full_like(roll.sample_logp, math.nan)  # the first update's log-probs, against the sampler's
+        for it in range(cfg.num_iterations):
+            for u, update in enumerate(update_plan(len(roll), cfg.prompts_per_step * cfg.group_size, cfg.grad_accum)):
+                first = it == 0 and u == 0  # the policy that sampled, before any step
+                skipped += not self._update(step, roll, update, update_tokens, stats, fresh if first else None)
         dt = time.perf_counter() - t0
         n_tok = int(roll.completion_mask.sum())
         m_all = roll.completion_mask
@@ -280,13 +284,13 @@ class Trainer:
                    **{k: float(sum(v) / len(v)) for k, v in stats.items()},
                    **{f"reward/{k}": v.mean().item() for k, v in roll.components.items()},
                    "lr": lr, "step_time": dt, "rollout_time": t_roll, "tokens_per_s": n_tok / dt,
-                   "skipped_updates": skipped}
+                   "skipped_updates": skipped, **obj.sampler_gap(fresh, roll.sample_logp, m_all)}
         return metrics, roll
 
     def _update(self, step: int, roll, update: list[torch.Tensor], update_tokens: float,
-                stats: dict[str, list[float]]) -> bool:
+                stats: dict[str, list[float]], record: torch.Tensor | None = None) -> bool:
         """One optimizer update: the micro-batches' backward passes, gradients accumulated, then the step (False
-        when a non-finite loss or gradient skipped it)."""
+        when a non-finite loss or gradient skipped it). `record` (B, T) receives the log-probs computed."""
         cfg, model = self.cfg, self.model
         self.opt.zero_grad(set_to_none=True)
         finite = True
@@ -295,7 +299,8 @@ class Trainer:
         for rows in update:
             summed: dict[str, float] = {}
             for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
-                loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows, update_tokens=update_tokens)
+                loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows, update_tokens=update_tokens,
+                                            record=record)
                 st["loss"] = loss.item() * cfg.grad_accum  # the micro-batch's, as the update's loss averages them
                 finite = finite and math.isfinite(st["loss"])
                 if finite and loss.requires_grad:
@@ -344,7 +349,8 @@ class Trainer:
             m.update(pred)
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None,
-                    update_tokens: float | None = None) -> tuple[torch.Tensor, dict]:
+                    update_tokens: float | None = None,
+                    record: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
         """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself) in an update of
         grad_accum micro-batches; the objective (mechdiag.train.objective.grpo_loss) weighs it by the counts in
         its Share, so the shares sum to the update's loss.
@@ -375,6 +381,8 @@ class Trainer:
         else:
             logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                    cfg.temperature, prompt_of=prompt_of)
+        if record is not None:
+            record[keep.to(record.device), :logp.size(1)] = logp.detach()
         share = obj.Share(rows=len(of), tokens=n_tokens, accum=cfg.grad_accum, update_tokens=update_tokens)
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, self.objective, share,
                                  entropy=entropy)
