@@ -148,6 +148,10 @@ class Config(_Strict):
     # sampling
     temperature: float = Field(1.0, gt=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
+    # the training rollouts' other filters, as TRL 1.16's (mechdiag.generate.Filters); evals sample without them
+    top_k: int = Field(0, ge=0)  # 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 

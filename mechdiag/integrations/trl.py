@@ -41,7 +41,7 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
-from mechdiag.integrations.trl_args import OBJECTIVE_FIELDS, config_from_grpo
+from mechdiag.integrations.trl_args import SAME_FIELDS, config_from_grpo
 from mechdiag.models import context_of, device, fit_to_context, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
 from mechdiag.outcomes import KEYS as OUTCOME_KEYS
@@ -212,7 +212,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         lr_scheduler_type=C.LR_SCHEDULERS[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="no", report_to=list(cfg.report_to), project=os.environ.get("TRACKIO_PROJECT", T.PREFIX),
@@ -222,7 +222,7 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
         # forced, each for a reason in docs/trl.md: dropout as lora.dropout says, the reward columns kept, the
         # callback logs the samples, data loaded in the training process
         log_completions=False, disable_dropout=False, remove_unused_columns=False, dataloader_num_workers=0,
-        **{f: getattr(cfg, f) for f in OBJECTIVE_FIELDS},  # the objective as config.yaml records it
+        **{f: getattr(cfg, f) for f in SAME_FIELDS},  # the objective and sampling as config.yaml records them
     )
     if cfg.max_steps:
         kw["max_steps"] = updates

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mechdiag.generate import (
+    Filters,
     encode_prompts,
     eos_ids,
     pad_id,
@@ -133,6 +134,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         c_ids, c_mask, trunc = sample_tokens(sampler or model, u_ids, u_mask, max_new_tokens=cfg.max_completion_tokens,
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
                                              temperature=cfg.temperature, top_p=cfg.top_p, gen=gen, entropy=ent,
+                                             filters=Filters(cfg.top_k, cfg.min_p, cfg.repetition_penalty),
                                              logprobs=lps, repeat=g)
         c_ids, c_mask = c_ids.clone(), c_mask.clone()  # inference tensors cannot enter autograd
         lengths = c_mask.sum(-1).tolist()
