@@ -123,6 +123,13 @@ class Config(_Strict):
     mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_tokens leave the loss
     top_entropy_quantile: float = Field(1.0, ge=0, le=1)  # < 1: the loss on the top-entropy tokens only
     entropy_coef: float = 0.0  # the entropy bonus: loss - coef x mean token entropy
+    # Skywork-OR1's adaptive controller: entropy_coef the start, moved by entropy_coef_delta within [min, max] after
+    # each update toward entropy_target (nats), applied only while the entropy is at or below the target
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = Field(0.0, ge=0)
+    entropy_coef_max: float = Field(1.0, ge=0)
+    entropy_coef_delta: float = Field(0.005, ge=0)
+    entropy_target: float = Field(0.2, ge=0)
     use_bias_correction_kl: bool = False  # TRL 1.16 defaults to True (rho x k3); the study's KL is plain k3
     multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
     sapo_temperature_pos: float = Field(1.0, gt=0)

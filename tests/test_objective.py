@@ -363,3 +363,49 @@ def test_decoupled_advantages_by_hand():
     r = torch.tensor([z, -z, 0.5 * z, -0.5 * z], dtype=torch.float64)
     want = (r - r.mean()) / (r.std() + 1e-4)
     assert a.tolist() == pytest.approx(want.tolist(), rel=1e-6)
+
+
+def test_adaptive_entropy_matches_trl():
+    """Skywork-OR1's controller over four updates of two micro-batches: the bonus applied only once the previous
+    update's entropy is at or below the target, the coefficient moved after each update; TRL's loss, gradient and
+    coefficient equal ours at every update (the trainer's sequence: applied_entropy_coef, grpo_loss,
+    acting_tokens, adapt_entropy_coef)."""
+    import dataclasses
+
+    base, tokens, mask, adv, old, ref = _batch(seed=2)
+    options = {"loss_type": "dapo", "use_adaptive_entropy": True, "entropy_coef": 0.02, "entropy_target": 2.3,
+               "entropy_coef_delta": 0.01, "top_entropy_quantile": 0.8}
+    acc = SimpleNamespace(**vars(ONE))
+    trainer = _trl_trainer(options, 2, acc)
+    o = _objective({k: v for k, v in options.items() if not k.startswith("entropy_") or k == "entropy_coef"})
+    coef, last, coefs, applieds = 0.02, math.inf, [], []
+    for u in range(4):
+        rows_of = [torch.arange(8 * u + 4 * j, 8 * u + 4 * j + 4) for j in range(2)]
+        tokens_all = float(mask[8 * u:8 * u + 8].sum())
+        trl_logits, ours_logits = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+        applied = obj.applied_entropy_coef(coef, last, 2.3, True)
+        applieds.append(applied)
+        window = [0.0, 0.0]
+        for j, rows in enumerate(rows_of):
+            acc.sync_gradients = j == 1  # the update's last micro-batch
+            inputs = {"prompt_ids": torch.zeros(4, 1, dtype=torch.long), "prompt_mask": torch.ones(4, 1),
+                      "completion_ids": tokens[rows], "completion_mask": mask[rows], "advantages": adv[rows],
+                      "old_per_token_logps": old[rows], "ref_per_token_logps": ref[rows],
+                      "num_items_in_batch": torch.tensor(tokens_all)}
+            _trl_micro_loss(trainer, trl_logits[rows], tokens[rows], inputs).backward()
+            lg = ours_logits[rows]
+            ent = obj.token_entropy(lg)
+            loss, _ = obj.grpo_loss(obj.token_logprobs(lg, tokens[rows]), old[rows], ref[rows], adv[rows], mask[rows],
+                                    dataclasses.replace(o, entropy_coef=applied),
+                                    obj.Share(accum=2, update_tokens=tokens_all), entropy=ent)
+            loss.backward()
+            acts = obj.acting_tokens(ent, mask[rows], o).detach()
+            window = [window[0] + float((ent.detach() * acts).sum()), window[1] + float(acts.sum())]
+        last = window[0] / window[1]
+        coef = obj.adapt_entropy_coef(coef, last, 2.3, 0.01, 0.0, 1.0)
+        coefs.append(coef)
+        assert _rel(ours_logits.grad, trl_logits.grad) <= 1e-6, u
+        assert trainer.entropy_coef == pytest.approx(coef, abs=1e-12) and trainer._last_world_entropy == \
+            pytest.approx(last, rel=1e-6)
+    assert applieds[0] == 0 and any(a > 0 for a in applieds)  # the gate: no bonus before a measurement, then some
+    assert max(coefs) > 0.02 or min(coefs) < 0.02  # the controller moved the coefficient

@@ -216,7 +216,8 @@ def lora_targets(target_modules, target_parameters) -> list[str]:
 SAME_FIELDS = ("importance_sampling_level", "delta", "mask_truncated_completions", "top_entropy_quantile",
                "entropy_coef", "use_bias_correction_kl", "multi_objective_aggregation", "sapo_temperature_pos",
                "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
-               "off_policy_mask_threshold", "top_k", "min_p", "repetition_penalty")
+               "off_policy_mask_threshold", "top_k", "min_p", "repetition_penalty", "use_adaptive_entropy",
+               "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
 
 # mechdiag key -> GRPOConfig field (the inverse of config_from_grpo), and lora.* -> peft LoraConfig field
 GRPO_FIELDS = {"group_size": "num_generations", "grad_accum": "gradient_accumulation_steps", "epsilon": "epsilon",

@@ -92,7 +92,8 @@ class Objective:
     use_bias_correction_kl: bool = False  # K multiplied by rho (DeepSeek-V3.2)
     top_entropy_quantile: float = 1.0  # < 1: the loss on the top-rho entropy tokens only (Beyond the 80/20 Rule)
     off_policy_mask_threshold: float | None = None  # DeepSeek-V3.2's off-policy sequence mask
-    entropy_coef: float = 0.0  # the entropy bonus (the adaptive controller moves it between steps)
+    entropy_coef: float = 0.0  # the entropy bonus's coefficient as applied (the adaptive controller's, gated)
+    use_adaptive_entropy: bool = False  # Skywork-OR1's controller: the entropy is computed even at coefficient 0
     sapo_temperature_pos: float = 1.0
     sapo_temperature_neg: float = 1.05
     vespo_k_pos: float = 2.0
@@ -114,7 +115,7 @@ class Objective:
     @property
     def entropy_needed(self) -> bool:
         """The update pass must compute each token's entropy (with its gradient, for the bonus)."""
-        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
+        return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
     @property
     def zero_advantage_rows_vanish(self) -> bool:
@@ -185,6 +186,29 @@ def high_entropy_mask(entropy: torch.Tensor, mask: torch.Tensor, quantile: float
         return torch.zeros_like(entropy, dtype=torch.bool)
     threshold = torch.quantile(values.detach(), 1 - quantile)
     return ((entropy * mask.float()) >= threshold) & mask.bool()
+
+
+def acting_tokens(entropy: torch.Tensor | None, mask: torch.Tensor, objective: Objective,
+                  pool: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens the policy term (and the entropy bonus) acts on: the mask, less the low-entropy tokens under
+    top_entropy_quantile < 1."""
+    if objective.top_entropy_quantile >= 1.0:
+        return mask
+    if entropy is None:
+        raise ValueError("top_entropy_quantile < 1 needs the policy's entropy")
+    return mask * high_entropy_mask(entropy, mask, objective.top_entropy_quantile, pool)
+
+
+def applied_entropy_coef(coef: float, last_entropy: float, target: float, adaptive: bool) -> float:
+    """The bonus's coefficient for an update: the static coef, or (adaptive) coef only while the entropy measured
+    at the previous update is at or below the target (inf before the first: no bonus)."""
+    return coef if not adaptive or last_entropy <= target else 0.0
+
+
+def adapt_entropy_coef(coef: float, entropy: float, target: float, delta: float, low: float, high: float) -> float:
+    """Skywork-OR1's controller after an update whose acting tokens' mean entropy was `entropy`: coef + delta
+    (at most `high`) when it is at or below the target, coef - delta (at least `low`) above it."""
+    return min(coef + delta, high) if entropy <= target else max(coef - delta, low)
 
 
 def off_policy_mask(advantages: torch.Tensor, logp: torch.Tensor, sampling_logp: torch.Tensor, mask: torch.Tensor,
@@ -300,11 +324,7 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch
     adv = _col(advantages)
     old_logp = logp.detach() if old_logp is None else old_logp
     stats: dict[str, float] = {}
-    keep = None  # the tokens the policy term acts on
-    if o.top_entropy_quantile < 1.0:
-        if entropy is None:
-            raise ValueError("top_entropy_quantile < 1 needs the policy's entropy")
-        keep = high_entropy_mask(entropy, mask, o.top_entropy_quantile, entropy_pool)
+    acts = acting_tokens(entropy, mask, o, entropy_pool)  # the tokens the policy term acts on
     log_w = log_importance_weights(logp, old_logp, mask, o.importance_sampling_level)
     rho = torch.exp(log_w)
     if o.beta != 0.0:
@@ -329,16 +349,15 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch
     if o.off_policy_mask_threshold is not None:
         sampled = old_logp if sampling_logp is None else sampling_logp
         per_token = per_token * off_policy_mask(adv, logp, sampled, mask, o.off_policy_mask_threshold)
-    if keep is not None:
-        per_token = per_token * keep
+    if acts is not mask:
+        per_token = per_token * acts
     if o.beta != 0.0:  # the penalty, and its value as the logged KL (the trainer measures it itself when beta = 0)
         per_token = per_token + o.beta * kl
         stats["kl"] = masked_mean(kl.detach(), mask).item()
     loss = aggregate(per_token, mask, o.loss_type, o.max_completion_tokens, share)
-    if o.entropy_coef != 0.0:  # L - coef x mean H over the tokens the policy term acts on, per micro-batch
+    if o.entropy_coef != 0.0 or o.use_adaptive_entropy:  # L - coef x mean H over the acting tokens, per micro-batch
         if entropy is None:
-            raise ValueError("entropy_coef needs the policy's entropy")
-        acts = mask if keep is None else mask * keep
+            raise ValueError("the entropy bonus needs the policy's entropy")
         loss = loss - o.entropy_coef * (entropy * acts).sum() / acts.sum().clamp(min=1.0) / share.accum
     if o.loss_type in CLIP_FAMILY:
         rho_c = torch.clamp(rho, max=o.delta) if o.delta is not None else rho

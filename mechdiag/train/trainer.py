@@ -12,6 +12,7 @@ run would have done.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -180,6 +181,9 @@ class Trainer:
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * generation_steps(cfg)  # a rollout's prompts
         self.objective = obj.Objective.of(cfg)
+        # the adaptive entropy controller's state (checkpointed): its coefficient, the last update's entropy
+        self.entropy_coef, self.last_entropy = cfg.entropy_coef, math.inf
+        self._window = [0.0, 0.0]  # the update's acting tokens: entropy sum, count
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         if cfg.max_steps is not None:
             self.total_steps = cfg.max_steps
@@ -292,6 +296,9 @@ class Trainer:
         """One optimizer update: the micro-batches' backward passes, gradients accumulated, then the step (False
         when a non-finite loss or gradient skipped it). `record` (B, T) receives the log-probs computed."""
         cfg, model = self.cfg, self.model
+        objective = dataclasses.replace(self.objective, entropy_coef=obj.applied_entropy_coef(
+            self.entropy_coef, self.last_entropy, cfg.entropy_target, cfg.use_adaptive_entropy))
+        self._window = [0.0, 0.0]
         self.opt.zero_grad(set_to_none=True)
         finite = True
         per_pass = self.rows_per_pass(roll)
@@ -300,7 +307,7 @@ class Trainer:
             summed: dict[str, float] = {}
             for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
                 loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows, update_tokens=update_tokens,
-                                            record=record)
+                                            record=record, objective=objective)
                 st["loss"] = loss.item() * cfg.grad_accum  # the micro-batch's, as the update's loss averages them
                 finite = finite and math.isfinite(st["loss"])
                 if finite and loss.requires_grad:
@@ -327,6 +334,12 @@ class Trainer:
                 raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
                                 "lower learning_rate or check the rewards")
         self.sched.step()
+        if cfg.use_adaptive_entropy:  # the coefficient for the next update, from this one's entropy
+            self.last_entropy = self._window[0] / max(self._window[1], 1.0)
+            self.entropy_coef = obj.adapt_entropy_coef(self.entropy_coef, self.last_entropy, cfg.entropy_target,
+                                                       cfg.entropy_coef_delta, cfg.entropy_coef_min,
+                                                       cfg.entropy_coef_max)
+            stats.setdefault("entropy_coef", []).append(self.entropy_coef)
         return ok
 
     def rows_per_pass(self, roll) -> int:
@@ -349,8 +362,8 @@ class Trainer:
             m.update(pred)
 
     def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None,
-                    update_tokens: float | None = None,
-                    record: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                    update_tokens: float | None = None, record: torch.Tensor | None = None,
+                    objective: obj.Objective | None = None) -> tuple[torch.Tensor, dict]:
         """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself) in an update of
         grad_accum micro-batches; the objective (mechdiag.train.objective.grpo_loss) weighs it by the counts in
         its Share, so the shares sum to the update's loss.
@@ -359,8 +372,8 @@ class Trainer:
         zero_advantage_rows_vanish: beta = 0, no entropy term) it is left out of the forward pass (often half the
         batch: groups with equal rewards); the objective is told the counts.
         """
-        cfg = self.cfg
-        keep = rows[roll.advantages[rows].cpu() != 0] if self.objective.zero_advantage_rows_vanish else rows
+        cfg, o = self.cfg, objective or self.objective
+        keep = rows[roll.advantages[rows].cpu() != 0] if o.zero_advantage_rows_vanish else rows
         of = rows if of is None else of
         n_tokens = int(loss_mask(cfg, roll, of).sum())
         if len(keep) == 0:
@@ -372,7 +385,7 @@ class Trainer:
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
         prompt_of = torch.tensor(mb.group_ids) if shared else None
         entropy = None
-        if self.objective.entropy_needed:  # the full logits: the entropy and its gradient need every entry
+        if o.entropy_needed:  # the full logits: the entropy and its gradient need every entry
             logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                    prompt_of)
             logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature) * mb.completion_mask
@@ -384,8 +397,11 @@ class Trainer:
         if record is not None:
             record[keep.to(record.device), :logp.size(1)] = logp.detach()
         share = obj.Share(rows=len(of), tokens=n_tokens, accum=cfg.grad_accum, update_tokens=update_tokens)
-        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, self.objective, share,
-                                 entropy=entropy)
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, o, share, entropy=entropy)
+        if o.use_adaptive_entropy:  # the controller reads the whole update's acting tokens
+            acts = obj.acting_tokens(entropy, mask, o).detach()
+            self._window[0] += float((entropy.detach() * acts).sum())
+            self._window[1] += float(acts.sum())
         if "kl" in st:  # a token mean over these rows: weighted so the passes' values sum to the micro-batch's
             st["kl"] *= int(mask.sum()) / max(n_tokens, 1)
         return loss, st
@@ -433,7 +449,9 @@ class Trainer:
             torch.save(self.opt.state_dict(), folder / "optimizer.pt")
             torch.save(self.sched.state_dict(), folder / "scheduler.pt")
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
-            atomic.write_json(folder / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
+            atomic.write_json(folder / "trainer_state.json", {
+                "step": step, "bad_steps": self.bad_steps, "entropy_coef": self.entropy_coef,
+                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy})
 
         final = self.run.write_checkpoint(step, save)
         H.call(getattr(self, "hooks", []), "on_save", self, step, final)
@@ -477,6 +495,8 @@ class Trainer:
             raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first_line(e, 200)}); delete it to "
                             "resume from the one before") from None
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
+        self.entropy_coef = float(state.get("entropy_coef", self.cfg.entropy_coef))
+        self.last_entropy = math.inf if state.get("last_entropy") is None else float(state["last_entropy"])
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
         self.base_eval = base[0] if base else None
