@@ -142,6 +142,11 @@ class Config(_Strict):
     # steps_per_generation / grad_accum updates (PPO-style mini-batches); None = grad_accum (one update)
     steps_per_generation: int | None = Field(None, ge=1)
     off_policy_mask_threshold: float | None = Field(None, ge=0)  # DeepSeek-V3.2's off-policy sequence mask
+    # TR-DPO's reference sync: every ref_model_sync_steps updates pi_ref <- alpha pi_theta + (1 - alpha) pi_ref
+    # (full fine-tuning with beta > 0, as TRL 1.16)
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1)
+    ref_model_sync_steps: int = Field(512, ge=1)
 
     # optimisation
     learning_rate: float = Field(1e-3, gt=0, le=1)
@@ -209,6 +214,9 @@ class Config(_Strict):
             raise ValueError("pass_k values must be >= 1")
         if self.sampler_dtype is not None and (not self.lora.enabled or self.sampler == "adapter"):
             raise ValueError("sampler_dtype needs the merged LoRA sampler (lora.enabled, sampler auto or merged)")
+        if self.sync_ref_model and (self.lora.enabled or self.beta == 0):
+            raise ValueError("sync_ref_model needs full fine-tuning (lora.enabled false) and beta > 0: under LoRA the "
+                             "reference is the base with the adapter off, and with beta 0 it is not in the loss")
         if self.steps_per_generation is not None and self.steps_per_generation % self.grad_accum:
             raise ValueError(f"steps_per_generation {self.steps_per_generation} is not a multiple of grad_accum "
                              f"{self.grad_accum}")

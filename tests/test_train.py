@@ -341,3 +341,25 @@ def test_time_budget_stops_early_and_evaluates_the_last_model(stories260k, tmp_p
     s = run.summary()
     assert s["steps"] == 1 and s["planned_steps"] == 5
     assert [e["step"] for e in run.read("eval")] == [0, 1]
+
+
+def test_reference_sync_is_trl_s_mixup_and_is_checkpointed(stories260k, tmp_path):
+    """sync_ref_model (full fine-tuning, beta > 0): after every update pi_ref <- alpha pi_theta + (1 - alpha) pi_ref,
+    TRL's own SyncRefModelCallback arithmetic; the moved reference is saved with the checkpoint and resumed."""
+    import copy
+
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    cfg = C.load(None, small(stories260k, "lora.enabled=false", "beta=0.05", "sync_ref_model=true",
+                             "ref_model_sync_steps=1", "ref_model_mixup_alpha=0.6", "max_steps=2", "eval_n=2"))
+    tr = Trainer(cfg, tmp_path / "run")
+    ref0 = copy.deepcopy(tr.ref_model)
+    tr.train_step(1)
+    tr.save_checkpoint(1)
+    SyncRefModelCallback._sync_target_model(tr.model, ref0, 0.6)  # TRL's update of the step-0 reference
+    moved = [(a - b).abs().max() for a, b in zip(tr.ref_model.parameters(), ref0.parameters(), strict=True)]
+    assert max(moved) == 0
+    assert any((a - b).abs().max() > 0 for a, b in zip(tr.ref_model.parameters(), tr.model.parameters(), strict=True))
+    again = Trainer(cfg, tmp_path / "run", resume=True)
+    pairs = zip(again.ref_model.parameters(), tr.ref_model.parameters(), strict=True)
+    assert again.step == 1 and all(torch.equal(a, b) for a, b in pairs)

@@ -217,7 +217,8 @@ SAME_FIELDS = ("importance_sampling_level", "delta", "mask_truncated_completions
                "entropy_coef", "use_bias_correction_kl", "multi_objective_aggregation", "sapo_temperature_pos",
                "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
                "off_policy_mask_threshold", "top_k", "min_p", "repetition_penalty", "use_adaptive_entropy",
-               "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target")
+               "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "sync_ref_model",
+               "ref_model_mixup_alpha", "ref_model_sync_steps")
 
 # mechdiag key -> GRPOConfig field (the inverse of config_from_grpo), and lora.* -> peft LoraConfig field
 GRPO_FIELDS = {"group_size": "num_generations", "grad_accum": "gradient_accumulation_steps", "epsilon": "epsilon",

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 from peft import set_peft_model_state_dict
-from safetensors.torch import load_file
+from safetensors.torch import load_file, load_model, save_model
 from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
@@ -41,6 +41,8 @@ from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
 from mechdiag.train.rollout import collect, policy_logits, policy_logprobs
 from mechdiag.weights import ADAPTER_WEIGHTS
+
+REFERENCE_WEIGHTS = "reference.safetensors"  # a checkpoint's synced reference (sync_ref_model)
 
 
 # ---- model ------------------------------------------------------------------------------------------------
@@ -68,6 +70,13 @@ def sampler_choice(cfg: Config, n_params: int) -> str:
 
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def mix_reference(model, ref_model, alpha: float) -> None:
+    """TR-DPO's reference sync: pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, parameter by parameter."""
+    for ref, p in zip(ref_model.parameters(), model.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(p, alpha=alpha)
 
 
 def prepare_model(cfg: Config, device: torch.device | str | None = None):
@@ -334,6 +343,8 @@ class Trainer:
                 raise UserError(f"{self.bad_steps} non-finite updates in a row (last at step {step}); "
                                 "lower learning_rate or check the rewards")
         self.sched.step()
+        if cfg.sync_ref_model and self.sched.last_epoch % cfg.ref_model_sync_steps == 0:  # updates so far
+            mix_reference(model, self.ref_model, cfg.ref_model_mixup_alpha)
         if cfg.use_adaptive_entropy:  # the coefficient for the next update, from this one's entropy
             self.last_entropy = self._window[0] / max(self._window[1], 1.0)
             self.entropy_coef = obj.adapt_entropy_coef(self.entropy_coef, self.last_entropy, cfg.entropy_target,
@@ -449,6 +460,8 @@ class Trainer:
             torch.save(self.opt.state_dict(), folder / "optimizer.pt")
             torch.save(self.sched.state_dict(), folder / "scheduler.pt")
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
+            if self.cfg.sync_ref_model:  # the reference moved: it is state
+                save_model(self.ref_model, str(folder / REFERENCE_WEIGHTS))
             atomic.write_json(folder / "trainer_state.json", {
                 "step": step, "bad_steps": self.bad_steps, "entropy_coef": self.entropy_coef,
                 "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy})
@@ -487,6 +500,8 @@ class Trainer:
             self._load_weights(ck)
             self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
             self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
+            if self.cfg.sync_ref_model:
+                load_model(self.ref_model, str(ck / REFERENCE_WEIGHTS))
             rng = torch.load(ck / "rng.pt", weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
