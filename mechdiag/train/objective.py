@@ -118,6 +118,13 @@ class Objective:
         return self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0 or self.use_adaptive_entropy
 
     @property
+    def zero_advantage_rows_in_quantile_only(self) -> bool:
+        """beta = 0 and no bonus under top_entropy_quantile < 1: a completion with A = 0 has zero loss and gradient,
+        but its tokens count in the quantile's threshold; its entropy is needed, not its backward pass."""
+        return self.beta == 0.0 and self.entropy_coef == 0.0 and not self.use_adaptive_entropy \
+            and self.top_entropy_quantile < 1.0
+
+    @property
     def zero_advantage_rows_vanish(self) -> bool:
         """A completion with A = 0 has exactly zero loss and gradient (no KL, no entropy bonus, and no entropy
         quantile, whose threshold counts every row): the trainer may leave it out of the forward pass."""

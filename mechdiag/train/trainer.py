@@ -381,10 +381,13 @@ class Trainer:
 
         When a completion whose advantage is 0 has exactly zero loss and gradient (Objective.
         zero_advantage_rows_vanish: beta = 0, no entropy term) it is left out of the forward pass (often half the
-        batch: groups with equal rewards); the objective is told the counts.
+        batch: groups with equal rewards); the objective is told the counts. Under top_entropy_quantile alone
+        (zero_advantage_rows_in_quantile_only) such rows run a forward without gradient, for the quantile.
         """
         cfg, o = self.cfg, objective or self.objective
-        keep = rows[roll.advantages[rows].cpu() != 0] if o.zero_advantage_rows_vanish else rows
+        pool_only = o.zero_advantage_rows_in_quantile_only
+        zero = roll.advantages[rows].cpu() == 0
+        keep = rows[~zero] if o.zero_advantage_rows_vanish or pool_only else rows
         of = rows if of is None else of
         n_tokens = int(loss_mask(cfg, roll, of).sum())
         if len(keep) == 0:
@@ -408,7 +411,17 @@ class Trainer:
         if record is not None:
             record[keep.to(record.device), :logp.size(1)] = logp.detach()
         share = obj.Share(rows=len(of), tokens=n_tokens, accum=cfg.grad_accum, update_tokens=update_tokens)
-        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, o, share, entropy=entropy)
+        pool = None  # the quantile's values: every row's tokens, those left out computed without gradient
+        if pool_only and bool(zero.any()):
+            rest = roll.select(rows[zero])
+            with torch.no_grad():
+                ent = obj.token_entropy(policy_logits(self.model, rest.prompt_ids, rest.prompt_mask,
+                                                      rest.completion_ids, rest.completion_mask,
+                                                      torch.tensor(rest.group_ids) if shared else None),
+                                        cfg.temperature)
+            pool = torch.cat([entropy.detach()[mask.bool()], ent[loss_mask(cfg, rest).bool()]])
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, o, share, entropy=entropy,
+                                 entropy_pool=pool)
         if o.use_adaptive_entropy:  # the controller reads the whole update's acting tokens
             acts = obj.acting_tokens(entropy, mask, o).detach()
             self._window[0] += float((entropy.detach() * acts).sum())
