@@ -366,11 +366,13 @@ def grpo_loss(logp: torch.Tensor, old_logp: torch.Tensor | None, ref_logp: torch
         if entropy is None:
             raise ValueError("the entropy bonus needs the policy's entropy")
         loss = loss - o.entropy_coef * (entropy * acts).sum() / acts.sum().clamp(min=1.0) / share.accum
-    if o.loss_type in CLIP_FAMILY:
-        rho_c = torch.clamp(rho, max=o.delta) if o.delta is not None else rho
-        n = share.tokens if rho.size(-1) == mask.size(-1) else share.rows
-        stats.update(clip_fractions(rho_c.detach(), adv, mask, o.epsilon, o.eps_high, n))
-    else:
-        stats.update(clip_fractions(rho.detach(), adv, mask, math.inf, o.eps_high - 1 if o.loss_type == "cispo"
-                                    else math.inf, share.tokens if rho.size(-1) == mask.size(-1) else share.rows))
+    n = share.tokens if rho.size(-1) == mask.size(-1) else share.rows  # token ratios, or GSPO's per sequence
+    if o.loss_type in CLIP_FAMILY:  # rho < 1 - eps with A < 0, rho > 1 + eps_high with A > 0 (rho after delta)
+        bounds = o.epsilon, o.eps_high
+        rho = torch.clamp(rho, max=o.delta) if o.delta is not None else rho
+    elif o.loss_type == "cispo":  # rho > eps_max with A > 0: where the weight's clamp is active
+        bounds = math.inf, o.eps_high - 1
+    else:  # sapo, vespo: no clip
+        bounds = math.inf, math.inf
+    stats.update(clip_fractions(rho.detach(), adv, mask, *bounds, n))
     return loss, stats
