@@ -403,7 +403,8 @@ class Trainer:
             logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                    prompt_of)
             logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature) * mb.completion_mask
-            entropy = obj.token_entropy(logits, cfg.temperature)
+            bonus = o.entropy_coef != 0.0 or o.use_adaptive_entropy  # else the quantile reads it, no gradient
+            entropy = obj.token_entropy(logits if bonus else logits.detach(), cfg.temperature)
             del logits
         else:
             logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
