@@ -199,6 +199,17 @@ class Config(_Strict):
     # the user's own trackers (mechdiag.trackers; the trackers extra); the TRL backend passes them to TRL's report_to
     report_to: list[Literal[TRACKERS]] = Field(default_factory=list)
 
+    @property
+    def rollout_micro_batches(self) -> int:
+        """Micro-batches of prompts_per_step prompts in a step's rollout: steps_per_generation, else grad_accum."""
+        return self.steps_per_generation or self.grad_accum
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates a step makes (a TRL step is one): num_iterations passes over the rollout, each of
+        rollout_micro_batches / grad_accum updates."""
+        return self.num_iterations * (self.rollout_micro_batches // self.grad_accum)
+
     @field_validator("report_to", mode="before")
     @classmethod
     def _report_to_list(cls, v):

@@ -203,10 +203,10 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
     # ... except under DeepSpeed, which accelerate skips when use_cpu is set (its CPU accelerator runs it there)
     ds = bool(overrides.get("deepspeed")) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    updates = (cfg.max_steps or 0) * cfg.num_iterations
+    updates = (cfg.max_steps or 0) * cfg.updates_per_step
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
-        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.steps_per_generation or cfg.grad_accum,
+        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.rollout_micro_batches,
         num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=C.LR_SCHEDULERS[cfg.lr_schedule],
@@ -582,7 +582,7 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every if cfg.lora.enabled else 0,
                           shift_prompts=eval_prompts if rec.shift_at_eval and cfg.lora.enabled else None,
                           shift_n=rec.shift_n, config=cfg, evaluate=heldout,
-                          eval_every=cfg.eval_every * cfg.num_iterations,
+                          eval_every=cfg.eval_every * cfg.updates_per_step,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
                           max_time_s=getattr(cfg, "max_time_s", None),
                           forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
@@ -665,7 +665,7 @@ def _train_trl(cfg, out_dir, resume, t0, **overrides):
     if main:
         trainer.processing_class.save_pretrained(str(run.final))
         summary = {**run.summary(), "seed": cfg.seed, "model": cfg.model.name_or_path, "task": cfg.task.name,
-                   "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.num_iterations,
+                   "eval_n": cfg.eval_n, "source": "trl", "steps": trainer.state.global_step // cfg.updates_per_step,
                    "planned_steps": cfg.max_steps,
                    "wall_time_s": time.perf_counter() - t0}
         run.write_summary(summary)

@@ -38,7 +38,7 @@ class Rollout:
     example_ids: list[str]
     group_ids: list[int]
     prompts: list[str]
-    old_logp: torch.Tensor | None = None  # (B, T), only when num_iterations > 1
+    old_logp: torch.Tensor | None = None  # (B, T), only when a step makes more than one update
     ref_logp: torch.Tensor | None = None
     sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
     sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
@@ -154,7 +154,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
                     advantages(cfg, rewards, comps, weights).to(device), texts,
                     [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(rows))], rows,
                     sample_logp=lps[0].clone(), sample_entropy=ent[0].clone())
-        if cfg.num_iterations > 1:
+        if cfg.updates_per_step > 1:  # later updates see a policy that moved: ratios against the sampling one
             r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
         ref, ctx = reference_context(model, ref_model)
         with ctx:

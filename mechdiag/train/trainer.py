@@ -2,11 +2,11 @@
 then per step (train_step) rollout -> advantages -> num_iterations clipped-surrogate updates -> hooks (metrics,
 recorders, checkpoint); evaluate; checkpoints (written through mechdiag.run).
 
-A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by
-num_iterations optimizer updates on it; the rollout is split into grad_accum micro-batches of
-prompts_per_step prompts for the backward passes. Sampling at step s uses a generator seeded by (seed, s)
-and the data order is a function of (seed, epoch), so a resumed run replays exactly what an uninterrupted
-run would have done.
+A step is one rollout of prompts_per_step x steps_per_generation prompts (G completions each; steps_per_generation
+defaults to grad_accum), cut into micro-batches of prompts_per_step prompts for the backward passes; every
+grad_accum micro-batches make one optimizer update, num_iterations times over the rollout. Sampling at step s
+uses a generator seeded by (seed, s) and the data order is a function of (seed, epoch), so a resumed run replays
+exactly what an uninterrupted run would have done.
 """
 
 from __future__ import annotations
@@ -116,15 +116,6 @@ def auto_threads() -> int:
     return max(1, min(n, n - busy))
 
 
-def generation_steps(cfg: Config) -> int:
-    """Micro-batches per rollout: steps_per_generation, or grad_accum (one update per rollout)."""
-    return cfg.steps_per_generation or cfg.grad_accum
-
-
-def updates_per_rollout(cfg: Config) -> int:
-    return generation_steps(cfg) // cfg.grad_accum
-
-
 def update_plan(n_rows: int, micro: int, accum: int) -> list[list[torch.Tensor]]:
     """A rollout's rows as updates, each of `accum` micro-batches of `micro` consecutive rows (whole groups)."""
     batches = [torch.arange(s, min(s + micro, n_rows)) for s in range(0, n_rows, micro)]
@@ -188,7 +179,7 @@ class Trainer:
         self.eval_examples = self.heldout.examples
         self.eval_prompts = self.heldout.prompts = [self.task.prompt(ex, self.tokenizer) for ex in self.eval_examples]
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
-        self.prompts_per_update = cfg.prompts_per_step * generation_steps(cfg)  # a rollout's prompts
+        self.prompts_per_update = cfg.prompts_per_step * cfg.rollout_micro_batches  # a rollout's prompts
         self.objective = obj.Objective.of(cfg)
         # the adaptive entropy controller's state (checkpointed): its coefficient, the last update's entropy
         self.entropy_coef, self.last_entropy = cfg.entropy_coef, math.inf
@@ -202,7 +193,7 @@ class Trainer:
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
-        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations * updates_per_rollout(cfg))
+        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.updates_per_step)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
         for spec in cfg.hooks:  # a hook that cannot be imported is bad input too: find it before any output
             H.hook_factory(spec)
@@ -277,7 +268,7 @@ class Trainer:
         lr = self.sched.get_last_lr()[0]
         skipped = 0
         # dapo / cispo / vespo divide by the loss tokens of the whole rollout per update (TRL's num_items_in_batch)
-        update_tokens = float(loss_mask(cfg, roll).sum()) / updates_per_rollout(cfg)
+        update_tokens = float(loss_mask(cfg, roll).sum()) * cfg.grad_accum / cfg.rollout_micro_batches
         fresh = torch.full_like(roll.sample_logp, math.nan)  # the first update's log-probs, against the sampler's
         for it in range(cfg.num_iterations):
             for u, update in enumerate(update_plan(len(roll), cfg.prompts_per_step * cfg.group_size, cfg.grad_accum)):
