@@ -301,7 +301,7 @@ def test_config_round_trip(stories260k):
                               "importance_sampling_level=sequence", "delta=1.5", "mask_truncated_completions=true",
                               "top_entropy_quantile=0.2", "entropy_coef=0.01", "use_bias_correction_kl=true",
                               "multi_objective_aggregation=normalize_then_sum", "off_policy_mask_threshold=0.5",
-                              "steps_per_generation=4", "sapo_temperature_neg=1.2", "vespo_k_pos=1.5", "top_k=5",
+                              "sapo_temperature_neg=1.2", "vespo_k_pos=1.5", "top_k=5",
                               "min_p=0.05", "repetition_penalty=1.1"))
     model = AutoModelForCausalLM.from_pretrained(stories260k)
     model = get_peft_model(model, peft_lora_config(model, cfg.lora))
@@ -309,8 +309,12 @@ def test_config_round_trip(stories260k):
     for key in ("group_size", "prompts_per_step", "grad_accum", "beta", "epsilon", "epsilon_high", "temperature",
                 "top_p", "learning_rate", "lr_schedule", "max_steps", "max_completion_tokens", "seed", "save_every",
                 "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm", "report_to",
-                "steps_per_generation", *SAME_FIELDS):
+                *SAME_FIELDS):
         assert getattr(back, key) == getattr(cfg, key), key
+    # two updates a rollout: TRL counts updates, so its max_steps (read back as the run's steps) doubles
+    minis = cfg.model_copy(update={"steps_per_generation": 4})
+    back = config_from_grpo(grpo_args(minis, "/tmp/unused"), model, ["correctness"])
+    assert (back.steps_per_generation, back.grad_accum, back.max_steps) == (4, 2, 14)
     assert back.lora.layers == [0, 1, 3, 4] and back.lora.target_modules == ["o_proj", "v_proj"]
     assert (back.lora.r, back.lora.alpha) == (cfg.lora.r, cfg.lora.alpha)
 
