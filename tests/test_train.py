@@ -387,3 +387,21 @@ def test_reference_sync_is_trl_s_mixup_and_is_checkpointed(stories260k, tmp_path
     again = Trainer(cfg, tmp_path / "run", resume=True)
     pairs = zip(again.ref_model.parameters(), tr.ref_model.parameters(), strict=True)
     assert again.step == 1 and all(torch.equal(a, b) for a, b in pairs)
+
+
+def test_step_record_carries_the_controller_and_the_sampler_gap(stories260k, tmp_path):
+    """steps_per_generation 2 at grad_accum 1: two updates on one rollout; the adaptive entropy coefficient after
+    each (the entropy stays under a target of 100 nats, so each adds delta) reaches the step record as their mean
+    and metrics.jsonl's record through recorder.step_metrics, with the first update's sampler gap."""
+    from mechdiag.metrics import SAMPLER_KEYS
+    from mechdiag.recorder import step_metrics
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "steps_per_generation=2", "use_adaptive_entropy=true",
+                             "entropy_coef=0.01", "entropy_coef_delta=0.005", "entropy_target=100", "eval_n=2"))
+    tr = Trainer(cfg, tmp_path / "run")
+    record, roll = tr.train_step(1)
+    assert len(roll) == 2 * cfg.prompts_per_step * cfg.group_size and tr.sched.last_epoch == 2
+    assert tr.entropy_coef == pytest.approx(0.02) and record.update.entropy_coef == pytest.approx(0.0175)
+    m = step_metrics(record)
+    assert m["entropy_coef"] == pytest.approx(0.0175)
+    assert set(SAMPLER_KEYS) - {"sampler_masked_fraction"} <= set(m) and m["sampler_logp_diff"] < 1e-4

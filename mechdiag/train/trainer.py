@@ -236,16 +236,17 @@ class Trainer:
         self.eval_examples, self.eval_prompts = self.heldout.examples, self.heldout.prompts
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
         self.prompts_per_update = cfg.prompts_per_step * cfg.rollout_micro_batches  # a rollout's prompts
-        self.objective = obj.Objective.of(cfg)
-        # the adaptive entropy controller's state (checkpointed): its coefficient, the last update's entropy
-        self.entropy_coef, self.last_entropy = cfg.entropy_coef, math.inf
-        self._window = [0.0, 0.0]  # the update's acting tokens: entropy sum, count
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else \
             max(1, math.ceil((cfg.epochs or 1) * len(self.train_examples[0]) / self.prompts_per_update))
 
     def _optimizer(self) -> None:
+        """The objective (its options), the adaptive entropy controller's state, AdamW and the schedule."""
         cfg = self.cfg
+        self.objective = obj.Objective.of(cfg)
+        # the adaptive entropy controller's state (checkpointed): its coefficient, the last update's entropy
+        self.entropy_coef, self.last_entropy = cfg.entropy_coef, math.inf
+        self._window = [0.0, 0.0]  # the update's acting tokens: entropy sum, count
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
