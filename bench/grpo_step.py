@@ -10,6 +10,12 @@ machine moves both sides of a ratio alike. `--profile` prints where mechdiag's s
 
     python bench/grpo_step.py [--model bundled] [--steps 8] [--rounds 5] [--beta 0] [--threads 2] [--profile]
 
+With --options it measures what each objective option of TRL 1.16's family costs (docs/training.md): the native
+trainer with the default objective and with the option, two trainers stepping alternately on the same seeds, the
+median step time of each and their ratio (goal: at most 1.10x). bias_kl runs at beta 0.04 against beta 0.04.
+
+    python bench/grpo_step.py --options --steps 4 --warmup 1 --threads 1
+
 With --skip (and --beta 0) it measures instead the trainer's beta = 0 shortcut, which leaves completions with
 A = 0 out of the update pass: the same trainer twice, alternating steps, once with exact-zero advantages for
 equal-reward groups (objective.group_advantages) and once with the float32 centring it had before (A ~ 1e-3,
@@ -125,6 +131,40 @@ def bench_skip(args, out: Path) -> dict:
             for k, d in res.items()}
 
 
+# option -> its --set overrides (against the default objective; bias_kl against beta 0.04 alone)
+OPTIONS = {"dapo": ["loss_type=dapo"], "gspo": ["importance_sampling_level=sequence"], "delta": ["delta=1.5"],
+           "clip_higher": ["epsilon_high=0.28"], "mask_truncated": ["mask_truncated_completions=true"],
+           "bias_kl": ["beta=0.04", "use_bias_correction_kl=true"],
+           "off_policy_mask": ["off_policy_mask_threshold=0.5"],
+           "cispo": ["loss_type=cispo", "epsilon_high=5.0"], "sapo": ["loss_type=sapo"],
+           "luspo": ["loss_type=luspo", "importance_sampling_level=sequence"], "vespo": ["loss_type=vespo"],
+           "gdpo": ["multi_objective_aggregation=normalize_then_sum"], "top_entropy": ["top_entropy_quantile=0.2"],
+           "entropy_bonus": ["entropy_coef=0.01"]}
+
+
+def bench_options(args, out: Path, names: list[str]) -> dict:
+    """Median step time of each option against the default objective, two trainers stepping alternately."""
+    from mechdiag.train.trainer import Trainer
+
+    quiet = ["record.displacement_every=0", "record.samples_every=0", "record.shift_at_eval=false"]
+    res = {}
+    for name in names:
+        extra = OPTIONS[name]
+        base = [x for x in extra if x.startswith("beta=")]  # the option's own baseline (bias_kl: beta > 0)
+        peers = {"default": Trainer(C.load(None, common(args) + quiet + base), out / name / "default"),
+                 name: Trainer(C.load(None, common(args) + quiet + extra), out / name / "option")}
+        times = {k: [] for k in peers}
+        for step in range(1, args.steps + args.warmup + 1):
+            for k in (list(peers) if step % 2 else list(peers)[::-1]):  # alternate who goes first
+                record, _ = peers[k].train_step(step)
+                if step > args.warmup:
+                    times[k].append(record.update.step_time)
+        res[name] = {k: statistics.median(v) for k, v in times.items()}
+        print(f"{name}: default {res[name]['default']:.3f} s, option {res[name][name]:.3f} s, "
+              f"{res[name][name] / res[name]['default']:.2f}x", file=sys.stderr, flush=True)
+    return res
+
+
 def _has(mod: str) -> bool:
     import importlib.util
 
@@ -205,9 +245,21 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--skip", action="store_true", help="measure the beta = 0 zero-advantage skip (see above)")
+    ap.add_argument("--options", nargs="*", choices=list(OPTIONS), default=None,
+                    help="each objective option's cost against the default objective (all when none named)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load = os.getloadavg()[0]
+    if args.options is not None:
+        with tempfile.TemporaryDirectory() as d:
+            res = bench_options(args, Path(d), args.options or list(OPTIONS))
+        print(f"model {args.model}, G={args.group}, prompts/step={args.prompts}, max completion {args.completion}, "
+              f"beta {args.beta}, LoRA r16, threads {args.threads}, {args.steps} measured steps (alternating), "
+              f"load avg at start {load:.1f}")
+        print(f"{'option':<16} {'default s/step':>15} {'option s/step':>14} {'ratio':>6}")
+        for name, r in res.items():
+            print(f"{name:<16} {r['default']:15.3f} {r[name]:14.3f} {r[name] / r['default']:6.2f}")
+        return
     if args.skip:
         with tempfile.TemporaryDirectory() as d:
             res = bench_skip(args, Path(d))

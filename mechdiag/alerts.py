@@ -12,7 +12,17 @@ import statistics
 import sys
 from dataclasses import asdict, dataclass
 
-from mechdiag.metrics import CLIPPED_HIGH, ENTROPY_COLLAPSE_RATIO, FRAC_ZERO_STD_HIGH, group_norms, series, wdisp
+from mechdiag.metrics import (
+    CLIPPED_HIGH,
+    ENTROPY_COLLAPSE_RATIO,
+    FRAC_ZERO_STD_HIGH,
+    SAMPLER_GAP_GROWTH,
+    SAMPLER_GAP_HIGH,
+    group_norms,
+    sampler_gap_series,
+    series,
+    wdisp,
+)
 
 NO_UPDATE_STEPS = 10  # after this many steps the adapter must have moved...
 NO_UPDATE_WDISP = 1e-6  # ...its wdisp (sqrt(sum delta^2) / sqrt(sum ref^2)) above this; or reward/loss not all 0
@@ -25,7 +35,8 @@ GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of 
 GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
 ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
 
-NAMES = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap")
+NAMES = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap",
+         "sampler_mismatch")
 
 
 @dataclass(frozen=True)
@@ -159,13 +170,34 @@ def reward_accuracy_gap(metrics: list[dict], evals: list[dict], max_reward: floa
     return None
 
 
+def sampler_mismatch(metrics: list[dict]) -> Alert | None:
+    """The sampler and the trainer disagree on the policy (metrics.sampler_gap_series: mean |log pi_train -
+    log pi_sampler|, else |KL(sampler || train)|): its mean over WINDOW steps above SAMPLER_GAP_HIGH, or above a
+    tenth of it and SAMPLER_GAP_GROWTH times the first WINDOW steps' (a growing gap)."""
+    key, gap = sampler_gap_series(metrics)
+    if not gap:
+        return None
+    head = None
+    for i, (step, m) in enumerate(_windows(gap)):
+        head = m if i == 0 else head
+        if m > SAMPLER_GAP_HIGH:
+            return Alert("sampler_mismatch", step, f"{key} {m:.3g} (mean of {WINDOW} steps to {step}; > "
+                                                   f"{SAMPLER_GAP_HIGH:g}): the sampler is off the trained policy")
+        if i >= WINDOW and m > SAMPLER_GAP_HIGH / 10 and m > SAMPLER_GAP_GROWTH * head:
+            return Alert("sampler_mismatch", step, f"{key} {head:.3g} -> {m:.3g} (means of {WINDOW} steps, to step "
+                                                   f"{step}; > {SAMPLER_GAP_GROWTH:g}x the start): the sampler "
+                                                   "drifts from the trained policy")
+    return None
+
+
 def check(metrics: list[dict], evals: list[dict] = (), displacement: list[dict] = (),
           max_reward: float = 1.0) -> list[Alert]:
     """Every alert that has fired, in the order of NAMES."""
     metrics = sorted((r for r in metrics if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     evals = sorted((r for r in evals if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     found = [no_update(metrics, list(displacement)), kl_spike(metrics), truncation(metrics),
-             entropy_collapse(metrics), zero_std(metrics), reward_accuracy_gap(metrics, evals, max_reward)]
+             entropy_collapse(metrics), zero_std(metrics), reward_accuracy_gap(metrics, evals, max_reward),
+             sampler_mismatch(metrics)]
     return [a for a in found if a is not None]
 
 

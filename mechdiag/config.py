@@ -115,8 +115,39 @@ class Config(_Strict):
     epsilon_high: float | None = Field(None, ge=0, le=10)  # None = epsilon (symmetric clip)
     beta: float = Field(0.0, ge=0)
     num_iterations: int = Field(1, ge=1)
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo"] = "grpo"
+    # TRL 1.16 defaults to dapo; grpo is the study's per-sequence mean (docs/training.md, "Defaults")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "grpo"
     scale_rewards: Literal["group", "batch", "none"] = "group"
+    # TRL 1.16's GRPO family, named as GRPOConfig names them (docs/training.md: each formula and its paper)
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO
+    delta: float | None = Field(None, gt=1)  # INTELLECT-2's upper bound on the unclipped ratio
+    mask_truncated_completions: bool = False  # DAPO: completions cut at max_completion_tokens leave the loss
+    top_entropy_quantile: float = Field(1.0, ge=0, le=1)  # < 1: the loss on the top-entropy tokens only
+    entropy_coef: float = 0.0  # the entropy bonus: loss - coef x mean token entropy
+    # Skywork-OR1's adaptive controller: entropy_coef the start, moved by entropy_coef_delta within [min, max] after
+    # each update toward entropy_target (nats), applied only while the entropy is at or below the target
+    use_adaptive_entropy: bool = False
+    entropy_coef_min: float = Field(0.0, ge=0)
+    entropy_coef_max: float = Field(1.0, ge=0)
+    entropy_coef_delta: float = Field(0.005, ge=0)
+    entropy_target: float = Field(0.2, ge=0)
+    use_bias_correction_kl: bool = False  # TRL 1.16 defaults to True (rho x k3); the study's KL is plain k3
+    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = "sum_then_normalize"
+    sapo_temperature_pos: float = Field(1.0, gt=0)
+    sapo_temperature_neg: float = Field(1.05, gt=0)
+    vespo_k_pos: float = Field(2.0, ge=0)
+    vespo_lambda_pos: float = Field(3.0, ge=0)
+    vespo_k_neg: float = Field(3.0, ge=0)
+    vespo_lambda_neg: float = Field(2.0, ge=0)
+    # updates per rollout x grad_accum: the rollout holds prompts_per_step x steps_per_generation prompts and makes
+    # steps_per_generation / grad_accum updates (PPO-style mini-batches); None = grad_accum (one update)
+    steps_per_generation: int | None = Field(None, ge=1)
+    off_policy_mask_threshold: float | None = Field(None, ge=0)  # DeepSeek-V3.2's off-policy sequence mask
+    # TR-DPO's reference sync: every ref_model_sync_steps updates pi_ref <- alpha pi_theta + (1 - alpha) pi_ref
+    # (full fine-tuning with beta > 0, as TRL 1.16)
+    sync_ref_model: bool = False
+    ref_model_mixup_alpha: float = Field(0.6, ge=0, le=1)
+    ref_model_sync_steps: int = Field(512, ge=1)
 
     # optimisation
     learning_rate: float = Field(1e-3, gt=0, le=1)
@@ -130,6 +161,10 @@ class Config(_Strict):
     # sampling
     temperature: float = Field(1.0, gt=0, le=5)
     top_p: float = Field(1.0, gt=0, le=1)
+    # the training rollouts' other filters, as TRL 1.16's (mechdiag.generate.Filters); evals sample without them
+    top_k: int = Field(0, ge=0)  # 0 = off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float = Field(1.0, gt=0)
     max_prompt_tokens: int = Field(96, ge=1)
     max_completion_tokens: int = Field(48, ge=1)
 
@@ -152,6 +187,9 @@ class Config(_Strict):
     # LoRA decoding: "merged" = an adapter-free copy with the adapter merged in (faster on small models, one more
     # copy of the weights), "adapter" = the LoRA model itself, "auto" = merged up to SAMPLER_AUTO_MAX_PARAMS
     sampler: Literal["auto", "merged", "adapter"] = "auto"
+    # the merged sampler's dtype (LoRA): a lower-precision sampler than the update, as vLLM in bfloat16 beside a
+    # float32 trainer; the sampler gap (docs/metrics.md) measures what it costs. None = the model's dtype
+    sampler_dtype: Literal["float32", "bfloat16", "float16"] | None = None
     # rows per forward/backward of the update (gradients accumulate, the loss is the same); None = as many as
     # keep the saved activations under half the weights' bytes (at least 256 MiB), so small models never split
     update_rows: int | None = Field(None, ge=1)
@@ -161,6 +199,17 @@ class Config(_Strict):
     hooks: list[str] = Field(default_factory=list)  # "package.module:factory" import paths
     # the user's own trackers (mechdiag.trackers; the trackers extra); the TRL backend passes them to TRL's report_to
     report_to: list[Literal[TRACKERS]] = Field(default_factory=list)
+
+    @property
+    def rollout_micro_batches(self) -> int:
+        """Micro-batches of prompts_per_step prompts in a step's rollout: steps_per_generation, else grad_accum."""
+        return self.steps_per_generation or self.grad_accum
+
+    @property
+    def updates_per_step(self) -> int:
+        """Optimizer updates a step makes (a TRL step is one): num_iterations passes over the rollout, each of
+        rollout_micro_batches / grad_accum updates."""
+        return self.num_iterations * (self.rollout_micro_batches // self.grad_accum)
 
     @field_validator("report_to", mode="before")
     @classmethod
@@ -175,6 +224,14 @@ class Config(_Strict):
             raise ValueError(f"pass_k {max(self.pass_k)} exceeds eval_samples {self.eval_samples}")
         if any(k < 1 for k in self.pass_k):
             raise ValueError("pass_k values must be >= 1")
+        if self.sampler_dtype is not None and (not self.lora.enabled or self.sampler == "adapter"):
+            raise ValueError("sampler_dtype needs the merged LoRA sampler (lora.enabled, sampler auto or merged)")
+        if self.sync_ref_model and (self.lora.enabled or self.beta == 0):
+            raise ValueError("sync_ref_model needs full fine-tuning (lora.enabled false) and beta > 0: under LoRA the "
+                             "reference is the base with the adapter off, and with beta 0 it is not in the loss")
+        if self.steps_per_generation is not None and self.steps_per_generation % self.grad_accum:
+            raise ValueError(f"steps_per_generation {self.steps_per_generation} is not a multiple of grad_accum "
+                             f"{self.grad_accum}")
         return self
 
 

@@ -51,15 +51,49 @@ def kv_cache(model) -> DynamicCache:
     return DynamicCache()
 
 
-def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None) -> torch.Tensor:
-    if temperature == 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+@dataclass(frozen=True)
+class Filters:
+    """The sampling filters besides temperature and top-p, as transformers' logits processors apply them (and TRL
+    1.16's top_k / min_p / repetition_penalty): repetition_penalty on the raw logits of tokens the row has seen
+    (its prompt and completion so far: z / p where z > 0, z x p where z < 0), then top_k (the k largest logits),
+    top-p, min_p (probabilities under min_p x the largest). The defaults change nothing."""
+
+    top_k: int = 0
+    min_p: float | None = None
+    repetition_penalty: float = 1.0
+
+    @property
+    def penalises(self) -> bool:
+        return self.repetition_penalty != 1.0
+
+
+def penalise(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """CTRL's repetition penalty (Keskar et al. 2019) on the logits of the tokens `seen` (B, V bool)."""
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_p: float, filters: Filters = Filters()):
+    """The distribution a row samples from: softmax(logits / T) after top_k, top-p and min_p (unnormalised
+    where filtered: a draw of argmax(p / E) needs no normalisation)."""
+    z = logits.float() / temperature
+    if filters.top_k and filters.top_k < z.size(-1):
+        z = z.masked_fill(z < z.topk(filters.top_k, dim=-1).values[..., -1:], float("-inf"))
+    probs = torch.softmax(z, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p > top_p  # keep the smallest set whose mass reaches top_p
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if filters.min_p:
+        probs = probs.masked_fill(probs < filters.min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
+
+
+def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator | None,
+          filters: Filters = Filters()) -> torch.Tensor:
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = sampling_probs(logits, temperature, top_p, filters)
     # argmax(p / E), E ~ Exp(1), is an exact draw from p and cheaper than torch.multinomial on small batches
     noise = torch.empty_like(probs).exponential_(generator=gen)
     return (probs / noise).argmax(-1)
@@ -69,13 +103,14 @@ def _pick(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Gen
 def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *, max_new_tokens: int,
                   eos: list[int], pad: int, temperature: float = 1.0, top_p: float = 1.0,
                   gen: torch.Generator | None = None, entropy: list | None = None, logprobs: list | None = None,
-                  repeat: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  repeat: int = 1, filters: Filters = Filters()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Decode up to max_new_tokens for each left-padded row.
 
     Returns (completion_ids (B, T) right-padded with `pad`, completion_mask (B, T) with the EOS counted,
     truncated (B,) bool). T is the longest completion in the batch. If `entropy` is a list, the (B, T)
     per-token entropy of the sampling distribution (temperature 1 when greedy) is appended to it; if
-    `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p).
+    `logprobs` is a list, the (B, T) log-probability of each chosen token at that temperature (before top-p and
+    the other `filters`).
     With `repeat` = n, each prompt row is prefilled once and decoded n times (rows i*n .. i*n+n-1).
     """
 
@@ -98,6 +133,11 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         cache.batch_repeat_interleave(repeat)
         attn, pos = attn.repeat_interleave(repeat, 0), pos.repeat_interleave(repeat, 0)
         logits = logits.repeat_interleave(repeat, 0)
+    seen = None  # (B, V): the tokens each row has seen, for the repetition penalty
+    if filters.penalises:
+        seen = torch.zeros(prompt_ids.size(0), logits.size(-1), dtype=torch.bool, device=device)
+        seen.scatter_(1, prompt_ids.clamp(min=0), prompt_mask.bool())
+        seen = seen.repeat_interleave(repeat, 0)
     next_pos = pos[:, -1:] + 1
     width = attn.size(1)
     attn = torch.cat([attn, attn.new_ones((b, max_new_tokens))], dim=1)  # a row's mask grows by one per token
@@ -110,7 +150,10 @@ def sample_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, *,
         if want:
             logp = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)
             ents.append(torch.zeros(b, device=device).index_copy(0, rows, -(logp.exp() * logp).sum(-1)))
-        tok = _pick(logits, temperature, top_p, gen)
+        tok = _pick(logits if seen is None else penalise(logits, seen[rows], filters.repetition_penalty),
+                    temperature, top_p, gen, filters)
+        if seen is not None:
+            seen[rows, tok] = True
         if want:
             lps.append(torch.zeros(b, device=device).index_copy(0, rows, logp.gather(-1, tok[:, None]).squeeze(-1)))
         tokens.append(torch.full((b,), pad, dtype=tok.dtype, device=device).index_copy(0, rows, tok))

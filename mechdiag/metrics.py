@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable
 DIRECTION = {"accuracy": 1, "eval_reward": 1, "reward": 1, "reward/": 1, "pass@": 1, "maj@": 1, "format_rate": 1,
              "score": 1, "exact_match": 1, "f1": 1,
              "truncation_rate": -1, "completion_clipped_ratio": -1, "loss": -1, "error_rate": -1, "ppl": -1,
-             "entropy": 0, "completion_length": 0, "length": 0, "kl": 0}
+             "entropy": 0, "completion_length": 0, "length": 0, "kl": 0,
+             "sampler_kl": -1, "sampler_logp_diff": -1, "sampler_logp_diff_max": -1, "sampler_masked_fraction": -1,
+             "sampler_ratio_min": 0, "sampler_ratio_mean": 0, "sampler_ratio_max": 0}
 SCORES = ("accuracy", "pass@", "maj@")  # what `mechdiag eval`'s summary line counts (the study counts pass@k cells)
 ORDER = ["accuracy", "eval_reward", "format_rate", "completion_length", "truncation_rate", "entropy"]
 
@@ -31,6 +33,16 @@ EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), (
 FRAC_ZERO_STD_HIGH = 0.50  # share of groups with identical rewards above this: no gradient signal
 CLIPPED_HIGH = 0.20  # share of completions cut at max_completion_tokens above this
 ENTROPY_COLLAPSE_RATIO = 0.3  # entropy below this share of the run's own start has collapsed (no absolute floor)
+
+# The sampler against the trainer (docs/metrics.md, "Sampler gap"): the same policy scoring the same tokens twice,
+# once where the completion was sampled (vLLM, a lower-precision copy) and once in the update's forward.
+# sampler_ratio_*: pi_train / pi_sampler per token (1 when they agree); sampler_logp_diff(_max): mean (max)
+# |log pi_train - log pi_sampler| per token; sampler_kl: mean(log pi_sampler - log pi_train), KL(sampler || train);
+# sampler_masked_fraction: tokens (or sequences) the importance-sampling correction masked out.
+SAMPLER_KEYS = ("sampler_ratio_min", "sampler_ratio_mean", "sampler_ratio_max", "sampler_logp_diff",
+                "sampler_logp_diff_max", "sampler_kl", "sampler_masked_fraction")
+SAMPLER_GAP_HIGH = 1e-3  # mean |log pi_train - log pi_sampler| (nats/token) above this: the sampler is off-policy
+SAMPLER_GAP_GROWTH = 3.0  # ...or, above a tenth of it, this many times the run's own start: the gap is growing
 
 
 def max_reward(weights: dict[str, float]) -> float:
@@ -84,6 +96,16 @@ def series(records: Iterable[dict], key: str) -> list[tuple[int, float]]:
     """(step, value) of the records with an integer step and a finite number under `key` (alerts, the report)."""
     return [(r["step"], float(r[key])) for r in records
             if is_number(r.get(key)) and isinstance(r.get("step"), int) and not isinstance(r["step"], bool)]
+
+
+def sampler_gap_series(records: Iterable[dict]) -> tuple[str, list[tuple[int, float]]]:
+    """The sampler gap over steps, as the alert and the rule read it: sampler_logp_diff where logged (TRL, native),
+    else |sampler_kl| (verl logs the KL only; never above the mean |difference|, so it reads low)."""
+    records = list(records)
+    gap = series(records, "sampler_logp_diff")
+    if gap:
+        return "sampler_logp_diff", gap
+    return "|sampler_kl|", [(s, abs(v)) for s, v in series(records, "sampler_kl")]
 
 
 def mean_std(values: Iterable) -> tuple[float | None, float | None]:

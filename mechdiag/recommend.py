@@ -24,9 +24,12 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
     FRAC_ZERO_STD_HIGH,
+    SAMPLER_GAP_GROWTH,
+    SAMPLER_GAP_HIGH,
     causal_shares,
     last_step,
     max_reward,
+    sampler_gap_series,
     update_mass,
     update_mass_size_normalised,
 )
@@ -721,6 +724,38 @@ def entropy_collapse(s: Signals):
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
                     entropy_start=start, entropy_end=end, costs=len(costs))
+
+
+OFF_POLICY_MASK_TARGET = 0.5  # sampler_mismatch: the off-policy sequence mask's threshold (TRL's example value)
+
+
+@rule("sampler_mismatch", "the sampler and the trainer disagree on the policy: the rollouts are off-policy")
+def sampler_mismatch(s: Signals):
+    key, gap = sampler_gap_series({"step": k, **v} for k, v in s.train.items())
+    if len(gap) < MIN_POINTS:
+        return None
+    k = max(1, round(len(gap) * WINDOW_FRAC))
+    head, tail = sum(v for _, v in gap[:k]) / k, sum(v for _, v in gap[-k:]) / k
+    where = f"steps {gap[-k][0]}-{gap[-1][0]}"
+    if tail > SAMPLER_GAP_HIGH:
+        ev, margin = f"{key} {tail:.3g} > {SAMPLER_GAP_HIGH:g} over {where}", tail / SAMPLER_GAP_HIGH - 1
+    elif tail > SAMPLER_GAP_HIGH / 10 and tail > SAMPLER_GAP_GROWTH * head:
+        ev = f"{key} {head:.3g} -> {tail:.3g} (> {SAMPLER_GAP_GROWTH:g}x the start) by {where}"
+        margin = tail / (SAMPLER_GAP_GROWTH * head) - 1
+    else:
+        return None
+    cfg = s.cfg
+    if cfg.sampler_dtype not in (None, cfg.model.dtype):  # the gap is the lower-precision sampler's rounding
+        change = Change("sampler_dtype", cfg.sampler_dtype, None)
+        reason = "sample at the update's precision"
+    elif cfg.off_policy_mask_threshold is None:
+        change = Change("off_policy_mask_threshold", None, OFF_POLICY_MASK_TARGET)
+        reason = ("mask the negative-advantage sequences the sampler moved off-policy (DeepSeek-V3.2); with vLLM, "
+                  "also sample in the trainer's dtype and keep vllm_importance_sampling_correction on")
+    else:
+        change, reason = None, "the off-policy mask is on: sample in the trainer's dtype (vLLM's dtype)"
+    return _finding(sampler_mismatch, ev, [change] if change else [], reason, confidence(margin, s.n_train),
+                    sampler_gap_head=head, sampler_gap_tail=tail)
 
 
 # ---- applying ------------------------------------------------------------------------------------------------

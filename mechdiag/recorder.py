@@ -45,6 +45,7 @@ class Update:
     clip_fraction_high: float | None = None
     policy_clip_fraction: float | None = None
     grad_norm: float | None = None
+    entropy_coef: float | None = None  # the entropy bonus's coefficient after the updates (adaptive controller)
     lr: float | None = None
     step_time: float | None = None
     rollout_time: float | None = None

@@ -26,7 +26,7 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
               accuracy=(0.2, 0.5), n_evals: int = 3, n_layers: int = 8, layer_mass=None, module_mass=None,
               shift=None, components: dict | None = None, noise: float = 0.01, kl_recorded: bool = True,
               disp_layers: list[int] | None = None, pass_k: dict | None = None,
-              samples: list[dict] | None = None, eval_reward=(1.0, 2.0)) -> RunDir:
+              samples: list[dict] | None = None, eval_reward=(1.0, 2.0), sampler_gap=None) -> RunDir:
     """Write a run directory. Curves are over training time; layer_mass(layer) and module_mass[module] shape
     the displacement rows, shift(layer) the shift rows (defaults: flat). pass_k {"pass@4": curve} adds sampled
     pass@k to the eval records (greedy accuracy is `accuracy`); samples are train samples.jsonl records."""
@@ -47,6 +47,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
             rec["kl"] = max(0.0, _curve(kl, t) + jit() * 0.1)
         for name, spec in (components or {}).items():
             rec[f"reward/{name}"] = _curve(spec, t)
+        if sampler_gap is not None:  # mean |log pi_train - log pi_sampler|
+            rec["sampler_logp_diff"] = _curve(sampler_gap, t)
         metrics.append(rec)
     rd.append("metrics", metrics)
     eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)]

@@ -96,7 +96,8 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
     return run
 
 
-ALERT_FAULTS = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap")
+ALERT_FAULTS = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap",
+                "sampler_mismatch")
 
 
 def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> RunDir:
@@ -115,13 +116,16 @@ def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> Run
         rec = {"step": s, "reward": 0.5 + 2.0 * p, "reward_cv": 0.6 - 0.2 * p, "kl": 0.002 + 0.02 * p,
                "completion_clipped_ratio": 0.05, "entropy": 1.2 - 0.3 * p, "completion_length": 30.0,
                "frac_zero_std": 0.2, "frac_groups_all_correct": 0.1, "frac_groups_all_wrong": 0.1,
-               "frac_groups_shaping_only": 0.05, "loss": 0.01, "grad_norm": 0.5}
+               "frac_groups_shaping_only": 0.05, "loss": 0.01, "grad_norm": 0.5,
+               "sampler_logp_diff": 2e-6}  # a float32 sampler's rounding
         if fault == "kl_spike" and s == 25:
             rec["kl"] *= 10
         if fault == "truncation" and late:
             rec["completion_clipped_ratio"] = 0.6
         if fault == "entropy_collapse" and late:
             rec["entropy"] = 0.02
+        if fault == "sampler_mismatch" and late:  # the gap grows 1e-4 per step from step 20
+            rec["sampler_logp_diff"] = 1e-4 * (s - 19)
         if fault == "zero_std" and late:
             rec.update(frac_zero_std=0.9, frac_groups_all_wrong=0.9, frac_groups_all_correct=0.0)
         recs.append(rec)

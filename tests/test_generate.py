@@ -73,3 +73,47 @@ def test_shared_prefill_equals_repeated_prompts(lm):
     assert a[0].shape[0] == 9
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
+
+
+# ---- TRL 1.16's sampling filters, against transformers' own logits processors -----------------------------------
+@pytest.mark.parametrize("top_k,top_p,min_p,penalty", [(5, 1.0, None, 1.0), (0, 0.8, 0.1, 1.0), (7, 0.9, 0.05, 1.3),
+                                                       (0, 1.0, None, 0.7)])
+def test_filters_match_transformers_processors(top_k, top_p, min_p, penalty):
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from mechdiag.generate import Filters, penalise, sampling_probs
+
+    g = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(4, 50, generator=g)
+    ids = torch.randint(0, 50, (4, 12), generator=g)  # the tokens each row has seen (prompt and completion)
+    procs = [RepetitionPenaltyLogitsProcessor(penalty), TemperatureLogitsWarper(0.7)]
+    procs += [TopKLogitsWarper(top_k)] if top_k else []
+    procs += [TopPLogitsWarper(top_p)] if top_p < 1 else []
+    procs += [MinPLogitsWarper(min_p)] if min_p else []
+    want = torch.softmax(LogitsProcessorList(procs)(ids, logits.clone()), dim=-1)
+    seen = torch.zeros(4, 50, dtype=torch.bool).scatter_(1, ids, True)
+    p = sampling_probs(penalise(logits, seen, penalty), 0.7, top_p, Filters(top_k, min_p, penalty))
+    got = p / p.sum(-1, keepdim=True)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert (got == 0).any() or (top_k == 0 and top_p == 1 and not min_p)  # the filters removed tokens
+
+
+def test_repetition_penalty_in_the_decode_loop(lm):
+    """A strong penalty makes the sampled completions repeat fewer tokens than the same draw without it."""
+    from mechdiag.generate import Filters
+
+    model, tok = lm
+    ids, mask = encode_prompts(tok, ["Once upon a time", "The cat"], None)
+    kw = dict(max_new_tokens=24, eos=[], pad=0, temperature=1.0, repeat=4)
+    plain, _, _ = sample_tokens(model, ids, mask, gen=torch.Generator().manual_seed(0), **kw)
+    pen, _, _ = sample_tokens(model, ids, mask, gen=torch.Generator().manual_seed(0), filters=Filters(0, None, 50.0),
+                              **kw)
+    repeats = lambda x: sum(len(r) - len(set(r)) for r in x.tolist())  # noqa: E731
+    assert repeats(pen) < repeats(plain)

@@ -511,6 +511,7 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "reduced_modules": {"module_mass": {m: 1.0 for m in configlib.ALL_MODULES} | {"v_proj": 8.0, "o_proj": 8.0},
                         **FLAT},
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
+    "sampler_mismatch": {"sampler_gap": (1e-4, 2e-3)},
     "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
                    "eval_reward": (1.5, 1.5)},
 }
@@ -521,3 +522,35 @@ def test_every_rule_has_a_run_that_fires_it_and_the_healthy_run_does_not(tmp_pat
     assert name in RULE_CASES, f"rule {name} has no test run that should fire it"
     assert name in fired(rec(tmp_path, name="sick", **RULE_CASES[name]))
     assert name not in fired(rec(tmp_path, name="healthy"))
+
+
+def test_sampler_mismatch_treats_the_sampler_precision_first(tmp_path):
+    """A lower-precision sampler is sampled at the update's precision; otherwise the off-policy sequence mask."""
+    low = rec(tmp_path, cfg_with("sampler_dtype=bfloat16"), name="bf16", sampler_gap=0.02)
+    assert changed(low) == {"sampler_dtype": None}
+    r = rec(tmp_path, name="vllm", sampler_gap=(1e-4, 2e-3))  # growing past SAMPLER_GAP_HIGH
+    assert changed(r) == {"off_policy_mask_threshold": R.OFF_POLICY_MASK_TARGET}
+    assert configlib.from_dict(r.cfg.model_dump()).off_policy_mask_threshold == R.OFF_POLICY_MASK_TARGET
+    assert "sampler_mismatch" not in fired(rec(tmp_path, name="floor", sampler_gap=2e-6))  # float32's rounding
+
+
+def test_every_trl_option_can_be_prescribed():
+    """recommend (and tune, which trains its refined config) sets TRL 1.16's options as Config fields; each lands
+    in the refined config and in the TRL snippet under GRPOConfig's own name."""
+    from mechdiag.integrations.trl_args import SAME_FIELDS, trl_snippet
+
+    new = {"loss_type": "cispo", "importance_sampling_level": "sequence", "delta": 1.5,
+           "mask_truncated_completions": True, "top_entropy_quantile": 0.2, "entropy_coef": 0.01,
+           "use_bias_correction_kl": True, "multi_objective_aggregation": "normalize_then_sum",
+           "sapo_temperature_pos": 1.1, "sapo_temperature_neg": 1.2, "vespo_k_pos": 1.5, "vespo_lambda_pos": 2.5,
+           "vespo_k_neg": 2.5, "vespo_lambda_neg": 1.5, "off_policy_mask_threshold": 0.5, "top_k": 20,
+           "min_p": 0.05, "repetition_penalty": 1.1, "use_adaptive_entropy": True, "entropy_coef_min": 0.001,
+           "entropy_coef_max": 0.5, "entropy_coef_delta": 0.01, "entropy_target": 1.0, "steps_per_generation": 8,
+           "sync_ref_model": False, "ref_model_mixup_alpha": 0.9, "ref_model_sync_steps": 64}
+    assert set(SAME_FIELDS) <= set(new)
+    cfg = cfg_with("grad_accum=4")
+    changes = [R.Change(k, getattr(cfg, k), v) for k, v in new.items()]
+    refined = R.apply(cfg, [R.Finding("r", "s", "e", changes, "why", 1.0)])
+    assert {k: getattr(refined, k) for k in new} == new
+    snippet = trl_snippet(changes, cfg)
+    assert all(f"{k}={v!r}" in snippet for k, v in new.items()), snippet

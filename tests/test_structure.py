@@ -160,7 +160,8 @@ PATTERNS = {
     "package.module:Name loader": (r"importlib\.import_module\(", "config.py"),
     "a zero-std tolerance": (r"std\)? <= (1e-8|EQ_TOL)", "outcomes.py"),
     "reward weights resolved": (r"resolve_rewards\(cfg\)", "train/trainer.py"),
-    "adapter factors loaded": (r"set_peft_model_state_dict\(", "models.py"),
+    # a saved adapter's file into a PEFT model (adapters.py rebuilds one module from given tensors: another job)
+    "adapter factors loaded": (r"set_peft_model_state_dict\([\w.]+, load_file\(", "models.py"),
     "the held-out set": (r"eval_split, n=cfg\.eval_n", "recorder.py"),
 }
 

@@ -15,6 +15,7 @@ from mechdiag import config as C
 from mechdiag.errors import UserError
 from mechdiag.integrations.readers import map_verl, read_verl_run
 from mechdiag.integrations.trl import GroupCV, MechdiagCallback, config_from_grpo, grpo_args, read_trl_run
+from mechdiag.integrations.trl_args import SAME_FIELDS
 from mechdiag.outcomes import group_stats
 from mechdiag.run import RunDir
 from mechdiag.train import objective
@@ -249,9 +250,7 @@ def test_same_objective_both_backends(stories260k, tmp_path, loss_type):
         trl_loss = float(trainer.compute_loss(model, inputs))
         logp = objective.token_logprobs(policy_logits(model, prompt_ids, prompt_mask, completion_ids,
                                                       completion_mask), completion_ids, cfg.temperature)
-        ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, epsilon=cfg.epsilon,
-                                          epsilon_high=cfg.epsilon_high, beta=cfg.beta, loss_type=cfg.loss_type,
-                                          max_completion_tokens=cfg.max_completion_tokens)
+        ours, stats = objective.grpo_loss(logp, old, ref, adv, completion_mask, objective.Objective.of(cfg))
     assert stats["policy_clip_fraction"] > 0 and stats["kl"] > 0
     assert abs(trl_loss - float(ours)) <= 1e-5 * max(1.0, abs(float(ours))), (trl_loss, float(ours))
     assert trainer.args.epsilon_high == 0.28 and trainer.args.num_iterations == 2 and trainer.args.max_steps == 4
@@ -309,14 +308,25 @@ def test_config_round_trip(stories260k):
 
     cfg = C.load(None, _small(stories260k, "beta=0.01", "epsilon_high=0.3", "temperature=0.9", "grad_accum=2",
                               "lora.layers=first2+last2", "lora.target_modules=[v_proj,o_proj]", "max_steps=7",
-                              "lr_schedule=linear", "top_p=0.95", "save_every=3", "report_to=[tensorboard]"))
+                              "lr_schedule=linear", "top_p=0.95", "save_every=3", "report_to=[tensorboard]",
+                              # TRL 1.16's options, none at its default: each passes through and back
+                              "importance_sampling_level=sequence", "delta=1.5", "mask_truncated_completions=true",
+                              "top_entropy_quantile=0.2", "entropy_coef=0.01", "use_bias_correction_kl=true",
+                              "multi_objective_aggregation=normalize_then_sum", "off_policy_mask_threshold=0.5",
+                              "sapo_temperature_neg=1.2", "vespo_k_pos=1.5", "top_k=5",
+                              "min_p=0.05", "repetition_penalty=1.1"))
     model = AutoModelForCausalLM.from_pretrained(stories260k)
     model = get_peft_model(model, peft_lora_config(model, cfg.lora))
     back = config_from_grpo(grpo_args(cfg, "/tmp/unused"), model, ["correctness"])
     for key in ("group_size", "prompts_per_step", "grad_accum", "beta", "epsilon", "epsilon_high", "temperature",
                 "top_p", "learning_rate", "lr_schedule", "max_steps", "max_completion_tokens", "seed", "save_every",
-                "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm", "report_to"):
+                "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm", "report_to",
+                *SAME_FIELDS):
         assert getattr(back, key) == getattr(cfg, key), key
+    # two updates a rollout: TRL counts updates, so its max_steps (read back as the run's steps) doubles
+    minis = cfg.model_copy(update={"steps_per_generation": 4})
+    back = config_from_grpo(grpo_args(minis, "/tmp/unused"), model, ["correctness"])
+    assert (back.steps_per_generation, back.grad_accum, back.max_steps) == (4, 2, 14)
     assert back.lora.layers == [0, 1, 3, 4] and back.lora.target_modules == ["o_proj", "v_proj"]
     assert (back.lora.r, back.lora.alpha) == (cfg.lora.r, cfg.lora.alpha)
 

@@ -98,6 +98,7 @@ def test_row_pass_budget_counts_the_vocabulary_as_documented(chunked):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from mechdiag.train.memory import LOGIT_COPIES
+    from mechdiag.train.objective import Objective
     from mechdiag.train.trainer import Trainer
 
     def rows(n_vocab):
@@ -107,7 +108,7 @@ def test_row_pass_budget_counts_the_vocabulary_as_documented(chunked):
             c.logit_scale = 2.0  # a rescaled head: vocab.head_of is None, the full-logits path
         model = Qwen2ForCausalLM(c)
         assert (vocab.head_of(model) is not None) == chunked
-        me = SimpleNamespace(cfg=SimpleNamespace(update_rows=None), model=model,
+        me = SimpleNamespace(cfg=SimpleNamespace(update_rows=None), model=model, objective=Objective(),
                              memory={"weights_bytes": 8 * 2**30})
         return Trainer.rows_per_pass(me, _Roll())
 

@@ -68,7 +68,14 @@ TRL_TRAIN_KEYS = {
     "clip_ratio/low_min": "clip_fraction_low_min", "clip_ratio/high_max": "clip_fraction_high_max",
     "grad_norm": "grad_norm",
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
+    "entropy_coef": "entropy_coef",  # the entropy bonus's coefficient (adaptive: after the update)
     **{k: k for k in OUTCOME_KEYS},  # GroupCV's log
+    # the sampler against the trainer (vLLM's importance-sampling correction; metrics.SAMPLER_KEYS)
+    "sampling/importance_sampling_ratio/min": "sampler_ratio_min",
+    "sampling/importance_sampling_ratio/mean": "sampler_ratio_mean",
+    "sampling/importance_sampling_ratio/max": "sampler_ratio_max",
+    "sampling/sampling_logp_difference/mean": "sampler_logp_diff",
+    "sampling/sampling_logp_difference/max": "sampler_logp_diff_max",
 }
 TRL_EVAL_KEYS = {
     "reward": "eval_reward", "accuracy": "accuracy", "entropy": "entropy", "completions/mean_length":
@@ -102,6 +109,12 @@ VERL_TRAIN_KEYS = {
     "step_time": ("timing_s/step", "timing/step"),
     "tokens_per_s": ("perf/throughput",),
     "value_loss": ("critic/vf_loss",),
+    # the sampler against the trainer (rollout correction; metrics.SAMPLER_KEYS)
+    "sampler_ratio_min": ("rollout_corr/rollout_is_min",),
+    "sampler_ratio_mean": ("rollout_corr/rollout_is_mean",),
+    "sampler_ratio_max": ("rollout_corr/rollout_is_max",),
+    "sampler_kl": ("rollout_corr/kl",),
+    "sampler_masked_fraction": ("rollout_corr/rollout_rs_masked_fraction",),
 }
 _VERL_SCALED = re.compile(r"^(?P<key>.+)\((?P<scale>[0-9.eE+-]+)\)$")  # "actor/lr(1e-4)": value in units of 1e-4
 _VERL_REWARD_FN = "reward_extra_info/"  # verl's per-function reward means

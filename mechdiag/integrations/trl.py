@@ -38,7 +38,7 @@ from mechdiag.integrations.readers import (
     read_trl_run,
     read_verl_run,
 )
-from mechdiag.integrations.trl_args import config_from_grpo
+from mechdiag.integrations.trl_args import SAME_FIELDS, config_from_grpo
 from mechdiag.models import context_of, device, eos_ids, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
@@ -207,25 +207,26 @@ def grpo_args(cfg, output_dir, n_processes: int | None = None, **overrides):
     cuda = device(cfg.device).startswith("cuda")  # accelerate places the processes; cpu forces use_cpu
     # ... except under DeepSpeed, which accelerate skips when use_cpu is set (its CPU accelerator runs it there)
     ds = bool(overrides.get("deepspeed")) or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    updates = (cfg.max_steps or 0) * cfg.num_iterations
+    updates = (cfg.max_steps or 0) * cfg.updates_per_step
     kw = dict(
         output_dir=str(output_dir), num_generations=cfg.group_size, per_device_train_batch_size=micro // n,
-        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.grad_accum,
+        gradient_accumulation_steps=cfg.grad_accum, steps_per_generation=cfg.rollout_micro_batches,
         num_iterations=cfg.num_iterations, beta=cfg.beta, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
         loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards, learning_rate=cfg.learning_rate,
         lr_scheduler_type=C.LR_SCHEDULERS[cfg.lr_schedule],
         warmup_steps=math.ceil(cfg.warmup_ratio * updates) if updates else cfg.warmup_ratio,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        max_grad_norm=cfg.max_grad_norm, temperature=cfg.temperature, top_p=cfg.top_p,
         max_completion_length=cfg.max_completion_tokens, seed=cfg.seed, data_seed=cfg.seed,
         logging_steps=1, save_strategy="steps" if cfg.save_every else "no", save_steps=cfg.save_every or 500,
         eval_strategy="no", report_to=list(cfg.report_to), project=os.environ.get("TRACKIO_PROJECT", T.PREFIX),
         bf16=cuda and cfg.model.dtype == "bfloat16",
         fp16=cuda and cfg.model.dtype == "float16", gradient_checkpointing=cfg.gradient_checkpointing,
         use_cpu=not cuda and not ds,
-        log_completions=False, disable_dropout=False, remove_unused_columns=False, mask_truncated_completions=False,
-        dataloader_num_workers=0,
-        use_bias_correction_kl=False,  # TRL 1.16 defaults to ratio * k3; the study's objective is plain k3
+        # forced, each for a reason in docs/trl.md: dropout as lora.dropout says, the reward columns kept, the
+        # callback logs the samples, data loaded in the training process
+        log_completions=False, disable_dropout=False, remove_unused_columns=False, dataloader_num_workers=0,
+        **{f: getattr(cfg, f) for f in SAME_FIELDS},  # the objective and sampling as config.yaml records them
     )
     if cfg.max_steps:
         kw["max_steps"] = updates
@@ -311,7 +312,7 @@ class MechdiagCallback(TrainerCallback):
     record section. `evaluate(model, tokenizer, step) -> dict`, or "heldout" (the native trainer's held-out eval
     of `config`'s task, which `mechdiag attribute` reproduces), at TRL's evaluations, every `eval_every` steps, at
     the start and at the end. `config` (our Config) is saved as config.yaml, else one derived from the GRPOConfig
-    and the model's LoRA config. `updates_per_step`: TRL steps per step of ours (num_iterations; the backend),
+    and the model's LoRA config. `updates_per_step`: TRL steps per step of ours (Config.updates_per_step; the backend),
     for summary.json's step counts; the time spent here is summed there (recorder_s). Only the main process
     writes. With GRPOConfig(report_to=[...]), `attach(trainer)` puts this callback before the report_to callbacks,
     so the signals TRL does not log itself reach each backend at their step (mechdiag.trackers).
@@ -574,12 +575,12 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     rec = cfg.record
     cb = MechdiagCallback(run_dir=run.path, displacement_every=rec.displacement_every,
                           shift_prompts=eval_prompts if rec.shift_at_eval else None, shift_n=rec.shift_n, config=cfg,
-                          evaluate=heldout, eval_every=cfg.eval_every * cfg.num_iterations,
+                          evaluate=heldout, eval_every=cfg.eval_every * cfg.updates_per_step,
                           reward_weights=dict(zip([f.__name__ for f in funcs], weights, strict=True)),
                           max_time_s=cfg.max_time_s, forget_tokens=rec.forget_tokens,
                           forget_prompts=forget_prompts(rec.forget_prompts, tok, rec.forget_n)
                           if rec.forget_prompts and cfg.lora.enabled else None,
-                          rollouts=cv, updates_per_step=cfg.num_iterations)
+                          rollouts=cv, updates_per_step=cfg.updates_per_step)
     with peft_refusals(peft_cfg) if peft_cfg is not None else contextlib.nullcontext():  # TRL wraps the model
         trainer = GRPOTrainer(model=model, reward_funcs=cv.funcs, args=args, train_dataset=data,
                               processing_class=tok, peft_config=peft_cfg, callbacks=[cb, *(callbacks or [])])

@@ -145,6 +145,10 @@ def config_from_grpo(args, model=None, reward_names: list[str] | None = None):
         "save_every": args.save_steps if str(getattr(args.save_strategy, "value", args.save_strategy)) == "steps"
         else 0,
         "report_to": [r for r in (args.report_to or []) if r in C.TRACKERS],  # the trackers mechdiag also feeds
+        **{f: getattr(args, f, None) for f in SAME_FIELDS},
+        # TRL fills steps_per_generation in (= gradient_accumulation_steps); ours is None for one update a rollout
+        "steps_per_generation": None if getattr(args, "steps_per_generation", None) in (None, accum)
+        else args.steps_per_generation,
     }
     if reward_names:
         w = args.reward_weights or [1.0] * len(reward_names)
@@ -208,6 +212,14 @@ def lora_targets(target_modules, target_parameters) -> list[str]:
     return modules + sorted(set(params) - set(modules))
 
 
+# TRL 1.16's objective and sampling options: Config fields named as GRPOConfig names them, passed both ways
+SAME_FIELDS = ("importance_sampling_level", "delta", "mask_truncated_completions", "top_entropy_quantile",
+               "entropy_coef", "use_bias_correction_kl", "multi_objective_aggregation", "sapo_temperature_pos",
+               "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+               "off_policy_mask_threshold", "top_k", "min_p", "repetition_penalty", "use_adaptive_entropy",
+               "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target", "sync_ref_model",
+               "ref_model_mixup_alpha", "ref_model_sync_steps")
+
 # mechdiag key -> GRPOConfig field (the inverse of config_from_grpo), and lora.* -> peft LoraConfig field
 GRPO_FIELDS = {"group_size": "num_generations", "grad_accum": "gradient_accumulation_steps", "epsilon": "epsilon",
                "epsilon_high": "epsilon_high", "beta": "beta", "num_iterations": "num_iterations",
@@ -215,7 +227,8 @@ GRPO_FIELDS = {"group_size": "num_generations", "grad_accum": "gradient_accumula
                "lr_schedule": "lr_scheduler_type", "warmup_ratio": "warmup_steps", "adam_beta1": "adam_beta1",
                "adam_beta2": "adam_beta2", "weight_decay": "weight_decay", "max_grad_norm": "max_grad_norm",
                "temperature": "temperature", "top_p": "top_p", "max_completion_tokens": "max_completion_length",
-               "seed": "seed", "max_steps": "max_steps", "save_every": "save_steps"}
+               "seed": "seed", "max_steps": "max_steps", "save_every": "save_steps",
+               "steps_per_generation": "steps_per_generation", **{f: f for f in SAME_FIELDS}}
 GRPO_FIELDS_READ = (*GRPO_FIELDS.values(), "per_device_train_batch_size", "save_strategy", "reward_weights",
                     "warmup_ratio")
 LORA_FIELDS = {"lora.r": "r", "lora.alpha": "lora_alpha", "lora.dropout": "lora_dropout",

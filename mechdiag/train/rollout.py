@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from mechdiag.generate import (
+    Filters,
     encode_prompts,
     eos_ids,
     pad_id,
@@ -37,7 +38,7 @@ class Rollout:
     example_ids: list[str]
     group_ids: list[int]
     prompts: list[str]
-    old_logp: torch.Tensor | None = None  # (B, T), only when num_iterations > 1
+    old_logp: torch.Tensor | None = None  # (B, T), only when a step makes more than one update
     ref_logp: torch.Tensor | None = None
     sample_logp: torch.Tensor | None = None  # (B, T) log-prob of each sampled token when it was drawn
     sample_entropy: torch.Tensor | None = None  # (B, T) entropy of the sampling distribution
@@ -104,6 +105,17 @@ def sequence_logprobs(model, r: Rollout, temperature: float) -> torch.Tensor:
     return out
 
 
+def advantages(cfg, rewards: torch.Tensor, components: dict[str, list[float]], weights: dict[str, float]):
+    """The rollout's advantages: of the weighted reward (sum_then_normalize), or GDPO's per-component group
+    normalisation then weighted sum (multi_objective_aggregation: normalize_then_sum)."""
+    if cfg.multi_objective_aggregation == "normalize_then_sum" and components:
+        names = list(components)
+        c = torch.tensor([components[k] for k in names], dtype=torch.float64).T
+        return obj.decoupled_advantages(c, torch.tensor([float(weights.get(k, 0.0)) for k in names]),
+                                        cfg.group_size)
+    return obj.group_advantages(rewards, cfg.group_size, cfg.scale_rewards)
+
+
 def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_model=None, sampler=None) -> Rollout:
     """Sample cfg.group_size completions per example, score them (scored) and add the old and reference
     log-probs (paper-notes §2). `sampler`, if given, decodes in place of `model` (a copy holding the same
@@ -120,11 +132,12 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
         c_ids, c_mask, trunc = sample_tokens(sampler or model, u_ids, u_mask, max_new_tokens=cfg.max_completion_tokens,
                                              eos=eos_ids(model, tokenizer), pad=pad_id(tokenizer),
                                              temperature=cfg.temperature, top_p=cfg.top_p, gen=gen, entropy=ent,
+                                             filters=Filters(cfg.top_k, cfg.min_p, cfg.repetition_penalty),
                                              logprobs=lps, repeat=g)
         r = scored(tokenizer, task, examples, prompts, cfg, u_ids.repeat_interleave(g, 0),
                    u_mask.repeat_interleave(g, 0), c_ids.clone(), c_mask.clone(), trunc.cpu())
         r.sample_logp, r.sample_entropy = lps[0].clone(), ent[0].clone()  # inference tensors cannot enter autograd
-        if cfg.num_iterations > 1:
+        if cfg.updates_per_step > 1:  # later updates see a policy that moved: ratios against the sampling one
             r.old_logp = sequence_logprobs(model, r, cfg.temperature).clone()
         ref, ctx = reference_context(model, ref_model)
         with ctx:
@@ -136,7 +149,7 @@ def collect(model, tokenizer, task, examples, cfg, gen: torch.Generator, ref_mod
 
 def scored(tokenizer, task, examples, prompts: list[str], cfg, p_ids, p_mask, c_ids, c_mask, trunc) -> Rollout:
     """The Rollout of cfg.group_size sampled completions per example (token ids, mask with the EOS counted,
-    truncated flags): texts decoded, reward components and their weighted total, group advantages."""
+    truncated flags): texts decoded, reward components and their weighted total, advantages (`advantages`)."""
     g = cfg.group_size
     texts = [tokenizer.decode(ids[:n], skip_special_tokens=True)
              for ids, n in zip(c_ids.tolist(), c_mask.sum(-1).tolist(), strict=True)]
@@ -149,6 +162,6 @@ def scored(tokenizer, task, examples, prompts: list[str], cfg, p_ids, p_mask, c_
         totals.append(weighted_total(c, cfg.rewards.weights))
     rewards = torch.tensor(totals, dtype=torch.float32)
     return Rollout(p_ids, p_mask, c_ids, c_mask, trunc, rewards, {k: torch.tensor(v) for k, v in comps.items()},
-                   obj.group_advantages(rewards, g, cfg.scale_rewards).to(c_ids.device), texts,
+                   advantages(cfg, rewards, comps, cfg.rewards.weights).to(c_ids.device), texts,
                    [ex.id for ex in examples for _ in range(g)], [i // g for i in range(len(texts))],
                    [p for p in prompts for _ in range(g)])

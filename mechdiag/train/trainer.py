@@ -1,15 +1,18 @@
 """The GRPO training recipe, read top to bottom in the order it runs: setup (__init__, named steps); fit: evaluate
-the base, then per step (train_step) rollout -> num_iterations clipped-surrogate updates -> the step's record
+the base, then per step (train_step) rollout -> its updates (objective.grpo_loss) -> the step's record
 (recorder.StepRecord: the recorder computes every signal, then the hooks) -> checkpoint; evaluate; final/.
 
-A step is one rollout of prompts_per_step x grad_accum prompts (G completions each) followed by num_iterations
-optimizer updates on it, in grad_accum micro-batches of prompts_per_step prompts. Sampling at step s is seeded by
-(seed, s) and the data order by (seed, epoch), so a resumed run replays what an uninterrupted run would have done.
+A step is one rollout of prompts_per_step x steps_per_generation prompts (G completions each; steps_per_generation
+defaults to grad_accum), cut into micro-batches of prompts_per_step prompts for the backward passes; every
+grad_accum micro-batches make one optimizer update (update_plan), num_iterations times over the rollout. Sampling at
+step s is seeded by (seed, s) and the data order by (seed, epoch), so a resumed run replays what an uninterrupted run
+would have done.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -19,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, load_model, save_model
 from transformers import get_scheduler
 
 from mechdiag import atomic, models, sandbox, tasks
@@ -35,7 +38,9 @@ from mechdiag.train import hooks as H
 from mechdiag.train import memory
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import Rollout, collect, policy_logprobs
+from mechdiag.train.rollout import Rollout, collect, policy_logits, policy_logprobs
+
+REFERENCE_WEIGHTS = "reference.safetensors"  # a checkpoint's synced reference (sync_ref_model)
 
 
 # ---- model ------------------------------------------------------------------------------------------------
@@ -56,13 +61,20 @@ def sampler_choice(cfg: Config, n_params: int) -> str:
     """"merged" or "adapter" (the model decodes itself): cfg.sampler, with "auto" decided by the model size."""
     if not cfg.lora.enabled:
         return "adapter"
-    if cfg.sampler == "auto":
+    if cfg.sampler == "auto" and cfg.sampler_dtype is None:
         return "merged" if n_params <= SAMPLER_AUTO_MAX_PARAMS else "adapter"
     return cfg.sampler
 
 
 def param_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@torch.no_grad()
+def mix_reference(model, ref_model, alpha: float) -> None:
+    """TR-DPO's reference sync: pi_ref <- alpha pi_theta + (1 - alpha) pi_ref, parameter by parameter."""
+    for ref, p in zip(ref_model.parameters(), model.parameters(), strict=True):
+        ref.mul_(1.0 - alpha).add_(p, alpha=alpha)
 
 
 def prepare_model(cfg: Config, device: torch.device | str | None = None):
@@ -81,6 +93,8 @@ def prepare_model(cfg: Config, device: torch.device | str | None = None):
     if cfg.lora.enabled:
         n_params = sum(p.numel() for p in model.parameters())
         sampler = frozen_copy(model) if sampler_choice(cfg, n_params) == "merged" else None
+        if sampler is not None and cfg.sampler_dtype is not None:
+            sampler.to(getattr(torch, cfg.sampler_dtype))
         return apply_lora(model, cfg.lora), tok, None, sampler
     return model, tok, frozen_copy(model), None
 
@@ -118,16 +132,42 @@ def rollout_record(step: int, roll: Rollout, cfg: Config) -> StepRecord:
 
 
 def step_record(step: int, roll: Rollout, cfg: Config, updates: list[dict], lr: float, rollout_time: float,
-                step_time: float) -> StepRecord:
+                step_time: float, fresh: torch.Tensor | None = None) -> StepRecord:
     """The native trainer's StepRecord: the rollout's completions and the mean of its updates' statistics; the
-    KL is the rollout's (k3 of the sampling policy against the reference), whatever beta."""
+    KL is the rollout's (k3 of the sampling policy against the reference), whatever beta. `fresh` (B, T): the
+    first update's log-probs (NaN where not computed), whose gap to the sampler's goes in `extra`
+    (objective.sampler_gap, metrics.SAMPLER_KEYS)."""
     mask = roll.completion_mask
     mean = {k: sum(u[k] for u in updates) / len(updates) for k in updates[0] if k != "skipped"}
     record = rollout_record(step, roll, cfg)
     record.update = Update(**mean, kl=obj.masked_mean(obj.kl_k3(roll.sample_logp, roll.ref_logp), mask).item(),
                            entropy=obj.masked_mean(roll.sample_entropy, mask).item(), lr=lr, step_time=step_time,
                            rollout_time=rollout_time, skipped_updates=sum(u["skipped"] for u in updates))
+    if fresh is not None:
+        record.extra.update(obj.sampler_gap(fresh, roll.sample_logp, mask))
     return record
+
+
+def update_plan(n_rows: int, micro: int, accum: int) -> list[list[torch.Tensor]]:
+    """A rollout's rows as updates, each of `accum` micro-batches of `micro` consecutive rows (whole groups)."""
+    batches = [torch.arange(s, min(s + micro, n_rows)) for s in range(0, n_rows, micro)]
+    return [batches[u:u + accum] for u in range(0, len(batches), accum)]
+
+
+def loss_mask(cfg: Config, roll, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The tokens the loss counts: the completion's, less a truncated completion's under
+    mask_truncated_completions (DAPO's overlong filtering)."""
+    mask = roll.completion_mask if rows is None else roll.completion_mask[rows]
+    if not cfg.mask_truncated_completions:
+        return mask
+    cut = roll.truncated if rows is None else roll.truncated[rows]
+    return mask * (~cut).to(mask.device, mask.dtype).unsqueeze(1)
+
+
+def update_tokens(cfg: Config, roll) -> float:
+    """dapo / cispo / vespo's normaliser (objective.Share.update_tokens): the loss tokens of the whole rollout per
+    update, as TRL's num_items_in_batch."""
+    return float(loss_mask(cfg, roll).sum()) * cfg.grad_accum / cfg.rollout_micro_batches
 
 
 def check_data(cfg: Config) -> None:
@@ -195,17 +235,22 @@ class Trainer:
             raise UserError(f"task {cfg.task.name} has no training examples")
         self.eval_examples, self.eval_prompts = self.heldout.examples, self.heldout.prompts
         self.forget = ForgetProbe.from_config(cfg.record, self.tokenizer, cfg.max_prompt_tokens)
-        self.prompts_per_update = cfg.prompts_per_step * cfg.grad_accum
+        self.prompts_per_update = cfg.prompts_per_step * cfg.rollout_micro_batches  # a rollout's prompts
         self._perms: dict[int, list[int]] = {}  # epoch -> order of the training examples (batch)
         self.total_steps = cfg.max_steps if cfg.max_steps is not None else \
             max(1, math.ceil((cfg.epochs or 1) * len(self.train_examples[0]) / self.prompts_per_update))
 
     def _optimizer(self) -> None:
+        """The objective (its options), the adaptive entropy controller's state, AdamW and the schedule."""
         cfg = self.cfg
+        self.objective = obj.Objective.of(cfg)
+        # the adaptive entropy controller's state (checkpointed): its coefficient, the last update's entropy
+        self.entropy_coef, self.last_entropy = cfg.entropy_coef, math.inf
+        self._window = [0.0, 0.0]  # the update's acting tokens: entropy sum, count
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
-        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.num_iterations)
+        self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.updates_per_step)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
 
     def _recorder(self, out_dir, resume: bool) -> None:
@@ -263,7 +308,8 @@ class Trainer:
 
     # ---- one step -------------------------------------------------------------------------------------
     def train_step(self, step: int) -> tuple[StepRecord, Rollout]:
-        """One step, its phases top to bottom: the rollout, num_iterations updates on it, the step's record."""
+        """One step, its phases top to bottom: the rollout, its updates (update_plan, num_iterations times over the
+        rollout: Config.updates_per_step), the step's record (the sampler gap read off the first update)."""
         t0 = time.perf_counter()
         gen = torch.Generator(device=self.device).manual_seed(step_seed(self.cfg.seed, step))
         roll = collect(self.model, self.tokenizer, self.task, self.batch(step), self.cfg, gen, self.ref_model,
@@ -271,15 +317,17 @@ class Trainer:
         t_roll = time.perf_counter() - t0
         lr = self.sched.get_last_lr()[0]
         per_pass = self.plan(roll)
-        updates = [self.update(step, roll, per_pass) for _ in range(self.cfg.num_iterations)]
-        return step_record(step, roll, self.cfg, updates, lr, t_roll, time.perf_counter() - t0), roll
+        fresh = torch.full_like(roll.sample_logp, math.nan)  # the first update's log-probs, against the sampler's
+        plan = update_plan(len(roll), self.cfg.prompts_per_step * self.cfg.group_size, self.cfg.grad_accum)
+        updates = [self.update(step, roll, batches, per_pass, fresh if it == 0 and u == 0 else None)
+                   for it in range(self.cfg.num_iterations) for u, batches in enumerate(plan)]
+        return step_record(step, roll, self.cfg, updates, lr, t_roll, time.perf_counter() - t0, fresh), roll
 
     def plan(self, roll: Rollout) -> int:
-        """Rows per update pass, from the memory model, once per rollout: cfg.update_rows, or the rows whose update
-        pass fits in half the weights' bytes (saved activations per token, the vocabulary's logits and their
-        gradient counted); summary.json's predicted peak (and its phases) keeps the largest step's."""
+        """Rows per update pass, from the memory model, once per rollout (rows_per_pass); summary.json's predicted
+        peak (and its phases) keeps the largest step's."""
         m, shape = self.memory, memory.shape_of(self.model, roll)
-        per_pass = self.cfg.update_rows or memory.rows_per_pass(shape, m["weights_bytes"])
+        per_pass = self.rows_per_pass(roll)
         pred = memory.predicted_peak(shape, m["weights_bytes"] + m["sampler_bytes"] + m["reference_bytes"], per_pass,
                                      next(self.model.parameters()).element_size())
         if pred["predicted_peak_bytes"] > m.get("predicted_peak_bytes", 0):
@@ -287,28 +335,38 @@ class Trainer:
         return per_pass
 
     def rows_per_pass(self, roll: Rollout) -> int:
+        """cfg.update_rows, or the rows whose update pass fits in half the weights' bytes (mechdiag.train.memory:
+        saved activations per token, the vocabulary's logits and their gradient counted). A whole micro-batch when
+        the objective reads its entropies (the quantile's threshold and the bonus's mean are the micro-batch's)."""
+        if self.objective.entropy_needed:
+            return len(roll)
         return self.cfg.update_rows or memory.rows_per_pass(memory.shape_of(self.model, roll),
                                                             self.memory["weights_bytes"])
 
-    def update(self, step: int, roll: Rollout, per_pass: int) -> dict:
-        """One optimizer update on the whole rollout: each micro-batch's loss in passes of `per_pass` rows (shares
-        that sum to it), backward, clip, step; skipped when the loss or gradient is not finite. Returns the
-        micro-batches' mean loss and clip fractions, the grad norm and whether it was skipped."""
+    def update(self, step: int, roll: Rollout, batches: list[torch.Tensor], per_pass: int,
+               record: torch.Tensor | None = None) -> dict:
+        """One optimizer update on `batches` (grad_accum micro-batches of the rollout, update_plan): each
+        micro-batch's loss in passes of `per_pass` rows (shares that sum to it), backward, clip, step; skipped when
+        the loss or gradient is not finite; then the reference sync and the entropy controller. Returns the
+        micro-batches' mean loss and clip fractions, the grad norm, the entropy coefficient for the next update
+        (adaptive) and whether it was skipped. `record` (B, T) receives the log-probs computed."""
         cfg, model = self.cfg, self.model
+        objective = dataclasses.replace(self.objective, entropy_coef=obj.applied_entropy_coef(
+            self.entropy_coef, self.last_entropy, cfg.entropy_target, cfg.use_adaptive_entropy))
+        tokens = update_tokens(cfg, roll)
+        self._window = [0.0, 0.0]
         self.opt.zero_grad(set_to_none=True)
-        micro = cfg.prompts_per_step * cfg.group_size
-        n = len(roll)
         sums: dict[str, float] = {}
-        passes = [(m, c) for m in range(0, n, micro) for c in range(m, min(m + micro, n), per_pass)]
-        for m, c in passes:  # (micro-batch start, pass start)
-            loss, st = self._micro_loss(roll, torch.arange(c, min(c + per_pass, m + micro, n)),
-                                        of=torch.arange(m, min(m + micro, n)))
-            st["loss"] = loss.item()
-            if math.isfinite(sums.get("loss", 0.0)) and math.isfinite(st["loss"]) and loss.requires_grad:
-                (loss / cfg.grad_accum).backward()
-            for k, v in st.items():
-                sums[k] = sums.get(k, 0.0) + v
-        stats = {k: v / math.ceil(n / micro) for k, v in sums.items()}
+        for rows in batches:
+            for c in range(0, len(rows), per_pass):  # shares of the micro-batch's loss: they sum to it
+                loss, st = self._micro_loss(roll, rows[c:c + per_pass], of=rows, update_tokens=tokens, record=record,
+                                            objective=objective)
+                st["loss"] = loss.item() * cfg.grad_accum  # the micro-batch's, as the update's loss averages them
+                if math.isfinite(sums.get("loss", 0.0)) and math.isfinite(st["loss"]) and loss.requires_grad:
+                    loss.backward()  # the objective divides by the accumulation (objective.Share)
+                for k, v in st.items():
+                    sums[k] = sums.get(k, 0.0) + v
+        stats = {k: v / len(batches) for k, v in sums.items()}
         params = [p for p in model.parameters() if p.requires_grad]
         for p in params:  # a pass with no signal still steps AdamW (momentum, decay), as it would with zeros
             if p.grad is None:
@@ -327,32 +385,71 @@ class Trainer:
             self.opt.step()
             self.bad_steps = 0
         self.sched.step()
+        if cfg.sync_ref_model and self.sched.last_epoch % cfg.ref_model_sync_steps == 0:  # updates so far
+            mix_reference(model, self.ref_model, cfg.ref_model_mixup_alpha)
+        if cfg.use_adaptive_entropy:  # the coefficient for the next update, from this one's entropy
+            self.last_entropy = self._window[0] / max(self._window[1], 1.0)
+            self.entropy_coef = obj.adapt_entropy_coef(self.entropy_coef, self.last_entropy, cfg.entropy_target,
+                                                       cfg.entropy_coef_delta, cfg.entropy_coef_min,
+                                                       cfg.entropy_coef_max)
+            stats["entropy_coef"] = self.entropy_coef
         return stats
 
-    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself); the objective
-        (mechdiag.train.objective.grpo_loss) weighs it by the micro-batch's counts, so the shares sum to its loss.
+    def _micro_loss(self, roll, rows: torch.Tensor, of: torch.Tensor | None = None,
+                    update_tokens: float | None = None, record: torch.Tensor | None = None,
+                    objective: obj.Objective | None = None) -> tuple[torch.Tensor, dict]:
+        """The loss of rows `rows` as their share of micro-batch `of` (default: rows itself) in an update of
+        grad_accum micro-batches; the objective (mechdiag.train.objective.grpo_loss) weighs it by the counts in
+        its Share, so the shares sum to the update's loss.
 
-        With beta = 0 a completion whose advantage is 0 has exactly zero loss and gradient, so it is left out of
-        the forward pass (often half the batch: groups with equal rewards); the objective is told the counts.
+        When a completion whose advantage is 0 has exactly zero loss and gradient (Objective.
+        zero_advantage_rows_vanish: beta = 0, no entropy term) it is left out of the forward pass (often half the
+        batch: groups with equal rewards); the objective is told the counts. Under top_entropy_quantile alone
+        (zero_advantage_rows_in_quantile_only) such rows run a forward without gradient, for the quantile.
         """
-        cfg = self.cfg
-        keep = rows[roll.advantages[rows].cpu() != 0] if cfg.beta == 0 else rows
+        cfg, o = self.cfg, objective or self.objective
+        pool_only = o.zero_advantage_rows_in_quantile_only
+        zero = roll.advantages[rows].cpu() == 0
+        keep = rows[~zero] if o.zero_advantage_rows_vanish or pool_only else rows
         of = rows if of is None else of
-        n_tokens = int(roll.completion_mask[of].sum())
+        n_tokens = int(loss_mask(cfg, roll, of).sum())
         if len(keep) == 0:
             return torch.zeros(()), {"clip_fraction_low": 0.0, "clip_fraction_high": 0.0, "policy_clip_fraction": 0.0}
         mb = roll.select(keep)
+        mask = loss_mask(cfg, mb)
         # a group's prompt runs once; not under checkpointing (no KV cache in train mode) nor LoRA dropout (each
         # row's prompt would no longer draw its own dropout mask)
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
-        logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                               cfg.temperature, prompt_of=torch.tensor(mb.group_ids) if shared else None)
-        # the loss: mechdiag.train.objective owns its whole weighting
-        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mb.completion_mask,
-                                 epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, beta=cfg.beta,
-                                 loss_type=cfg.loss_type, max_completion_tokens=cfg.max_completion_tokens,
-                                 n_rows=len(of), n_tokens=n_tokens)
+        prompt_of = torch.tensor(mb.group_ids) if shared else None
+        entropy = None
+        if o.entropy_needed:  # the full logits: the entropy and its gradient need every entry
+            logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                   prompt_of)
+            logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature) * mb.completion_mask
+            bonus = o.entropy_coef != 0.0 or o.use_adaptive_entropy  # else the quantile reads it, no gradient
+            entropy = obj.token_entropy(logits if bonus else logits.detach(), cfg.temperature)
+            del logits
+        else:
+            logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
+                                   cfg.temperature, prompt_of=prompt_of)
+        if record is not None:
+            record[keep.to(record.device), :logp.size(1)] = logp.detach()
+        share = obj.Share(rows=len(of), tokens=n_tokens, accum=cfg.grad_accum, update_tokens=update_tokens)
+        pool = None  # the quantile's values: every row's tokens, those left out computed without gradient
+        if pool_only and bool(zero.any()):
+            rest = roll.select(rows[zero])
+            with torch.no_grad():
+                ent = obj.token_entropy(policy_logits(self.model, rest.prompt_ids, rest.prompt_mask,
+                                                      rest.completion_ids, rest.completion_mask,
+                                                      torch.tensor(rest.group_ids) if shared else None),
+                                        cfg.temperature)
+            pool = torch.cat([entropy.detach()[mask.bool()], ent[loss_mask(cfg, rest).bool()]])
+        loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, o, share, entropy=entropy,
+                                 entropy_pool=pool)
+        if o.use_adaptive_entropy:  # the controller reads the whole update's acting tokens
+            acts = obj.acting_tokens(entropy, mask, o).detach()
+            self._window[0] += float((entropy.detach() * acts).sum())
+            self._window[1] += float(acts.sum())
         st.pop("kl", None)  # the logged KL is the rollout's (step_record), whatever beta
         return loss, st
 
@@ -397,7 +494,11 @@ class Trainer:
             torch.save(self.opt.state_dict(), folder / "optimizer.pt")
             torch.save(self.sched.state_dict(), folder / "scheduler.pt")
             torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, folder / "rng.pt")
-            atomic.write_json(folder / "trainer_state.json", {"step": step, "bad_steps": self.bad_steps})
+            if self.cfg.sync_ref_model:  # the reference moved: it is state
+                save_model(self.ref_model, str(folder / REFERENCE_WEIGHTS))
+            atomic.write_json(folder / "trainer_state.json", {
+                "step": step, "bad_steps": self.bad_steps, "entropy_coef": self.entropy_coef,
+                "last_entropy": None if math.isinf(self.last_entropy) else self.last_entropy})
 
         final = self.run.write_checkpoint(step, save)
         self.recorder.save(step, final)
@@ -431,6 +532,8 @@ class Trainer:
             self._load_weights(ck)
             self.opt.load_state_dict(torch.load(ck / "optimizer.pt", weights_only=True))
             self.sched.load_state_dict(torch.load(ck / "scheduler.pt", weights_only=True))
+            if self.cfg.sync_ref_model:
+                load_model(self.ref_model, str(ck / REFERENCE_WEIGHTS))
             rng = torch.load(ck / "rng.pt", weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
@@ -439,6 +542,8 @@ class Trainer:
             raise UserError(f"checkpoint {ck} is damaged ({type(e).__name__}: {first_line(e, 200)}); delete it to "
                             "resume from the one before") from None
         self.step, self.bad_steps = int(state["step"]), int(state["bad_steps"])
+        self.entropy_coef = float(state.get("entropy_coef", self.cfg.entropy_coef))
+        self.last_entropy = math.inf if state.get("last_entropy") is None else float(state["last_entropy"])
         self.run.drop_after(self.step)
         base = [r for r in self.run.read("eval") if r["step"] == 0]
         self.base_eval = base[0] if base else None
