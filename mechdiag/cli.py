@@ -69,12 +69,11 @@ def report(runs, out):
     Example:
       mechdiag report runs/a runs/b --out reports/ab.html
     """
-    from mechdiag.integrations.readers import read_any_run
+    from mechdiag.integrations.readers import read_runs
     from mechdiag.report import write_report
-    from mechdiag.run import load_runs
 
     check_output(out, "--out", "file" if _is_html(out) else "dir")
-    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
+    click.echo(str(write_report(read_runs(runs), out)))
 
 
 def _is_html(path: str | None) -> bool:
@@ -434,9 +433,8 @@ def recommend(runs, out, fmt):
     from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
     from mechdiag.integrations.provenance import OWN_TERMS_NAME, OWN_TERMS_SUFFIX, own_terms_text
-    from mechdiag.integrations.readers import foreign_kind, read_any_run
+    from mechdiag.integrations.readers import foreign_kind, read_runs
     from mechdiag.recommend import recommend as run_recommend
-    from mechdiag.run import load_runs
 
     check_output(out, "--out")
     sidecars = {}  # a foreign run's user also gets the settings in the trainer's own terms, beside --out
@@ -444,7 +442,7 @@ def recommend(runs, out, fmt):
         for sfx in dict.fromkeys(OWN_TERMS_SUFFIX.values()):
             sidecars[sfx] = str(Path(out).with_suffix("")) + sfx
             check_output(sidecars[sfx], f"--out (its {sfx} beside it)")
-    loaded = load_runs(runs, read_any_run)
+    loaded = read_runs(runs)
     rec = run_recommend(loaded)
     prov = next((r.provenance for r in loaded if r.provenance), None) or {}
     trainer = prov.get("trainer")

@@ -46,7 +46,8 @@ STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmar
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
                 "recorder_once_s",
                 "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
-                "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable")
+                "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable",
+                "read")  # read: a foreign run's name among the runs its source holds (integrations.readers)
 
 
 @dataclass
@@ -372,7 +373,11 @@ def _treatment(run: Run) -> dict:
         data = run.cfg.model_dump(mode="json")
     except UserError:  # an old or foreign config: compare it as written
         data = run.config or {"path": str(run.path)}
-    return {k: v for k, v in flatten_config(data).items() if not k.startswith(IGNORED_KEYS)}
+    out = {k: v for k, v in flatten_config(data).items() if not k.startswith(IGNORED_KEYS)}
+    seed = ((run.provenance or {}).get("keys") or {}).get("seed") or {}
+    if run.provenance is not None and seed.get("how") != "read":
+        out["run"] = str(run.path)  # a foreign run that does not show its seed is never pooled as another's seed
+    return out
 
 
 def _stem(run: Run) -> str:

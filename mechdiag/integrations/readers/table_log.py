@@ -75,12 +75,13 @@ def _pick(data: dict, table: dict) -> dict:
     return out
 
 
-def read_table_run(path, into, config=None) -> RunDir:
+def read_table_run(path, into, config=None, records=None, trainer=None) -> RunDir:
     """A tabular log (JSON lines, a JSON list, a W&B CSV export, TensorBoard events; logs.table_records) of a TRL,
-    verl, OpenRLHF or custom run, mapped by the keys of the trainer that wrote it (table_flavour)."""
+    verl, OpenRLHF or custom run, mapped by the keys of the trainer that wrote it (table_flavour). `records` (one
+    launch of several the file holds, readers.runs_in) and `trainer` ("trl" for printed log dicts) when known."""
     path = Path(path)
-    records = logs.table_records(path)
-    trainer = table_flavour(records)
+    records = logs.table_records(path) if records is None else records
+    trainer = trainer or table_flavour(records)
     by_step: dict[int, tuple[dict, dict]] = {}
     if trainer in ("trl", "verl"):
         for step, data in records:

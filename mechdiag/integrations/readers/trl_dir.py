@@ -71,7 +71,8 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
     """One TRL log dict -> canonical keys (eval_: the eval_-prefixed record of an evaluation).
 
     rewards/<f>/mean -> reward/<f> (unweighted, as our components); keys we have no name for keep their TRL
-    name under trl/; None and non-finite values (TRL logs None for an all-None reward) are dropped."""
+    name under trl/; None (TRL logs None for an all-None reward) is dropped; a NaN or inf the trainer logged is kept
+    as NaN (written as null: a grad_norm NaN at every step is a finding, not a gap)."""
     out: dict = {}
     table = TRL_EVAL_KEYS if eval_ else TRL_TRAIN_KEYS
     for key, v in logs.items():
@@ -81,8 +82,9 @@ def map_trl_log(logs: dict, eval_: bool = False) -> dict:
             key = key.removeprefix("eval_")
         elif key.startswith("eval_"):
             continue
-        if key in TRL_SKIP or not is_number(v):
+        if key in TRL_SKIP or not (is_number(v) or isinstance(v, float)):
             continue
+        v = v if is_number(v) else math.nan
         m = _TRL_REWARD.match(key)
         if key in table:
             if table[key] not in out or key != "completion_length":  # the newer spelling wins when both
