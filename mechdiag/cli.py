@@ -430,7 +430,6 @@ def recommend(runs, out, fmt):
     from pathlib import Path
 
     from mechdiag import atomic
-    from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
     from mechdiag.integrations.provenance import OWN_TERMS_NAME, OWN_TERMS_SUFFIX, own_terms_text
     from mechdiag.integrations.readers import foreign_kind, read_runs
@@ -449,7 +448,7 @@ def recommend(runs, out, fmt):
     snippet = own_terms_text(trainer, rec.changes, rec.base_cfg, prov.get("fields"))
     own_out = sidecars.get(OWN_TERMS_SUFFIX.get(trainer, ""))
     if out:
-        configlib.save(rec.cfg, out, rec.header)
+        atomic.write_text(out, rec.text())
         if snippet is not None and own_out:
             atomic.write_text(own_out, snippet)
     if fmt == "json":

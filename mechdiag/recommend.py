@@ -26,8 +26,9 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     ENTROPY_COLLAPSE_RATIO,
     FRAC_ZERO_STD_HIGH,
 )
+from mechdiag.metrics import is_number as _num
 from mechdiag.parts import family_name
-from mechdiag.run import Run, final_eval, group_runs
+from mechdiag.run import Run, final_eval, flatten_config, group_runs
 from mechdiag.tasks import reward_weights
 
 # ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
@@ -89,9 +90,24 @@ BETA_FREE_MAX = 0.01
 LR_FREE = 10.0
 HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score all alike (the groups still differ)
 
-SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
+SATURATION_FRAC = 0.9  # reward at or above this share of its own scale (Signals.reward_scale) is saturated...
+SATURATED_GROUPS = 0.5  # ...or, with no scale shown, this share of the groups all correct (group outcomes)
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
 DIFFICULTY_MAX = 4  # arith's hardest level
+
+NO_UPDATE_NAN_SHARE = 0.5  # grad_norm or loss NaN on at least this share of the logged steps: no update reached...
+NO_UPDATE_KL_EPS = 0.0  # ...or kl exactly this at every logged step (the policy never left its reference)
+KL_BLOWUP = 1.0  # tail mean per-token KL above this (nats) is a blow-up whatever the eval says...
+KL_BLOWUP_RISE = 10.0  # ...or KL above KL_HIGH that rose this many times over the head, with no held-out stream
+ENTROPY_RISE_RATIO = 1.5  # tail entropy above this multiple of the head's is rising (the policy diffusing)...
+REWARD_STALL = 0.05  # ...when the reward gained at most this share of its span (or held-out accuracy fell)
+LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
+LENGTH_COLLAPSE_TOKENS = 16  # ...and under this many tokens: completions shrank to nothing
+REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a completion...
+REPEAT_SHARE = 0.5  # ...above this (or an empty completion)...
+DEGENERATE_SAMPLES = 0.3  # ...in at least this share of the latest sampled completions
+DEGENERATE_MIN_WORDS = 12  # completions shorter than this are not judged for repetition
+SUCCESS_KEYS = ("accuracy", "correct", "solved", "success", "win", "pass")  # a stream that counts answers right
 
 
 # ---- findings ---------------------------------------------------------------------------------------------
@@ -122,12 +138,15 @@ class Finding:
     reason: str
     confidence: float
     data: dict = field(default_factory=dict)  # the same numbers, machine-readable
+    onset: int | None = None  # the first step the symptom holds from (None: the whole run, or not a trend)
+    cost: dict = field(default_factory=dict)  # Signals.cost: steps since onset, rollouts on zero-advantage groups
 
     def record(self) -> dict:
         rec = {"kind": "finding", "rule": self.rule, "symptom": self.symptom, "evidence": self.evidence,
                "change": "; ".join(str(c) for c in self.changes) or "none (advice only)",
-               "reason": self.reason, "confidence": self.confidence}
+               "reason": self.reason, "confidence": self.confidence, "onset_step": self.onset}
         rec.update({f"evidence.{k}": v for k, v in self.data.items()})
+        rec.update({f"cost.{k}": v for k, v in self.cost.items()})
         return rec
 
 
@@ -161,8 +180,9 @@ def rule(name: str, symptom: str):
     return register
 
 
-def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float, **data) -> Finding:
-    return Finding(fn.rule_name, fn.symptom, evidence, changes, reason, conf, data)
+def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float, onset: int | None = None,
+             **data) -> Finding:
+    return Finding(fn.rule_name, fn.symptom, evidence, changes, reason, conf, data, onset)
 
 
 def _raise_temperature(cfg: Config) -> Change | None:
@@ -197,8 +217,16 @@ def _easier_data(cfg: Config) -> Change | None:
 
 
 def _saturated(s: Signals) -> tuple[float, str] | None:
+    """The tail reward when it sits at the top of the reward's own scale (Signals.reward_scale), or most groups
+    are all correct (group outcomes); None without either: a flat mean alone is never "saturated"."""
     tail = s.window("reward", "tail")
-    if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
+    if tail is None:
+        return None
+    level = s.reward_level(tail[0])
+    if level is not None and level >= SATURATION_FRAC:
+        return tail
+    solved = s.window("frac_groups_all_correct", "tail")
+    if level is None and solved and solved[0] >= SATURATED_GROUPS:
         return tail
     return None
 
@@ -230,18 +258,100 @@ def _raise_budget(s: Signals) -> Change | None:
     return Change("max_completion_tokens", cur, new)
 
 
+def _how(s: Signals, key: str) -> str:
+    """How the run shows config key `key`, for evidence text."""
+    held = s.known(key)
+    if s.provenance is None:
+        return "its config"
+    return f"{held.get('how')} from {held.get('evidence')}" if held else "not shown"
+
+
+def _counts_right(key: str) -> bool:
+    """A stream of the share of answers right: accuracy, a correctness reward, a solved / win / success rate,
+    pass@1 (not pass@k, k > 1, nor a std)."""
+    if key.startswith(("trl/", "reward_std/")) or (key.startswith("pass@") and key != "pass@1"):
+        return False
+    return any(w in key.rsplit("/", 1)[-1].lower() for w in SUCCESS_KEYS)
+
+
+def _success(s: Signals) -> tuple[list[float], str]:
+    """The values of the streams that count answers right (held-out accuracy, a correctness reward, a solved or
+    win rate, base eval included) and the name of the first, or ([], "")."""
+    vals, names = [], []
+    for stream, src in (("eval", s.eval), ("train", s.train)):
+        keys = sorted({k for d in src.values() for k in d if _counts_right(k)})
+        for k in keys:
+            vals += s.series(k, stream)[1]
+            names.append(k)
+    if "accuracy" in s.base:
+        vals.append(s.base["accuracy"])
+    return vals, (names[0] if names else "accuracy")
+
+
+@rule("no_update", "the weights never moved: grad_norm or loss NaN at most steps, or KL exactly 0 at every step")
+def no_update(s: Signals):
+    hits, onset = [], None
+    for key in ("grad_norm", "loss"):
+        bad, logged = s.nonfinite(key), s.logged(key)
+        if logged and len(bad) >= NO_UPDATE_NAN_SHARE * len(logged):
+            hits.append(f"{key} NaN/inf at {len(bad)} of {len(logged)} logged steps ({bad[0]}..{bad[-1]})")
+            onset = bad[0] if onset is None else min(onset, bad[0])
+    steps, kl = s.series("kl")
+    _, zero_std = s.series("frac_zero_std")
+    _, rstd = s.series("reward_std")
+    # KL stays 0 also when every group scores alike (no advantage, no gradient): no_signal's case, not this one.
+    # reward_std is a batch statistic (TRL, verl): it tells groups apart only where frac_zero_std is not logged
+    differ = min(zero_std) < 1 - NO_SIGNAL_EPS if zero_std else bool(rstd) and max(rstd) > NO_SIGNAL_EPS
+    if differ and len(kl) >= MIN_POINTS and max(abs(v) for v in kl) <= NO_UPDATE_KL_EPS:
+        hits.append(f"kl exactly 0 at all {len(kl)} logged steps ({steps[0]}..{steps[-1]}): the policy never left "
+                    "its reference")
+        onset = steps[0] if onset is None else min(onset, steps[0])
+    if not hits or (len(hits) == 1 and hits[0].startswith("loss")):
+        return None
+    reason = ("no update reached the weights: a NaN gradient is skipped or zeroed (check fp16 overflow, the "
+              "learning-rate warm-up from 0, bf16 support, a reward that returns NaN); fix the cause before tuning")
+    return _finding(no_update, "; ".join(hits), [], reason, 0.95, onset=onset, signs=len(hits))
+
+
+@rule("cannot_judge", "a stream the diagnosis needs is missing: what it would show cannot be judged")
+def cannot_judge(s: Signals):
+    missing = []
+    if not s.series("reward")[1] and not s.series("eval_reward", "eval")[1]:
+        missing.append("reward (no train or held-out reward stream): learning progress, no_signal, saturation and "
+                       "diversity cannot be judged")
+    if not s.series("reward")[1] and not s.train:
+        missing.append("train records (the log holds held-out values only): the training signals cannot be judged")
+    if not missing:
+        return None
+    return _finding(cannot_judge, "; ".join(missing), [],
+                    "log the missing stream (TRL logs reward with its default logging; verl critic/score/mean) "
+                    "before judging this run: mechdiag does not call a run healthy when it cannot see it", 0.95,
+                    missing=len(missing))
+
+
 @rule("no_signal", "zero reward or zero correct throughout: every group scores the same, nothing to learn from")
 def no_signal(s: Signals):
     _, reward = s.series("reward")
-    _, correct = s.series("reward/correctness")
-    _, acc = s.series("accuracy", "eval")
-    acc = acc + [s.base["accuracy"]] if "accuracy" in s.base else acc
-    zero_reward = bool(reward) and max(reward) <= NO_SIGNAL_EPS
-    zero_correct = bool(correct or acc) and max(correct + acc) <= NO_SIGNAL_EPS
+    correct, success = _success(s)
+    _, zero_std = s.series("frac_zero_std")
+    _, rstd = s.series("reward_std")
+    # no signal = no spread within the groups: every group all equal, or the reward constant where no spread is
+    # logged; a negative or any other constant level is judged the same (all-negative rewards are not "0")
+    if zero_std:
+        zero_reward = min(zero_std) >= 1 - NO_SIGNAL_EPS
+    elif rstd:
+        zero_reward = max(rstd) <= NO_SIGNAL_EPS
+    else:
+        zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS
+    zero_correct = bool(correct) and max(correct) <= NO_SIGNAL_EPS
     if not (zero_reward or zero_correct):
         return None
-    what = "reward 0" if zero_reward else "no correct answer"
-    ev = f"{what} on all {len(reward) or len(acc)} records"
+    if zero_reward:
+        what = (f"reward constant at {reward[0]:.4g}" if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS
+                else "every group's rewards all equal")
+    else:
+        what = f"no correct answer ({success} 0)"
+    ev = f"{what} on all {len(reward) or len(correct)} records"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
     pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
     pool = [x for x in pool if x.get("split", "train") == "train"] or pool
@@ -257,11 +367,13 @@ def no_signal(s: Signals):
         tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
-    too_small = s.cfg.max_completion_tokens < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
+    budget = s.value("max_completion_tokens")
+    too_small = budget is not None and budget < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
     if cut > CLIPPED_HIGH and (too_small or not never_started):
         cause = "budget too short"
-        ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
-               f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
+        ev += (f"; {cut:.0%} of completions cut at the completion budget"
+               + (f" ({_field(s, 'max_completion_tokens')} {budget})" if budget is not None else "")
+               + f" (> {CLIPPED_HIGH:.0%}): the answer never fits")
         if too_small:
             ev += f"; a budget under {NO_SIGNAL_MIN_BUDGET} tokens cannot hold the reasoning and answer blocks"
         change = _raise_budget(s)
@@ -295,11 +407,19 @@ def early_saturation(s: Signals):
     steps, reward = s.series("reward")
     if len(reward) < MIN_POINTS or not _saturated(s):
         return None
-    level = SATURATION_FRAC * s.max_reward
-    first = next(i for i, r in enumerate(reward) if r >= level)
-    if first > SATURATION_EARLY * (len(reward) - 1):
+    scale = s.reward_scale()
+    if scale is not None:
+        level = scale[0] + SATURATION_FRAC * (scale[1] - scale[0])
+        first = next((i for i, r in enumerate(reward) if r >= level), None)
+        where = f"{SATURATION_FRAC:.0%} of the reward's scale {scale[0]:.3g}..{scale[1]:.3g} ({scale[2]})"
+    else:
+        s_steps, solved = s.series("frac_groups_all_correct")
+        first = next((steps.index(st) for st, v in zip(s_steps, solved, strict=True)
+                      if v >= SATURATED_GROUPS and st in steps), None)
+        where = f"{SATURATED_GROUPS:.0%} of groups all correct"
+    if first is None or first > SATURATION_EARLY * (len(reward) - 1):
         return None
-    ev = (f"reward {reward[first]:.3g} >= {SATURATION_FRAC} x max {s.max_reward:.3g} already at step {steps[first]} "
+    ev = (f"reward {reward[first]:.3g} reached {where} already at step {steps[first]} "
           f"({first + 1} of {len(reward)} records; early = first {SATURATION_EARLY:.0%})")
     opts = dict(s.cfg.task.options)
     level_now = _difficulty(s.cfg)
@@ -310,7 +430,7 @@ def early_saturation(s: Signals):
         "harder data: add harder problems to task.mixture (no difficulty knob to turn here)"
     return _finding(early_saturation, ev, changes, reason,
                     confidence(1 - first / max(1, SATURATION_EARLY * len(reward)), len(reward)),
-                    saturated_at_step=steps[first], max_reward=s.max_reward)
+                    onset=steps[first], saturated_at_step=steps[first])
 
 
 @rule("low_diversity", "low reward CV or many zero-std groups: the group advantage has little to work with")
@@ -325,7 +445,8 @@ def low_diversity(s: Signals):
     if not hits or _saturated(s):  # a solved task also gives equal rewards: early_saturation's case, not ours
         return None
     reward = s.window("reward", "tail")
-    frac = reward[0] / s.max_reward if reward else 0.0
+    level = s.reward_level(reward[0]) if reward else None
+    frac = level if level is not None else 0.5  # no scale: neither high nor low
     if frac >= REWARD_HIGH_FRAC:
         order = [_raise_epsilon_high, _raise_temperature]
     elif frac < REWARD_LOW_FRAC:
@@ -333,7 +454,8 @@ def low_diversity(s: Signals):
     else:
         order = [_raise_temperature, _raise_epsilon_high]
     change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
-    ev = "; ".join(h[0] for h in hits) + f"; reward {frac:.0%} of max"
+    ev = "; ".join(h[0] for h in hits) + (f"; reward at {frac:.0%} of its scale" if level is not None else
+                                          "; the reward's scale is not shown (batch means only)")
     stds = {k: w[0] for k in {k for d in s.train.values() for k in d if k.startswith("reward_std/")}
             if (w := s.window(k, "tail"))}
     if stds:  # which reward function still spreads the group's rewards
@@ -358,11 +480,12 @@ def kl_drift(s: Signals):
     if final > best - ACC_DROP:
         return None
     tail, second = s.window("kl", "tail"), s.window("kl", "second")
-    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} (base {base:.3g})"
+    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} ({s.start_label} {base:.3g})"
     if tail is None:
-        if s.cfg.beta > 0 or s.series("kl")[1]:
+        beta = s.value("beta")
+        if beta is None or beta > 0 or s.series("kl")[1]:
             return None
-        ev, margin, kl = f"kl not recorded with beta = 0; {acc_ev}", 0.0, None
+        ev, margin, kl = f"kl not recorded with beta = 0 ({_how(s, 'beta')}); {acc_ev}", 0.0, None
     else:
         high = tail[0] > KL_HIGH
         rising = second is not None and tail[0] > KL_RISE_MIN and tail[0] > KL_RISE_RATIO * max(second[0], 1e-12)
@@ -382,6 +505,111 @@ def kl_drift(s: Signals):
                     accuracy_final=final, accuracy_best=best)
 
 
+@rule("kl_blowup", "KL to the reference blew up, or rose far with no held-out stream to say what it costs")
+def kl_blowup(s: Signals):
+    head, tail = s.window("kl", "head"), s.window("kl", "tail")
+    if not (head and tail):
+        return None
+    trend = s.accuracy_trend()
+    rise = tail[0] / max(head[0], 1e-12)
+    blown = tail[0] > KL_BLOWUP
+    unwatched = trend is None and tail[0] > KL_HIGH and rise >= KL_BLOWUP_RISE
+    if not (blown or unwatched):
+        return None
+    if trend is not None and trend[1] > trend[0] - ACC_DROP and not blown:
+        return None
+    onset = s.onset("kl", lambda v: v > KL_HIGH)
+    ev = (f"kl {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), x{rise:.3g}"
+          + (f"; above {KL_BLOWUP} nats/token" if blown else "")
+          + ("; no held-out stream: nothing says whether the drift costs accuracy" if trend is None else ""))
+    # a value the run does not show still names the direction: own_terms turns it into advice without a value
+    beta = s.value("beta")
+    beta = s.cfg.beta if beta is None else beta
+    changes = []
+    if beta > 0:  # sized: the penalty grows with how far KL sits above the working range
+        factor = min(BETA_MAX / beta, max(BETA_FACTOR, math.sqrt(tail[0] / KL_HIGH)))
+        if factor > 1:
+            changes.append(Change("beta", beta, round(beta * factor, 6)))
+    elif s.value("beta") is None:
+        changes.append(Change("beta", beta, BETA_FROM_ZERO))
+    lr = s.value("learning_rate")
+    lr = s.cfg.learning_rate if lr is None else lr
+    if not changes or blown:
+        changes.append(Change("learning_rate", lr, lr * max(LR_FACTOR, min(1.0, KL_HIGH / tail[0]) ** 0.5)))
+    reason = ("the policy drifts far from its reference: a stronger KL anchor and a smaller step hold it; add a "
+              "held-out eval (eval_strategy) to see what the drift costs")
+    conf = confidence(max(tail[0] / KL_BLOWUP - 1, rise / KL_BLOWUP_RISE - 1), s.n_train)
+    return _finding(kl_blowup, ev, changes, reason, conf, onset=onset, kl_head=head[0], kl_tail=tail[0])
+
+
+@rule("entropy_rise", "entropy rises while reward or held-out accuracy does not: the policy diffuses")
+def entropy_rise(s: Signals):
+    head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
+    if not (head and tail) or head[0] <= 0 or tail[0] < ENTROPY_RISE_RATIO * head[0]:
+        return None
+    costs = []
+    trend = s.accuracy_trend()
+    if trend and trend[1] < trend[0] - ACC_DROP:
+        costs.append(f"eval accuracy {trend[0]:.3g} (best) -> {trend[1]:.3g}")
+    r_head, r_tail = s.window("reward", "head"), s.window("reward", "tail")
+    if r_head and r_tail and r_tail[0] - r_head[0] <= REWARD_STALL * s.reward_span:
+        costs.append(f"reward {r_head[0]:.3g} -> {r_tail[0]:.3g} (gain <= {REWARD_STALL:.0%} of its span)")
+    if not costs:
+        return None
+    lr = s.value("learning_rate")
+    lr = s.cfg.learning_rate if lr is None else lr  # unshown: own_terms makes it advice without a value
+    changes = [Change("learning_rate", lr, lr * LR_FACTOR)]
+    ev = f"entropy {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), x{tail[0] / head[0]:.3g}; " + \
+        "; ".join(costs)
+    return _finding(entropy_rise, ev, changes, "a smaller step: updates too large spread probability over tokens "
+                    "that earn nothing (check the learning rate, and a clip that binds: num_iterations > 1)",
+                    confidence(tail[0] / (ENTROPY_RISE_RATIO * head[0]) - 1 + 0.2 * len(costs), s.n_train),
+                    onset=s.onset("entropy", lambda v: v >= ENTROPY_RISE_RATIO * head[0]),
+                    entropy_head=head[0], entropy_tail=tail[0])
+
+
+@rule("length_collapse", "completions shrink to almost nothing")
+def length_collapse(s: Signals):
+    head, tail = s.window("completion_length", "head"), s.window("completion_length", "tail")
+    if not (head and tail) or head[0] <= 0:
+        return None
+    if not (tail[0] < LENGTH_COLLAPSE_RATIO * head[0] and tail[0] < LENGTH_COLLAPSE_TOKENS):
+        return None
+    ev = f"completion_length {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]})"
+    return _finding(length_collapse, ev, [], "a reward that pays for ending early (a length penalty, a format "
+                    "reward met by an empty answer) or a loss that favours short completions: check the reward "
+                    "components on short completions (mechdiag check-reward)", 0.9,
+                    onset=s.onset("completion_length", lambda v: v < LENGTH_COLLAPSE_RATIO * head[0]),
+                    length_head=head[0], length_tail=tail[0])
+
+
+def _repeat_share(text: str) -> float:
+    words = text.split()
+    grams = [tuple(words[i:i + REPEAT_NGRAM]) for i in range(len(words) - REPEAT_NGRAM + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+@rule("degenerate_text", "sampled completions are empty or repeat themselves")
+def degenerate_text(s: Signals):
+    pool = [x for x in s.samples if isinstance(x.get("completion"), str) and x.get("split", "train") == "train"]
+    steps = sorted({x["step"] for x in pool if _num(x.get("step"))})
+    if not pool or not steps:
+        return None
+    late = [x for x in pool if _num(x.get("step")) and x["step"] >= steps[len(steps) // 2]]
+    bad = [x for x in late if not x["completion"].strip() or (len(x["completion"].split()) >= DEGENERATE_MIN_WORDS
+                                                              and _repeat_share(x["completion"]) > REPEAT_SHARE)]
+    if len(late) < MIN_POINTS or len(bad) < DEGENERATE_SAMPLES * len(late):
+        return None
+    empty = sum(not x["completion"].strip() for x in bad)
+    ev = (f"{len(bad)} of {len(late)} sampled completions from step {late[0]['step']} on are degenerate ({empty} "
+          f"empty, {len(bad) - empty} with > {REPEAT_SHARE:.0%} repeated {REPEAT_NGRAM}-grams); e.g. "
+          f"{bad[0]['completion'][:80]!r}")
+    return _finding(degenerate_text, ev, [], "the policy found text the reward pays for without an answer: check "
+                    "the reward on empty and repetitive completions (mechdiag check-reward), and a repetition or "
+                    "length penalty", confidence(len(bad) / len(late) / DEGENERATE_SAMPLES - 1, len(late)),
+                    onset=min(x["step"] for x in bad), degenerate=len(bad), judged=len(late))
+
+
 @rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")
 def reward_misalignment(s: Signals):
     head, tail, trend = s.window("reward", "head"), s.window("reward", "tail"), s.accuracy_trend()
@@ -389,10 +617,11 @@ def reward_misalignment(s: Signals):
         return None
     rise = tail[0] - head[0]
     _, final, base = trend
-    if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
+    if rise < REWARD_RISE_FRAC * s.reward_span or final - base > ACC_FLAT:
         return None
     w = reward_weights(s.cfg)
-    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
+    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.reward_span:.0%} of the "
+          "reward's span; "
           f"eval accuracy {base:.3g} -> {final:.3g}")
     c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
     share = None
@@ -410,7 +639,7 @@ def reward_misalignment(s: Signals):
     changes = [Change("rewards.weights", w, new)] if new != w else []
     return _finding(reward_misalignment, ev, changes,
                     "reward reshaping: pay for correct answers, less for tags (study: code correctness 1.0 -> 2.0)",
-                    confidence(rise / (REWARD_RISE_FRAC * s.max_reward) - 1, s.n_train), reward_rise=rise,
+                    confidence(rise / (REWARD_RISE_FRAC * s.reward_span) - 1, s.n_train), reward_rise=rise,
                     accuracy_base=base, accuracy_final=final, correctness_share=share)
 
 
@@ -543,7 +772,7 @@ def held_still(s: Signals):
     _, final, base = trend
     ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
     if final - base > ACC_FLAT or (None not in ev_reward and ev_reward[0] - ev_reward[1] >
-                                   EVAL_REWARD_FLAT * s.max_reward):
+                                   EVAL_REWARD_FLAT * s.reward_span):
         return None
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
@@ -607,7 +836,10 @@ def _set(data: dict, key: str, value) -> None:
 # no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
 # rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
 CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
-             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
+             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
+                                                                             "no_update", "cannot_judge")),
+             "no_update": tuple(name for name, _, _ in RULES if name not in ("no_update", "too_few_records",
+                                                                             "cannot_judge"))}
 
 
 def diagnose(signals: Signals) -> list[Finding]:
@@ -618,7 +850,8 @@ def diagnose(signals: Signals) -> list[Finding]:
     if few is not None:
         return [few]
     found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
-    deferred = {r: name for name, f in found if f.changes or name == "no_signal" for r in CONFOUNDS.get(name, ())}
+    deferred = {r: name for name, f in found if f.changes or name in ("no_signal", "no_update")
+                for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}
     for name, f in found:
         if name in deferred and f.changes:
@@ -633,6 +866,7 @@ def diagnose(signals: Signals) -> list[Finding]:
                 c.rule = name
                 kept.append(c)
         f.changes = kept
+        f.cost = signals.cost(f.onset) if f.onset is not None or f.changes else {}
         findings.append(f)
     return findings
 
@@ -652,6 +886,12 @@ def own_terms(s: Signals, findings: list[Finding]) -> None:
                 kept.append(c)
                 continue
             name = _field(s, c.key)
+            if c.key.startswith("task."):  # the data, not a trainer setting: no GRPOConfig / verl key to name
+                harder = isinstance(c.new, dict) and isinstance(c.old, dict) and \
+                    c.new.get("difficulty", 0) > c.old.get("difficulty", 0)
+                f.reason += (f"; advice: train on {'harder' if harder else 'easier'} problems (a change to the data "
+                             "set; the run's trainer has no setting for it)")
+                continue
             up = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new > c.old
             down = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new < c.old
             verb = "raise" if up else "lower" if down else "change"
@@ -705,6 +945,20 @@ class Recommendation:
     @property
     def header(self) -> str:
         return header(self.findings, self.runs)
+
+    def text(self) -> str:
+        """The refined config as YAML. A foreign run's holds only the keys its files show (read or inferred, as
+        refined): mechdiag's placeholders for the rest are never written as the run's settings."""
+        if self.provenance is None:
+            return configlib.to_yaml(self.cfg, self.header)
+        flat = flatten_config(self.cfg.model_dump(mode="json"))
+        shown = {k for k, e in (self.provenance.get("keys") or {}).items() if e.get("how") in ("read", "inferred")}
+        data: dict = {}
+        for key in sorted(k for k in flat if k in shown or k.split(".", 1)[0] in shown):
+            _set(data, key, flat[key])
+        note = ("Only the settings the run's files show are written (read or inferred from its logs); the rest "
+                "are left out, so mechdiag's defaults are never presented as the run's.")
+        return configlib.to_yaml_dict(data, self.header + "\n" + note)
 
 
 def recommend(runs: list[Run]) -> Recommendation:

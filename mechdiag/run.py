@@ -327,10 +327,10 @@ def final_eval(run: Run) -> dict[str, float]:
 
 
 def base_eval(run: Run) -> dict[str, float]:
-    """The untrained model's numbers: the first eval record (when there is a later one), with summary.json's
-    base_* over it."""
+    """The untrained model's numbers: the first eval record when it is at step 0 and a later one follows (a log
+    whose first eval is at step 20 of a resumed run holds no base), with summary.json's base_* over it."""
     rows = _eval_rows(run)
-    rec = {**(rows[0] if len(rows) > 1 else {}), **_summary_eval(run.summary, "base")}
+    rec = {**(rows[0] if len(rows) > 1 and rows[0]["step"] == 0 else {}), **_summary_eval(run.summary, "base")}
     return {k: float(v) for k, v in rec.items() if k != "step" and _number(v)}
 
 

@@ -514,6 +514,12 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
     "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
                    "eval_reward": (1.5, 1.5)},
+    "no_update": {"kl": 0.0, "noise": 0.0},  # the groups differ (frac_zero_std 0.1), yet KL never leaves 0
+    "cannot_judge": {"drop": ("reward",), "eval_reward": None},
+    "kl_blowup": {"kl": (0.01, 1.5, 2.0)},
+    "entropy_rise": {"entropy": (0.3, 1.2), **FLAT},
+    "length_collapse": {"length": (30.0, 4.0)},
+    "degenerate_text": {"samples": [{"completion": "so so so so so so so so so so so so so so so", "reward": 1.0}] * 8},
 }
 
 
