@@ -454,6 +454,8 @@ def recommend(runs, out, fmt):
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
+    for n in rec.notes:
+        click.echo(f"note: {n}")
     if rec.comparison:
         metrics = sorted({r["metric"] for r in rec.comparison})
         groups = list(dict.fromkeys(r["group"] for r in rec.comparison))

@@ -24,7 +24,9 @@ from mechdiag.evidence import MIN_POINTS, Signals
 from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
+    ENTROPY_RISE_RATIO,
     FRAC_ZERO_STD_HIGH,
+    KL_BLOWUP,
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.parts import family_name
@@ -76,6 +78,8 @@ MIN_LAYERS_FOR_ENDS = 2 * END_LAYERS + 2  # need a middle of at least 2 layers
 MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the update mass...
 MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
 MIN_MODULES = 2  # ...and we keep at least this many modules (the study's v_proj + o_proj)
+LORA_RANK_LOW = 32  # narrow_lora widens to all linear layers at this rank at most (LoRA Without Regret: 1-32)
+CONTROL_GAIN = 0.02  # a held-out gain above this earns the note: trust it beside a random-reward control run
 
 CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below this share of the head's
 
@@ -97,10 +101,8 @@ DIFFICULTY_MAX = 4  # arith's hardest level
 
 NO_UPDATE_NAN_SHARE = 0.5  # grad_norm or loss NaN on at least this share of the logged steps: no update reached...
 NO_UPDATE_KL_EPS = 0.0  # ...or kl exactly this at every logged step (the policy never left its reference)
-KL_BLOWUP = 1.0  # tail mean per-token KL above this (nats) is a blow-up whatever the eval says...
-KL_BLOWUP_RISE = 10.0  # ...or KL above KL_HIGH that rose this many times over the head, with no held-out stream
-ENTROPY_RISE_RATIO = 1.5  # tail entropy above this multiple of the head's is rising (the policy diffusing)...
-REWARD_STALL = 0.05  # ...when the reward gained at most this share of its span (or held-out accuracy fell)
+KL_BLOWUP_RISE = 10.0  # kl_blowup: tail KL above KL_BLOWUP, or above KL_HIGH and this many times the head's, no eval
+REWARD_STALL = 0.05  # entropy_rise: reward gained at most this share of its span (or held-out accuracy fell)
 LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
 LENGTH_COLLAPSE_TOKENS = 16  # ...and under this many tokens: completions shrank to nothing
 REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a completion...
@@ -341,8 +343,10 @@ def no_signal(s: Signals):
         zero_reward = min(zero_std) >= 1 - NO_SIGNAL_EPS
     elif rstd:
         zero_reward = max(rstd) <= NO_SIGNAL_EPS
-    else:
-        zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS
+    else:  # a constant batch mean, unless a batch maximum above it shows completions that scored differently
+        _, top = s.series("reward_max_batch")
+        zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS and \
+            not (top and max(top) > max(reward) + NO_SIGNAL_EPS)
     zero_correct = bool(correct) and max(correct) <= NO_SIGNAL_EPS
     if not (zero_reward or zero_correct):
         return None
@@ -687,25 +691,45 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
 DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
 
 
-@rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
+def _causal_layers(s: Signals, causal: dict[int, float], n: int):
+    """Layers by the run's own attribution, wherever they sit: those above the uniform share, when together they
+    carry at least MODULE_CONCENTRATION x their uniform share (One Layer Enough: the middle often matters most)."""
+    keep = sorted(k for k, v in causal.items() if v > 1 / len(causal))
+    cover = sum(causal[k] for k in keep)
+    concentration = cover / (len(keep) / len(causal)) if keep else 0.0
+    current = set(parse_layers(s.cfg.lora.layers, n))
+    if not keep or len(keep) == len(causal) or concentration < MODULE_CONCENTRATION or current <= set(keep):
+        return None
+    ev = (f"attribution: layers {', '.join(map(str, keep))} carry {cover:.0%} of the output KL lost when a layer is "
+          f"removed ({len(keep)} of {len(causal)} layers, {concentration:.3g}x their uniform share > "
+          f"{MODULE_CONCENTRATION}); the study's fixed first{END_LAYERS}+last{END_LAYERS} is not used where the run "
+          "measured its own")
+    return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, keep)],
+                    "adapt the layers the run's own attribution shows doing the work (evidence for: this run's causal "
+                    "share; Is One Layer Enough?, arXiv 2607.01232: one well-chosen layer recovers most of the gain)",
+                    confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), end_ratio=None,
+                    source="causal share", layers=",".join(map(str, keep)))
+
+
+@rule("reduced_layers", "the update concentrated in a few layers: where the run's attribution puts it, else the "
+                        "study's ends of the stack by displacement or shift")
 def reduced_layers(s: Signals):
     n = s.n_layers
     if not s.cfg.lora.enabled or n is None or n < MIN_LAYERS_FOR_ENDS:
         return None
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
+    if causal:  # measured importance overrules the correlates, and picks any layers, not only the ends
+        return _causal_layers(s, causal, n)
     spec = f"first{END_LAYERS}+last{END_LAYERS}"
     current = set(parse_layers(s.cfg.lora.layers, n))
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
-    if causal:  # measured importance overrules the correlates
-        ratios["causal share"] = _end_ratio(causal, n)
-    else:
-        if s.layer_mass:
-            ratios["displacement"] = _end_ratio(s.layer_mass, n)
-        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-        if s.shift:
-            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    if s.layer_mass:
+        ratios["displacement"] = _end_ratio(s.layer_mass, n)
+    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+    if s.shift:
+        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
@@ -717,14 +741,11 @@ def reduced_layers(s: Signals):
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                                f"; strong: > {END_RATIO_STRONG})"))
-    if causal:
-        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
-        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
-              "output KL lost when a layer is removed"
-    else:
-        ev += DISPLACEMENT_ONLY
+    ev += DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
-                    "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
+                    "the study's reduced layers, first2+last2 (for: the study recovers most MBPP/APPS regressions; "
+                    "against: Is One Layer Enough?, arXiv 2607.01232, finds the middle layers matter most and the ends "
+                    "least; run `mechdiag attribute RUN --by layer --save` to choose from this run's own evidence)",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
 
 
@@ -760,6 +781,33 @@ def reduced_modules(s: Signals):
                     + _study_note(s.modules or list(mass)),
                     confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), cover=cover,
                     modules=",".join(new), source="causal share" if causal else "displacement")
+
+
+@rule("narrow_lora", "LoRA on attention only and held-out accuracy flat: too little of the model can move")
+def narrow_lora(s: Signals):
+    if not s.cfg.lora.enabled or s.known("lora.target_modules") is None:
+        return None
+    current = list(s.cfg.lora.target_modules)
+    mlp = [m for m in configlib.ALL_MODULES if m not in configlib.ATTN_MODULES]
+    if any(m.rsplit(".", 1)[-1] in mlp for m in current):
+        return None
+    trend = s.accuracy_trend()
+    if trend is None or trend[1] - trend[2] > ACC_FLAT:
+        return None
+    wide = list(dict.fromkeys(current + [family_name(m, s.modules) or m for m in mlp]))  # the family's own names
+    if wide == current:
+        return None
+    ev = (f"LoRA targets {', '.join(current)} (attention only); eval accuracy {s.start_label} {trend[2]:.3g} -> "
+          f"{trend[1]:.3g} (gain <= {ACC_FLAT})")
+    changes = [Change("lora.target_modules", current, wide)]
+    if s.cfg.lora.r > LORA_RANK_LOW:
+        changes.append(Change("lora.r", s.cfg.lora.r, LORA_RANK_LOW))
+    return _finding(narrow_lora, ev, changes,
+                    "widen LoRA to every linear layer at low rank (LoRA Without Regret: rank 1-32 on all weight "
+                    "matrices matches full fine-tuning for RL, attention-only loses even at matched parameters; "
+                    "a LoRA learning rate about 10x full fine-tuning's; our bench: uniform LoRA 0.545 beat v+o 0.520)",
+                    confidence((ACC_FLAT - (trend[1] - trend[2])) / max(ACC_FLAT, 1e-9), s.n_train),
+                    accuracy_gain=trend[1] - trend[2])
 
 
 @rule("held_still", "KL near zero and eval flat while the groups still differ: the KL penalty or a tiny step "
@@ -887,8 +935,7 @@ def own_terms(s: Signals, findings: list[Finding]) -> None:
                 continue
             name = _field(s, c.key)
             if c.key.startswith("task."):  # the data, not a trainer setting: no GRPOConfig / verl key to name
-                harder = isinstance(c.new, dict) and isinstance(c.old, dict) and \
-                    c.new.get("difficulty", 0) > c.old.get("difficulty", 0)
+                harder = f.rule == "early_saturation"  # the one rule that asks for harder data
                 f.reason += (f"; advice: train on {'harder' if harder else 'easier'} problems (a change to the data "
                              "set; the run's trainer has no setting for it)")
                 continue
@@ -937,6 +984,7 @@ class Recommendation:
     runs: list[str]
     comparison: list[dict]
     provenance: dict | None = None  # a foreign run's account of its config (Signals.provenance)
+    notes: list[str] = field(default_factory=list)  # advice that is no finding (a control run for a gain)
 
     @property
     def changes(self) -> list[Change]:
@@ -977,4 +1025,15 @@ def recommend(runs: list[Run]) -> Recommendation:
     findings = diagnose(signals)
     own_terms(signals, findings)
     return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison,
-                          signals.provenance)
+                          signals.provenance, control_note(signals))
+
+
+def control_note(s: Signals) -> list[str]:
+    """A held-out gain is trusted beside a control: the same budget with a random reward (Spurious rewards,
+    arXiv 2506.10947: a Qwen base gains from random rewards alone)."""
+    trend = s.accuracy_trend()
+    if trend is None or trend[1] - trend[2] <= CONTROL_GAIN:
+        return []
+    return [f"held-out accuracy {s.start_label} {trend[2]:.3g} -> {trend[1]:.3g}: to trust this gain, train a "
+            "control run with a random reward at the same budget and seed (Spurious rewards, arXiv 2506.10947: "
+            "a Qwen base gains from random rewards alone)"]

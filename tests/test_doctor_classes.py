@@ -12,6 +12,7 @@ import pytest
 from mechdiag.integrations.readers import read_any_run
 from mechdiag.recommend import recommend
 from mechdiag.run import base_eval
+from mechdiag.watch import watch
 from tests import synth_runs as S
 
 
@@ -68,6 +69,8 @@ def test_nan_and_constant_zero_streams_are_findings(data_dir):
     f = _findings(run)["no_update"]
     assert "grad_norm NaN/inf at 20 of 20" in f.evidence and "kl exactly 0" in f.evidence
     assert f.onset == 1 and f.confidence >= 0.9
+    alerts = {a.alert: a for a in watch(f"{run.path}", once=True, fmt="json", echo=lambda _: None).alerts}
+    assert alerts["no_update"].step == 10 and "grad_norm NaN" in alerts["no_update"].evidence  # live, too
 
 
 def test_kl_blowup_without_eval_is_a_finding_with_onset_and_cost(data_dir, cli):
@@ -80,6 +83,8 @@ def test_kl_blowup_without_eval_is_a_finding_with_onset_and_cost(data_dir, cli):
     rec = next(r for r in json.loads(proc.stdout) if r.get("rule") == "kl_blowup")
     assert rec["onset_step"] == f.onset and rec["cost.steps_since_onset"] >= 1700 and rec["confidence"] > 0.5
     assert any(k.startswith("evidence.kl_") for k in rec)
+    alerts = {a.alert for a in watch(path, once=True, fmt="json", echo=lambda _: None).alerts}
+    assert "kl_blowup" in alerts  # the live view says it too, with no eval stream
 
 
 def test_entropy_and_length_watched_in_both_directions(tb_run):
