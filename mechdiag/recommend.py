@@ -600,10 +600,18 @@ def degenerate_text(s: Signals):
     if not pool or not steps:
         return None
     late = [x for x in pool if _num(x.get("step")) and x["step"] >= steps[len(steps) // 2]]
-    bad = [x for x in late if not x["completion"].strip() or (len(x["completion"].split()) >= DEGENERATE_MIN_WORDS
-                                                              and _repeat_share(x["completion"]) > REPEAT_SHARE)]
+    def degenerate(x) -> bool:
+        words = x["completion"].split()
+        return not words or (len(words) >= DEGENERATE_MIN_WORDS and _repeat_share(x["completion"]) > REPEAT_SHARE)
+
+    bad = [x for x in late if degenerate(x)]
     if len(late) < MIN_POINTS or len(bad) < DEGENERATE_SAMPLES * len(late):
         return None
+    onset = None  # the first sampled step from which every step's samples are degenerate at the threshold share
+    for st in steps:
+        at = [x for x in pool if x.get("step") == st]
+        ok = sum(map(degenerate, at)) >= DEGENERATE_SAMPLES * len(at)
+        onset = (st if onset is None else onset) if ok else None
     empty = sum(not x["completion"].strip() for x in bad)
     ev = (f"{len(bad)} of {len(late)} sampled completions from step {late[0]['step']} on are degenerate ({empty} "
           f"empty, {len(bad) - empty} with > {REPEAT_SHARE:.0%} repeated {REPEAT_NGRAM}-grams); e.g. "
@@ -611,7 +619,7 @@ def degenerate_text(s: Signals):
     return _finding(degenerate_text, ev, [], "the policy found text the reward pays for without an answer: check "
                     "the reward on empty and repetitive completions (mechdiag check-reward), and a repetition or "
                     "length penalty", confidence(len(bad) / len(late) / DEGENERATE_SAMPLES - 1, len(late)),
-                    onset=min(x["step"] for x in bad), degenerate=len(bad), judged=len(late))
+                    onset=onset, degenerate=len(bad), judged=len(late))
 
 
 @rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")

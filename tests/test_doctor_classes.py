@@ -134,3 +134,36 @@ def test_advice_never_states_a_value_or_key_the_run_does_not_hold(data_dir, cli,
     assert proc.returncode == 0, proc.stderr
     body = out.read_text()
     assert "temperature:" not in body and "group_size:" not in body  # mechdiag defaults, never the run's
+
+
+def test_degenerate_text_from_samples(tmp_path):
+    """A TRL output_dir whose completions parquet (log_completions) turns into a loop of one phrase."""
+    import pandas as pd  # noqa: PLC0415 - the parquet TRL writes
+
+    steps = list(range(1, 21))
+    hist = [h for h in S.trl_history("1.16", steps, {"fmt": (lambda s: 0.8, lambda s: 0.1)}) if "loss" in h]
+    path = S.write_trl_state(tmp_path / "out", hist)
+    out = path if path.is_dir() else path.parent
+    (out / "completions").mkdir()
+    for s in steps:
+        text = "Let me think. 3 + 4 = 7, so the answer is 7." if s < 10 else "the answer the answer " * 8
+        rows = [{"step": s, "prompt": f"p{g}", "completion": text, "fmt": 0.8 + 0.1 * (i % 2), "advantage": 0.0}
+                for g in range(2) for i in range(4)]
+        pd.DataFrame(rows).to_parquet(out / "completions" / f"completions_{s:05d}.parquet")
+    f = _findings(read_any_run(out))["degenerate_text"]
+    assert f.onset == 10 and "repeated 4-grams" in f.evidence
+
+
+def test_attention_only_lora_is_told_to_widen(tmp_path):
+    """LoRA Without Regret as a treatment beside narrowing: peft's own adapter_config.json says q+v only, and
+    held-out accuracy stays flat."""
+    from peft import LoraConfig  # noqa: PLC0415 - the adapter writer
+
+    hist = [h for h in S.trl_history("1.16", list(range(1, 41)), {"fmt": (lambda s: 0.5, lambda s: 0.1)})
+            if "loss" in h]
+    hist += [{"eval_accuracy": 0.41 + 0.002 * (s % 2), "eval_loss": 0.1, "step": s} for s in (0, 20, 40)]
+    path = S.write_trl_state(tmp_path / "out", hist)
+    out = path if path.is_dir() else path.parent
+    LoraConfig(r=64, lora_alpha=128, target_modules=["q_proj", "v_proj"]).save_pretrained(out / "checkpoint-40")
+    f = _findings(read_any_run(out))["narrow_lora"]
+    assert "attention only" in f.evidence and "LoRA Without Regret" in f.reason
