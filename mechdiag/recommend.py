@@ -472,6 +472,8 @@ def low_diversity(s: Signals):
                                                   "group's rewards (study's conclusion)")
     return _finding(low_diversity, ev, [change] if change else [], reason,
                     confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
+                    onset=s.onset("frac_zero_std", lambda v: v > FRAC_ZERO_STD_HIGH) if zero else
+                    s.onset("reward_cv", lambda v: v < REWARD_CV_LOW),
                     reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)
 
 
@@ -506,6 +508,7 @@ def kl_drift(s: Signals):
         changes.append(Change("learning_rate", s.cfg.learning_rate, s.cfg.learning_rate * LR_FACTOR))
     reason = "a stronger KL anchor keeps the policy near the base (study: 4B on MCQ, beta 0.003 -> 0.01)"
     return _finding(kl_drift, ev, changes, reason, confidence(margin, s.n_train), kl_tail=kl,
+                    onset=s.onset("kl", lambda v: v > KL_HIGH) if kl is not None else None,
                     accuracy_final=final, accuracy_best=best)
 
 
@@ -684,6 +687,7 @@ def truncation(s: Signals):
     if not change:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
+                    onset=s.onset("completion_clipped_ratio", lambda v: v > CLIPPED_SOME),
                     length_fill=fill, length_shrink=shrink)
 
 
@@ -875,7 +879,8 @@ def entropy_collapse(s: Signals):
                                    "a stronger KL anchor to the base's entropy")
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
-                    entropy_start=start, entropy_end=end, costs=len(costs))
+                    entropy_start=start, entropy_end=end, costs=len(costs),
+                    onset=s.onset("entropy", lambda v: v < ENTROPY_COLLAPSE_RATIO * start))
 
 
 # ---- applying ------------------------------------------------------------------------------------------------
