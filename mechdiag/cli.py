@@ -69,12 +69,11 @@ def report(runs, out):
     Example:
       mechdiag report runs/a runs/b --out reports/ab.html
     """
-    from mechdiag.integrations.readers import read_any_run
+    from mechdiag.integrations.readers import read_runs
     from mechdiag.report import write_report
-    from mechdiag.run import load_runs
 
     check_output(out, "--out", "file" if _is_html(out) else "dir")
-    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
+    click.echo(str(write_report(read_runs(runs), out)))
 
 
 def _is_html(path: str | None) -> bool:
@@ -442,12 +441,10 @@ def recommend(runs, out, fmt):
     from pathlib import Path
 
     from mechdiag import atomic
-    from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
     from mechdiag.integrations.provenance import OWN_TERMS_NAME, OWN_TERMS_SUFFIX, own_terms_text
-    from mechdiag.integrations.readers import foreign_kind, read_any_run
+    from mechdiag.integrations.readers import foreign_kind, read_runs
     from mechdiag.recommend import recommend as run_recommend
-    from mechdiag.run import load_runs
 
     check_output(out, "--out")
     sidecars = {}  # a foreign run's user also gets the settings in the trainer's own terms, beside --out
@@ -455,19 +452,21 @@ def recommend(runs, out, fmt):
         for sfx in dict.fromkeys(OWN_TERMS_SUFFIX.values()):
             sidecars[sfx] = str(Path(out).with_suffix("")) + sfx
             check_output(sidecars[sfx], f"--out (its {sfx} beside it)")
-    loaded = load_runs(runs, read_any_run)
+    loaded = read_runs(runs)
     rec = run_recommend(loaded)
     prov = next((r.provenance for r in loaded if r.provenance), None) or {}
     trainer = prov.get("trainer")
     snippet = own_terms_text(trainer, rec.changes, rec.base_cfg, prov.get("fields"))
     own_out = sidecars.get(OWN_TERMS_SUFFIX.get(trainer, ""))
     if out:
-        configlib.save(rec.cfg, out, rec.header)
+        atomic.write_text(out, rec.text())
         if snippet is not None and own_out:
             atomic.write_text(own_out, snippet)
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
+    for n in rec.notes:
+        click.echo(f"note: {n}")
     if rec.comparison:
         metrics = sorted({r["metric"] for r in rec.comparison})
         groups = list(dict.fromkeys(r["group"] for r in rec.comparison))

@@ -365,7 +365,12 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 
 def to_yaml(cfg: Config, header: str = "") -> str:
-    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return to_yaml_dict(cfg.model_dump(mode="json"), header)
+
+
+def to_yaml_dict(data: dict, header: str = "") -> str:
+    """YAML of a (partial) config dict under `header` as comment lines."""
+    body = yaml.safe_dump(data, sort_keys=False)
     if header:
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body

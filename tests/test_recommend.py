@@ -9,6 +9,7 @@ from mechdiag import config as configlib
 from mechdiag import recommend as R
 from mechdiag.compare import side_by_side
 from mechdiag.errors import UserError
+from mechdiag.evidence import Signals
 from mechdiag.paths import REPO_ROOT
 from mechdiag.run import base_eval, final_eval, load_runs
 from tests.helpers import assert_bad_input
@@ -491,7 +492,7 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
 
     for task, best in (("arith", 3.7), ("arc", 3.5), ("mbpp", 3.1)):
         write_run(tmp_path / task, cfg_with(f"task.name={task}"))
-        assert R.Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
+        assert Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
     # 3.2 is 91% of MCQ's maximum (saturated) but 86% of math's
     assert "early_saturation" in fired(rec(tmp_path, cfg_with("task.name=arc"), name="arc_sat", reward=(3.2, 3.25),
                                            kl=0.01))
@@ -513,6 +514,13 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "entropy_collapse": {"entropy": (1.5, 0.1), **FLAT, **STALLED},
     "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
                    "eval_reward": (1.5, 1.5)},
+    "no_update": {"kl": 0.0, "noise": 0.0},  # the groups differ (frac_zero_std 0.1), yet KL never leaves 0
+    "cannot_judge": {"drop": ("reward",), "eval_reward": None},
+    "kl_blowup": {"kl": (0.01, 1.5, 2.0)},
+    "entropy_rise": {"entropy": (0.3, 1.2), **FLAT},
+    "length_collapse": {"length": (30.0, 4.0)},
+    "narrow_lora": {"cfg": cfg_with("lora.target_modules=[v_proj,o_proj]"), **STALLED},
+    "degenerate_text": {"samples": [{"completion": "so so so so so so so so so so so so so so so", "reward": 1.0}] * 8},
 }
 
 
