@@ -18,7 +18,7 @@ A TRL output_dir recorded by MechdiagCallback holds its run directory in OUT/mec
 
 `Run` is a run directory read into memory (`load_run`); `group_runs` pools seeds of one config; `base_eval` and
 `final_eval` are the untrained and the final held-out metrics. Runs of other trainers (TRL, verl) are converted
-into this shape once, at the edge (mechdiag.integrations.readers.load_runs).
+into this shape once, at the edge (mechdiag.integrations.readers.read_any_run).
 """
 
 from __future__ import annotations

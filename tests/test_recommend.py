@@ -9,6 +9,7 @@ from mechdiag import config as configlib
 from mechdiag import recommend as R
 from mechdiag.compare import side_by_side
 from mechdiag.errors import UserError
+from mechdiag.evidence import Signals
 from mechdiag.paths import REPO_ROOT
 from mechdiag.run import base_eval, final_eval, load_runs
 from tests.helpers import assert_bad_input
@@ -491,7 +492,7 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
 
     for task, best in (("arith", 3.7), ("arc", 3.5), ("mbpp", 3.1)):
         write_run(tmp_path / task, cfg_with(f"task.name={task}"))
-        assert R.Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
+        assert Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
     # 3.2 is 91% of MCQ's maximum (saturated) but 86% of math's
     assert "early_saturation" in fired(rec(tmp_path, cfg_with("task.name=arc"), name="arc_sat", reward=(3.2, 3.25),
                                            kl=0.01))

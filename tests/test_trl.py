@@ -13,7 +13,8 @@ import torch
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
-from mechdiag.integrations.readers import group_reward_stats, map_verl, read_verl_run
+from mechdiag.integrations.readers.common import group_reward_stats
+from mechdiag.integrations.readers.verl_log import map_verl, read_verl_run
 from mechdiag.integrations.trl import GroupCV, MechdiagCallback, config_from_grpo, grpo_args, read_trl_run
 from mechdiag.run import RunDir
 from mechdiag.train import objective

@@ -9,7 +9,7 @@
     grpo_args / peft_lora_config / config_from_grpo   our design lambda <-> GRPOConfig and peft's LoraConfig
     train_trl            `mechdiag train --backend trl`: the same config run through GRPOTrainer
     save_adapter         trainer.save_model, with the adapter whole under FSDP1 (peft writes it empty there)
-    read_trl_run         re-exported from mechdiag.integrations.readers
+    read_trl_run         re-exported from mechdiag.integrations.readers.trl_dir
 """
 
 from __future__ import annotations
@@ -30,17 +30,17 @@ from mechdiag import trackers as T
 from mechdiag.console import Progress
 from mechdiag.distributed import Engine, clean_name
 from mechdiag.errors import UserError, first_line
-from mechdiag.integrations.readers import (
+from mechdiag.integrations.readers.common import group_reward_stats
+from mechdiag.integrations.readers.trl_dir import (
     _contiguous_keys,
     completion_files,
     completions_rows,
-    group_reward_stats,
     is_eval_log,
     is_train_log,
     map_trl_log,
     read_trl_run,
-    read_verl_run,
 )
+from mechdiag.integrations.readers.verl_log import read_verl_run
 from mechdiag.integrations.trl_args import config_from_grpo
 from mechdiag.models import context_of, device, fit_to_context, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_outcomes
