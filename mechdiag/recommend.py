@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mechdiag import config as configlib
 from mechdiag.compare import side_by_side
-from mechdiag.config import Config, parse_layers
+from mechdiag.config import ALL_MODULES, Config, parse_layers
 from mechdiag.errors import UserError
 from mechdiag.evidence import MIN_POINTS, Signals
 from mechdiag.metrics import (  # the thresholds the live alerts share
@@ -27,6 +27,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     FRAC_ZERO_STD_HIGH,
 )
 from mechdiag.parts import family_name
+from mechdiag.reward_check import CORRECT_MARGIN_MIN
 from mechdiag.run import Run, final_eval, group_runs
 from mechdiag.tasks import reward_weights
 
@@ -84,10 +85,24 @@ NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reaso
 
 KL_STILL = 0.01  # held_still: tail mean KL to the reference below this (nats/token)...
 EVAL_REWARD_FLAT = 0.02  # ...eval reward gain at most this share of the maximum, accuracy gain <= ACC_FLAT...
-BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: learning rate x LR_FREE
+BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: the learning rate, sized
 BETA_FREE_MAX = 0.01
-LR_FREE = 10.0
 HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score all alike (the groups still differ)
+
+# sick starts (docs/recommendations.md, "Sized from the evidence"; bench/clinic.py measures each)
+KL_WORKING = 0.01  # the per-token KL a short run that learns reaches (embedded default: 0.005-0.01 by step 12)
+LR_FREE_MIN, LR_FREE_MAX = 3.0, 100.0  # held_still's learning-rate factor sqrt(KL_WORKING / kl), within these
+COLLAPSE_FRAC = 0.5  # step_too_large: final held-out accuracy under this share of its best (base included)...
+KL_COLLAPSE = 1.0  # ...with the tail KL above this (nats/token): the policy left its base, it did not drift
+LR_CUT_MIN, LR_CUT_MAX = 3.0, 100.0  # the learning rate is divided by sqrt(kl_head / KL_WORKING), within these
+GROUP_SIZE_USUAL = 8  # group_small: groups smaller than this (the study's and TRL's usual 8)...
+ZERO_STD_TARGET = 0.25  # ...grow until the expected share of equal-reward groups falls under this
+GROUP_SIZE_MAX = 32
+CLIP_FRACTION_HIGH = 0.2  # clip_tight: with num_iterations > 1, a tail policy_clip_fraction above this...
+CLIP_FRACTION_TARGET = 0.05  # ...widens epsilon until about this share of tokens would be clipped...
+EPSILON_WORKING = 0.2  # ...at most to the usual 0.2 (the study's, TRL's default)
+LORA_NARROW_FRAC = 0.25  # lora_narrow: LoRA on under this share of the model's (layer, module) sites
+CORRECTNESS_SHARE_MIN = CORRECT_MARGIN_MIN  # correctness_unpaid: correctness under this share of the maximum
 
 SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
@@ -172,6 +187,10 @@ def _raise_temperature(cfg: Config) -> Change | None:
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
+    """None also at num_iterations 1: each rollout is used for one update, the ratio is exactly 1 and no clip
+    binds, so a wider clip cannot act."""
+    if cfg.num_iterations <= 1:
+        return None
     if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
@@ -226,7 +245,9 @@ def _raise_budget(s: Signals) -> Change | None:
         top = min(top, context - 1)
     if cur >= top:
         return None
-    new = min(top, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    # a budget under NO_SIGNAL_MIN_BUDGET cannot hold reasoning + answer: twice that floor, not one 1.5x step
+    floor = 2 * NO_SIGNAL_MIN_BUDGET if cur < NO_SIGNAL_MIN_BUDGET else 0
+    new = min(top, max(floor, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8)))
     return Change("max_completion_tokens", cur, new)
 
 
@@ -290,6 +311,98 @@ def no_signal(s: Signals):
     return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
 
 
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, x))
+
+
+def _sig(x: float) -> float:
+    """Two significant figures: a learning rate of 1.7e-3, not 1.7320508e-3."""
+    return float(f"{x:.2g}")
+
+
+@rule("step_too_large", "held-out accuracy collapses while the policy runs far from its base: the step size "
+                        "blows the policy up")
+def step_too_large(s: Signals):
+    trend, kl = s.accuracy_trend(), s.window("kl", "tail")
+    if trend is None or kl is None:
+        return None
+    best, final, base = trend
+    if not (final < COLLAPSE_FRAC * best and best - final > ACC_DROP and kl[0] > KL_COLLAPSE):
+        return None
+    # KL grows with the square of the step while it is small: the factor that would bring it back to a working
+    # run's KL is sqrt(kl / KL_WORKING) (bounded: past a collapse KL saturates, so this is a floor on the cut)
+    factor = _clamp(math.sqrt(kl[0] / KL_WORKING), LR_CUT_MIN, LR_CUT_MAX)
+    lr = s.cfg.learning_rate
+    ev = (f"eval accuracy {final:.3g} < {COLLAPSE_FRAC} x best {best:.3g} (base {base:.3g}); kl {kl[0]:.3g} > "
+          f"{KL_COLLAPSE} over {kl[1]}, sqrt(kl / {KL_WORKING}) = {math.sqrt(kl[0] / KL_WORKING):.3g}")
+    return _finding(step_too_large, ev, [Change("learning_rate", lr, _sig(lr / factor))],
+                    f"a smaller step: the learning rate / {factor:.3g}, sized by how far the KL sits above a "
+                    "working run's", confidence(1 - final / max(COLLAPSE_FRAC * best, 1e-9), s.n_train),
+                    kl_tail=kl[0], accuracy_best=best, accuracy_final=final, lr_factor=1 / factor)
+
+
+@rule("correctness_unpaid", "the reward pays correctness too little of its maximum: the format is what pays")
+def correctness_unpaid(s: Signals):
+    w = reward_weights(s.cfg)
+    if "correctness" not in w or s.known("rewards.weights") is None:
+        return None
+    top = s.max_reward
+    share = w["correctness"] / top if top > 0 else 1.0
+    if share >= CORRECTNESS_SHARE_MIN:
+        return None
+    others = sum(v for k, v in w.items() if k != "correctness" and v > 0)
+    new = {**w, "correctness": round(max(w["correctness"], others), 6)}  # correctness: half the maximum
+    ev = (f"correctness weight {w['correctness']:g} is {share:.0%} of the maximum reward {top:.3g} "
+          f"(< {CORRECTNESS_SHARE_MIN:.0%}): a wrong but well-formed answer earns {1 - share:.0%} of a correct one "
+          "(`mechdiag check-reward` flags it before training)")
+    return _finding(correctness_unpaid, ev, [Change("rewards.weights", w, new)],
+                    "pay for the answer: correctness as much as every other component together",
+                    confidence(1 - share / CORRECTNESS_SHARE_MIN, s.n_train), correctness_share=share)
+
+
+@rule("group_small", "many groups score all alike and the group is small: more completions per prompt, the same "
+                     "rollouts per step")
+def group_small(s: Signals):
+    g, zero = s.cfg.group_size, s.window("frac_zero_std", "tail")
+    if g >= GROUP_SIZE_USUAL or zero is None or zero[0] <= FRAC_ZERO_STD_HIGH or _saturated(s):
+        return None
+    # a group is all alike with probability ~ q^G for a per-prompt outcome q: the share seen at G predicts the
+    # share at G' as zero^(G'/G); the smallest power of two that brings it under ZERO_STD_TARGET
+    new_g = g
+    while new_g < GROUP_SIZE_MAX and zero[0] ** (new_g / g) > ZERO_STD_TARGET:
+        new_g *= 2
+    if new_g == g:
+        return None
+    rollouts = g * s.cfg.prompts_per_step
+    ev = (f"frac_zero_std {zero[0]:.3g} > {FRAC_ZERO_STD_HIGH} over {zero[1]} with group_size {g}; expected at "
+          f"{new_g}: {zero[0] ** (new_g / g):.2g} (<= {ZERO_STD_TARGET})")
+    return _finding(group_small, ev, [Change("group_size", g, new_g),
+                                      Change("prompts_per_step", s.cfg.prompts_per_step, max(1, rollouts // new_g))],
+                    f"larger groups, fewer prompts: the same {rollouts} rollouts per step, more groups that differ",
+                    confidence((zero[0] - FRAC_ZERO_STD_HIGH) / (1 - FRAC_ZERO_STD_HIGH), s.n_train),
+                    frac_zero_std=zero[0], group_size=new_g)
+
+
+@rule("clip_tight", "with several updates per rollout, the clip stops most tokens: the update is throttled")
+def clip_tight(s: Signals):
+    frac = s.window("policy_clip_fraction", "tail")
+    eps = s.cfg.epsilon
+    if s.cfg.num_iterations <= 1 or frac is None or frac[0] <= CLIP_FRACTION_HIGH or eps >= EPSILON_WORKING:
+        return None
+    # |ratio - 1| roughly exponential with scale eps / -ln(f) when a share f of tokens lies beyond eps: the epsilon
+    # that clips CLIP_FRACTION_TARGET of them, at least twice the current, at most the working 0.2
+    scale = eps / -math.log(min(frac[0], 0.999))
+    new = round(_clamp(scale * -math.log(CLIP_FRACTION_TARGET), 2 * eps, EPSILON_WORKING), 3)
+    changes = [Change("epsilon", eps, new)]
+    if s.cfg.epsilon_high is not None and s.cfg.epsilon_high < new:
+        changes.append(Change("epsilon_high", s.cfg.epsilon_high, new))
+    ev = (f"policy_clip_fraction {frac[0]:.3g} > {CLIP_FRACTION_HIGH} over {frac[1]} at epsilon {eps:g}, "
+          f"num_iterations {s.cfg.num_iterations}")
+    return _finding(clip_tight, ev, changes, f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped",
+                    confidence((frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
+                    clip_fraction=frac[0])
+
+
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
 def early_saturation(s: Signals):
     steps, reward = s.series("reward")
@@ -344,6 +457,9 @@ def low_diversity(s: Signals):
               "task.options": "easier data: almost every completion fails, so groups score the same",
               }.get(change.key if change else "", "more sample diversity: a higher temperature spreads the "
                                                   "group's rewards (study's conclusion)")
+    if frac >= REWARD_HIGH_FRAC and s.cfg.num_iterations <= 1:
+        reason += ("; a higher upper clip (epsilon_high) is not proposed: with num_iterations 1 the ratio is exactly "
+                   "1 and no clip binds (it needs num_iterations > 1)")
     return _finding(low_diversity, ev, [change] if change else [], reason,
                     confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
                     reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)
@@ -533,29 +649,78 @@ def reduced_modules(s: Signals):
                     modules=",".join(new), source="causal share" if causal else "displacement")
 
 
-@rule("held_still", "KL near zero and eval flat while the groups still differ: the KL penalty or a tiny step "
-                    "size holds the policy where it began")
-def held_still(s: Signals):
+def _still(s: Signals) -> tuple[str, float, float, float] | None:
+    """(evidence, kl tail, base, final) when the policy stayed where it began: tail KL under KL_STILL, held-out
+    accuracy and reward flat, the groups still differing; or, with beta above BETA_MAX (an anchor beyond any
+    working range), the KL held under KL_STILL whatever the accuracy did."""
     kl, zero = s.window("kl", "tail"), s.window("frac_zero_std", "tail")
     trend = s.accuracy_trend()
     if kl is None or trend is None or kl[0] >= KL_STILL:
         return None
     _, final, base = trend
-    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
-    if final - base > ACC_FLAT or (None not in ev_reward and ev_reward[0] - ev_reward[1] >
-                                   EVAL_REWARD_FLAT * s.max_reward):
-        return None
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
-    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g} (gain <= {ACC_FLAT})"
+    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
+    flat = final - base <= ACC_FLAT and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
+                                          EVAL_REWARD_FLAT * s.max_reward)
+    anchored = s.cfg.beta > BETA_MAX
+    if not (flat or anchored):
+        return None
+    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g}"
+          + (f" (gain <= {ACC_FLAT})" if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
+    return ev, kl[0], base, final
+
+
+def _lora_sites(s: Signals) -> tuple[int, int] | None:
+    """(sites LoRA adapts, sites it could adapt): (layer, module type) pairs of the model's linear modules."""
+    from mechdiag.models import layers_of  # noqa: PLC0415 - transformers' config reader, only for a LoRA run
+
+    lora = s.cfg.lora
+    if not lora.enabled or not s.known("model.name_or_path") or not set(lora.target_modules) <= set(ALL_MODULES):
+        return None
+    n = layers_of(s.cfg.model.name_or_path)
+    if n is None:
+        return None
+    return len(parse_layers(lora.layers, n)) * len(lora.target_modules), n * len(ALL_MODULES)
+
+
+@rule("lora_narrow", "the policy held still with LoRA on a small share of the model: widen it to every linear "
+                     "module of every layer (a low rank is enough)")
+def lora_narrow(s: Signals):
+    still, sites = _still(s), _lora_sites(s)
+    if still is None or sites is None or sites[0] >= LORA_NARROW_FRAC * sites[1] or s.cfg.beta > BETA_MAX:
+        return None
+    lora = s.cfg.lora
+    ev = f"{still[0]}; LoRA on {sites[0]} of {sites[1]} (layer, module) sites (< {LORA_NARROW_FRAC:.0%})"
+    changes = [c for c in (Change("lora.layers", lora.layers, "all") if lora.layers != "all" else None,
+                           Change("lora.target_modules", list(lora.target_modules), list(ALL_MODULES))
+                           if list(lora.target_modules) != ALL_MODULES else None) if c]
+    return _finding(lora_narrow, ev, changes,
+                    "widen the adapter: all linear modules of every layer, rank kept (LoRA Without Regret: rank 1-32 "
+                    "on all weight matrices matches full fine-tuning for RL; attention-only loses)",
+                    confidence(1 - sites[0] / (LORA_NARROW_FRAC * sites[1]), s.n_train), sites=sites[0],
+                    sites_total=sites[1])
+
+
+@rule("held_still", "KL near zero and eval flat while the groups still differ (or beta beyond its range): the KL "
+                    "penalty or a tiny step size holds the policy where it began")
+def held_still(s: Signals):
+    still = _still(s)
+    if still is None:
+        return None
+    ev, kl, base, final = still
     if s.cfg.beta > 0:
         change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
     else:
-        change = Change("learning_rate", s.cfg.learning_rate, min(1.0, s.cfg.learning_rate * LR_FREE))
-        reason = "a larger step: the update is too small to change any completion"
-    return _finding(held_still, ev, [change], reason, confidence(1 - kl[0] / KL_STILL, s.n_train), kl_tail=kl[0],
+        # KL grows with the square of the step while small: sqrt(KL_WORKING / kl) brings it to a working run's
+        factor = _clamp(math.sqrt(KL_WORKING / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
+        change = Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))
+        ev += f"; sqrt({KL_WORKING} / kl) = {math.sqrt(KL_WORKING / max(kl, 1e-12)):.3g}"
+        reason = (f"a larger step: the learning rate x {factor:.3g}, sized by how far the KL sits under a working "
+                  "run's")
+    return _finding(held_still, ev, [change], reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,
                     accuracy_base=base, accuracy_final=final)
 
 
@@ -607,6 +772,11 @@ def _set(data: dict, key: str, value) -> None:
 # no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
 # rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
 CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
+             # a blown-up policy cuts, repeats and equalises its completions: every other symptom follows from it
+             "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
+                                                                                  "step_too_large")),
+             "group_small": ("low_diversity", "entropy_collapse"),
+             "lora_narrow": ("held_still",),
              "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
 
 
