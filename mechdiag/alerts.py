@@ -26,6 +26,7 @@ GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base
 ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
 
 NAMES = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap")
+CRITICAL = ("no_update", "kl_spike", "entropy_collapse")  # record.halt_on: critical = a run that will not recover
 
 
 @dataclass(frozen=True)

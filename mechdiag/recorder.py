@@ -17,9 +17,14 @@ MechdiagCallback(signals=[...]); its records go to the run directory's stream of
 from __future__ import annotations
 
 import importlib
+import json
+import os
+import subprocess
+import sys
+import urllib.request
 
-from mechdiag import tasks
-from mechdiag.alerts import Watcher
+from mechdiag import atomic, tasks
+from mechdiag.alerts import CRITICAL, NAMES, Watcher
 from mechdiag.displacement import lora_rows
 from mechdiag.distributed import inference_mode
 from mechdiag.errors import UserError
@@ -85,6 +90,12 @@ class Recorder:
 
     def find(self, kind: type):
         return next((s for s in self.signals if isinstance(s, kind)), None)
+
+    @property
+    def stop(self):
+        """The alert that halts the run (record.halt_on), or None: trainers check it once per step."""
+        halt = self.find(Halt)
+        return None if halt is None else halt.stop
 
 
 # ---- the built-in signals ------------------------------------------------------------------------------------
@@ -300,6 +311,72 @@ class Alerts(Signal):
         self._update(rec)
 
 
+class Halt(Signal):
+    """Auto-halt and the alert hook (record.halt_on, record.alert_hook). Runs after Alerts and reads the alerts an
+    event fired first: each goes to the hook; the first one named in halt_on sets `stop`, and RUN/halt.json says
+    which alert, at which step, and where to resume: the step of the best held-out accuracy so far, whose adapter
+    (or model) RUN/best/ keeps (step 0: the base model, nothing to keep)."""
+
+    HOOK_TIMEOUT_S = 30
+
+    def __init__(self, cfg):
+        names = set()
+        for n in cfg.record.halt_on:
+            if n not in (*NAMES, "critical"):
+                raise UserError(f"record.halt_on: unknown alert {n!r}; known: critical, {', '.join(NAMES)}")
+            names |= set(CRITICAL) if n == "critical" else {n}
+        self.halt_on, self.hook = names, cfg.record.alert_hook
+        self.stop = None
+        self.best: tuple[float, int] | None = None  # (held-out accuracy, step)
+
+    def _alerts(self, rec):
+        alerts = rec.find(Alerts)
+        for a in alerts.new if alerts is not None else ():
+            if rec.writer and self.hook:
+                self._call_hook(rec, a)
+            if self.stop is None and a.alert in self.halt_on:
+                self.stop = a
+                if rec.writer:
+                    best = self.best or (None, 0)
+                    atomic.write_json(rec.run.path / "halt.json", {
+                        **a.to_dict(), "halted_at": a.step, "resume_step": best[1], "best_accuracy": best[0],
+                        "best": "best" if best[1] else None})
+                print(f"mechdiag: halting at step {a.step} on {a.alert} (record.halt_on); best held-out accuracy "
+                      f"at step {(self.best or (None, 0))[1]}", file=sys.stderr, flush=True)
+
+    def _call_hook(self, rec, alert) -> None:
+        body = json.dumps({**alert.to_dict(), "run": str(rec.run.path)})
+        try:
+            if self.hook.startswith(("http://", "https://")):
+                req = urllib.request.Request(self.hook, body.encode(), {"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=self.HOOK_TIMEOUT_S).close()
+            else:
+                subprocess.run(["/bin/sh", "-c", self.hook], input=body, text=True, timeout=self.HOOK_TIMEOUT_S,
+                               check=True, env={**os.environ, "MECHDIAG_ALERT": alert.alert,
+                                                "MECHDIAG_ALERT_STEP": str(alert.step)})
+        except (OSError, subprocess.SubprocessError) as e:  # a failing hook is reported, never stops training
+            print(f"mechdiag: alert hook failed on {alert.alert}: {e}", file=sys.stderr, flush=True)
+
+    def on_train(self, rec, step, metrics, rollout):
+        self._alerts(rec)
+
+    def on_weights(self, rec, step, model, last):
+        self._alerts(rec)
+
+    def on_eval(self, rec, step, record, ctx):
+        self._alerts(rec)
+        acc = record.get("accuracy")
+        if not isinstance(acc, (int, float)) or (self.best is not None and acc <= self.best[0]):
+            return
+        self.best = (float(acc), step)
+        if step and rec.writer and self.halt_on and ctx.get("model") is not None:
+            rec.run.write_folder(rec.run.path / "best", ctx["model"].save_pretrained)
+            atomic.write_json(rec.run.path / "best" / "best.json", {"step": step, "accuracy": float(acc)})
+
+    def on_end(self, rec, step, ctx):
+        self._alerts(rec)
+
+
 def user_signal(spec: str) -> Signal:
     """The Signal named by "package.module:Class" (called with no arguments); a UserError when it cannot be."""
     if ":" not in spec:
@@ -333,4 +410,6 @@ def signals(cfg, tokenizer, heldout: HeldOut | None, lora: bool, forget=None, sh
         out.append(Shift(shift_prompts[:rec.shift_n], min(len(shift_prompts[:rec.shift_n]), shift_batch_size)))
     out += [user_signal(s) for s in rec.signals] + list(extra or [])
     out.append(Alerts(cfg))
+    if rec.halt_on or rec.alert_hook:
+        out.append(Halt(cfg))
     return out

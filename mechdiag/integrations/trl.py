@@ -354,6 +354,11 @@ class MechdiagCallback(TrainerCallback):
         return trainer
 
     # ---- helpers ------------------------------------------------------------------------------------
+    @property
+    def halt_armed(self) -> bool:
+        """record.halt_on is set (the config given to the callback: every rank holds the same)."""
+        return self.config is not None and bool(self.config.record.halt_on)
+
     def _on(self, state) -> bool:
         """This rank computes: the writer always, every rank when the model is sharded (its figures need
         collectives all ranks join)."""
@@ -375,6 +380,8 @@ class MechdiagCallback(TrainerCallback):
         if not self.writer:  # alerts print and trackers log: the writer's
             return out
         out.append(R.Alerts(cfg))
+        if cfg.record.halt_on or cfg.record.alert_hook:
+            out.append(R.Halt(cfg))
         if args.report_to:  # TRL logs its own metrics; the rest goes to its report_to callbacks
             if self.report.handler is None:
                 warnings.warn("MechdiagCallback: call callback.attach(trainer) for mechdiag's signals to reach "
@@ -459,6 +466,13 @@ class MechdiagCallback(TrainerCallback):
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
+        if self.halt_armed:  # record.halt_on: the writer's alert stops every rank, cleanly
+            halt = self.recorder is not None and self.recorder.stop is not None
+            if args.world_size > 1:
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
+
+                halt = broadcast_object_list([halt])[0]
+            control.should_training_stop = control.should_training_stop or halt
         if not self._on(state):
             return
         step = state.global_step  # DefaultFlowCallback ran first

@@ -200,6 +200,8 @@ class Trainer:
                 if cfg.eval_every and step % cfg.eval_every == 0 and step < self.total_steps:
                     self._eval(step)
                 self.checkpointer.on_step_end(self, step, metrics, roll)
+                if self.recorder.stop is not None:  # record.halt_on: a critical alert stops the run cleanly
+                    break
                 if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
                         and step < self.total_steps:
                     warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
