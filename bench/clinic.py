@@ -44,9 +44,9 @@ from mechdiag import config as configlib  # noqa: E402
 
 SEEDS = (42, 3407)
 # the smallest budget that still separates sick from cured by 2 SE on the embedded default (docs/benchmarks.md)
-BUDGET = ["max_steps=16", "prompts_per_step=8", "group_size=8", "eval_n=300", "eval_every=4", "threads=1",
+BUDGET = ["max_steps=12", "prompts_per_step=8", "group_size=8", "eval_n=200", "eval_every=6", "threads=1",
           "save_every=0", "max_time_s=null", "record.shift_at_eval=false", "record.final_geometry=false",
-          "record.samples_every=4", "record.displacement_every=8"]
+          "record.samples_every=6", "record.displacement_every=6"]
 TESTBEDS = {"base": "bundled", "deep": "bundled:deep"}
 FORMAT_HEAVY = ("rewards.weights={correctness: 0.1, xml_count: 1.0, numeric: 1.0, format: 1.0, "
                 "reasoning_nonempty: 0.5, answer_nonempty: 0.5}")
@@ -68,10 +68,10 @@ CASES = [
     Case("lr_high", "lr far too high", "base", ["learning_rate=4e-2"], {"learning_rate": "down"}),
     Case("beta_high", "beta far too high", "base", ["beta=2.0"], {"beta": "down"}),
     Case("beta_mid", "beta far too high", "base", ["beta=0.5"], {"beta": "down"}),
-    Case("temp_low", "temperature too low", "base", ["temperature=0.3"], {"temperature": "up"}),
+    Case("temp_low", "temperature too low", "base", ["temperature=0.1"], {"temperature": "up"}),
     Case("budget_short", "budget too short", "base", ["max_completion_tokens=14"], {"max_completion_tokens": "up"}),
     Case("group_small", "group too small", "base", ["group_size=2", "prompts_per_step=32"], {"group_size": "up"}),
-    Case("clip_tight", "clip too tight", "base", ["num_iterations=4", "epsilon=0.005"],
+    Case("clip_tight", "clip too tight", "base", ["num_iterations=4", "epsilon=0.0002"],
          {"epsilon": "up", "epsilon_high": "up"}),
     Case("lora_small", "LoRA too small / wrong place", "base",
          ["lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"],
@@ -81,17 +81,15 @@ CASES = [
     Case("loss_length", "loss type that biases length", "base", ["loss_type=dr_grpo", "max_completion_tokens=192"],
          {"loss_type": "any"}),
     Case("deep_healthy", "healthy", "deep", []),
-    Case("deep_lr_low", "lr far too low", "deep", ["learning_rate=2e-5"], {"learning_rate": "up"}),
     Case("deep_lr_high", "lr far too high", "deep", ["learning_rate=4e-2"], {"learning_rate": "down"}),
-    Case("deep_beta_high", "beta far too high", "deep", ["beta=2.0"], {"beta": "down"}),
     Case("deep_lora_place", "LoRA too small / wrong place", "deep",
          ["lora.r=1", "lora.layers=[7]", "lora.target_modules=[q_proj]"],
          {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}),
 ]
 COLLAPSES = [  # (testbed, inject at step, learning-rate factor); each on both seeds
-    ("base", 6, 40.0), ("base", 10, 100.0), ("deep", 6, 40.0),
+    ("base", 6, 40.0), ("base", 8, 100.0), ("deep", 6, 40.0),
 ]
-COLLAPSE_BUDGET = ["max_steps=20", "eval_every=2"]
+COLLAPSE_BUDGET = ["max_steps=16", "eval_every=2", "eval_n=100"]
 
 # the random arm: one knob, one direction (x or / the factor; temperature +- 0.4)
 KNOBS = ["learning_rate", "beta", "temperature", "max_completion_tokens", "group_size", "epsilon", "lora.r"]
@@ -187,10 +185,19 @@ class Collapse:
                 g["lr"] = b * trainer.sched.lr_lambdas[0](trainer.sched.last_epoch)
 
 
+def done(cfg_data: dict, out: Path) -> bool:
+    """A finished run of this very config (a run of an older recommendation is trained again)."""
+    from mechdiag.tasks import resolve_rewards  # noqa: PLC0415
+
+    if not (out / "summary.json").exists():
+        return False
+    return configlib.load(out / "config.yaml") == resolve_rewards(configlib.from_dict(cfg_data))
+
+
 def _train(job: tuple) -> str:
     cfg_data, out, collapse = job
     out = Path(out)
-    if (out / "summary.json").exists():
+    if done(cfg_data, out):
         return str(out)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     from mechdiag.train.trainer import train  # noqa: PLC0415 - torch, in the worker only
@@ -205,7 +212,7 @@ def _train(job: tuple) -> str:
 
 
 def train_all(jobs: list[tuple], n_jobs: int, log) -> None:
-    todo = [j for j in jobs if not (Path(j[1]) / "summary.json").exists()]
+    todo = [j for j in jobs if not done(j[0], Path(j[1]))]
     if not todo:
         return
     log(f"training {len(todo)} runs ({n_jobs} at a time)")
@@ -214,8 +221,8 @@ def train_all(jobs: list[tuple], n_jobs: int, log) -> None:
             log(f"  {_train(j)}")
         return
     with ProcessPoolExecutor(n_jobs) as pool:
-        for done in pool.map(_train, todo):
-            log(f"  {done}")
+        for path in pool.map(_train, todo):
+            log(f"  {path}")
 
 
 # ---- measuring -------------------------------------------------------------------------------------------------
@@ -228,7 +235,9 @@ def arm_stats(dirs: list[Path]) -> dict:
     """Mean held-out accuracy over seeds and its standard error (binomial per seed, combined)."""
     accs = [accuracy(d) for d in dirs]
     mean = sum(a for a, _ in accs) / len(accs)
-    se = math.sqrt(sum(a * (1 - a) / max(n, 1) for a, n in accs)) / len(accs)
+    # binomial SE with one success and one failure added (Agresti-Coull-like): 0 of n is not certainty
+    se = math.sqrt(sum(p * (1 - p) / (n + 2) for p in ((a * n + 1) / (n + 2) for a, n in accs)
+                       for n in [accs[0][1]])) / len(accs)
     return {"accuracy": round(mean, 4), "se": round(se, 4), "seeds": [round(a, 4) for a, _ in accs]}
 
 
@@ -289,7 +298,11 @@ def two_se_drop(evals: list[dict], n: int) -> int | None:
 
 
 # ---- the clinic --------------------------------------------------------------------------------------------------
-def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS) -> list[dict]:
+def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, doctor: bool = True,
+              arm_seeds=None) -> list[dict]:
+    """Train every arm of every case (finished runs are kept) and measure them. arm_seeds: the seeds of the random
+    and search arms (default: all; fewer when CPU is short, compared against the sick runs of the same seeds)."""
+    arm_seeds = tuple(arm_seeds or seeds)
     from mechdiag.recommend import recommend  # noqa: PLC0415
     from mechdiag.run import load_run  # noqa: PLC0415
 
@@ -302,14 +315,14 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS) -> li
         rec = recommend(runs)
         cfg0 = case_cfg(c, seeds[0])
         knob = random_knob(c, cfg0)
-        sick_acc = arm_stats(sick[c.name])
-        search = search_proposal(c, cfg0, sick_acc["accuracy"], seeds)
+        sick_acc = arm_stats([out / c.name / f"sick-{s}" for s in arm_seeds])
+        search = search_proposal(c, cfg0, sick_acc["accuracy"], arm_seeds)
         arms[c.name] = {"rec": rec, "knob": knob, "search": search}
         plans = [("random", set_keys(cfg0, knob)), ("search", set_keys(cfg0, search))]
-        if rec.changes:
+        if rec.changes and doctor:
             plans.append(("doctor", rec.cfg))
         for arm, cfg in plans:
-            for s in seeds:
+            for s in (seeds if arm == "doctor" else arm_seeds):
                 jobs.append((with_seed(cfg, s).model_dump(mode="json"), out / c.name / f"{arm}-{s}", None))
     train_all(jobs, n_jobs, log)
     rows = []
@@ -327,15 +340,19 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS) -> li
         for arm, desc in (("doctor", row["changes"]),
                           ("random", ", ".join(f"{k}={v}" for k, v in a["knob"].items())),
                           ("search", ", ".join(f"{k}={_fmt(v)}" for k, v in a["search"].items()))):
-            dirs = [out / c.name / f"{arm}-{s}" for s in seeds]
+            arm_ref = ref if arm == "doctor" else arm_stats([out / c.name / f"sick-{s}" for s in arm_seeds])
+            dirs = [out / c.name / f"{arm}-{s}" for s in (seeds if arm == "doctor" else arm_seeds)]
             if arm == "doctor" and not rec.changes:
                 stats = dict(ref)
+            elif arm == "doctor" and not doctor:
+                row[arm] = {**ref, "change": desc, "cured": False, "pending": True}
+                continue
             else:
                 stats = arm_stats(dirs)
-            if arm == "search" and stats["accuracy"] < ref["accuracy"]:  # its answer: the better of its trials
-                stats = {**ref, "kept_sick": True}
-            row[arm] = {**stats, "change": desc,
-                        "cured": beats(stats, ref) if c.keys else not_worse(stats, ref)}
+            if arm == "search" and stats["accuracy"] < arm_ref["accuracy"]:  # its answer: the better of its trials
+                stats = {**arm_ref, "kept_sick": True}
+            row[arm] = {**stats, "change": desc, "n_seeds": len(dirs),
+                        "cured": beats(stats, arm_ref) if c.keys else not_worse(stats, arm_ref)}
         rows.append(row)
     return rows
 
@@ -403,7 +420,8 @@ def table(result: dict) -> str:
         named = "-" if "named" not in r else ((", ".join(r["named"]) + f" @ {r['named_step']}") if r["named"]
                                               else "**no**")
         ok = "cured" if r["class"] != "healthy" else "not worse"
-        cell = {arm: f"{_acc(r[arm])} {'(' + ok + ')' if r[arm]['cured'] else ''}".strip()
+        cell = {arm: "pending" if r[arm].get("pending") else
+                f"{_acc(r[arm])} {'(' + ok + ')' if r[arm]['cured'] else ''}".strip()
                 for arm in ("doctor", "random", "search")}
         lines.append(f"| {r['case']} | {r['class']} | `{r['start']}` | {_acc(r['sick'])} | {named} | "
                      f"{r['doctor']['change']} | {cell['doctor']} | {r['random']['change']} | {cell['random']} | "
@@ -434,8 +452,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cases", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--no-collapse", action="store_true")
+    ap.add_argument("--no-doctor", action="store_true", help="train the sick, random and search arms only")
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    ap.add_argument("--arm-seeds", type=int, nargs="+", default=None,
+                    help="seeds of the random and search arms (default: --seeds)")
+    ap.add_argument("--collapse-testbeds", nargs="*", default=None, help="testbeds of the injected collapses")
     ap.add_argument("--table", action="store_true", help="print the table of OUT/clinic.json and stop")
     ap.add_argument("--set", action="append", default=[], help="budget override for every run (KEY=VALUE)")
     args = ap.parse_args(argv)
@@ -449,12 +471,13 @@ def main(argv=None) -> dict:
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     path = out / "clinic.json"
     old = json.loads(path.read_text()) if path.exists() else {}
-    rows = run_cases(cases, out, args.jobs, log, tuple(args.seeds))
+    rows = run_cases(cases, out, args.jobs, log, tuple(args.seeds), doctor=not args.no_doctor,
+                     arm_seeds=args.arm_seeds)
     keep = [r for r in old.get("cases", []) if r["case"] not in {c.name for c in cases}]
     result = {"budget": BUDGET, "seeds": args.seeds, "cases": keep + rows, "collapses": old.get("collapses", [])}
     if not args.no_collapse:
         result["collapses"] = run_collapses(out, args.jobs, log, tuple(args.seeds),
-                                            {c.testbed for c in cases} or None)
+                                            args.collapse_testbeds or {c.testbed for c in cases} or None)
     atomic.write_text(path, json.dumps(result, indent=1))
     print(table(result))
     return result

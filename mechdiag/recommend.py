@@ -40,6 +40,7 @@ REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts a
 REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
 TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
 TEMPERATURE_MAX = 1.2  # ...up to this
+TEMPERATURE_FLOOR = 0.7  # ...and at least to this: the low end of the working range (study 0.8, TRL 1.0)
 EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
 
 KL_HIGH = 0.10  # tail mean per-token KL to the reference above this (nats) is high
@@ -183,7 +184,9 @@ def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float,
 def _raise_temperature(cfg: Config) -> Change | None:
     if cfg.temperature >= TEMPERATURE_MAX - 1e-9:
         return None
-    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, cfg.temperature + TEMPERATURE_STEP), 4))
+    # a temperature far under the working range goes to its floor in one round, not by 0.2 steps
+    new = max(cfg.temperature + TEMPERATURE_STEP, TEMPERATURE_FLOOR)
+    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, new), 4))
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
@@ -771,11 +774,13 @@ def _set(data: dict, key: str, value) -> None:
 # (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
 # no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
 # rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
-CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", "entropy_collapse"),
              # a blown-up policy cuts, repeats and equalises its completions: every other symptom follows from it
              "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
                                                                                   "step_too_large")),
              "group_small": ("low_diversity", "entropy_collapse"),
+             # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps
+             "correctness_unpaid": ("early_saturation", "low_diversity", "reward_misalignment", "held_still"),
              "lora_narrow": ("held_still",),
              "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
 

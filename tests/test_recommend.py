@@ -595,3 +595,10 @@ def test_a_reward_that_pays_the_format_gets_correctness_back(tmp_path):
     r = rec(tmp_path, cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}"))
     assert changed(r) == {"rewards.weights": {"correctness": 2.0, "xml_count": 1.0, "format": 1.0}}
     assert "5% of the maximum" in r.findings[0].evidence
+
+
+def test_a_format_paying_reward_is_not_called_saturated(tmp_path):
+    r = rec(tmp_path, cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}"),
+            reward=(2.05, 2.08), frac_zero_std=0.8, reward_cv=0.02, kl=0.01)
+    assert {"correctness_unpaid", "early_saturation"} <= fired(r)
+    assert set(changed(r)) == {"rewards.weights"}  # not harder data: the saturation is the format's
