@@ -42,7 +42,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
                "frac_zero_std": min(1.0, max(0.0, _curve(frac_zero_std, t) + jit())),
                "completion_clipped_ratio": min(1.0, max(0.0, _curve(clipped, t) + jit())),
                "entropy": max(0.0, _curve(entropy, t) + jit()), "completion_length": _curve(length, t),
-               "reward_std": 0.4, "policy_clip_fraction": _curve(clip_fraction, t), "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
+               "reward_std": 0.4, "policy_clip_fraction": _curve(clip_fraction, t),
+               "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
         if kl_recorded:
             rec["kl"] = max(0.0, _curve(kl, t) + jit() * 0.1)
         for name, spec in (components or {}).items():
