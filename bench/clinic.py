@@ -299,7 +299,7 @@ def two_se_drop(evals: list[dict], n: int) -> int | None:
 
 # ---- the clinic --------------------------------------------------------------------------------------------------
 def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, doctor: bool = True,
-              arm_seeds=None) -> list[dict]:
+              arm_seeds=None, train_arms=("doctor", "random", "search"), train_sick: bool = True) -> list[dict]:
     """Train every arm of every case (finished runs are kept) and measure them. arm_seeds: the seeds of the random
     and search arms (default: all; fewer when CPU is short, compared against the sick runs of the same seeds)."""
     arm_seeds = tuple(arm_seeds or seeds)
@@ -307,8 +307,9 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, docto
     from mechdiag.run import load_run  # noqa: PLC0415
 
     sick = {c.name: [out / c.name / f"sick-{s}" for s in seeds] for c in cases}
-    train_all([(case_cfg(c, s).model_dump(mode="json"), d, None) for c in cases
-               for s, d in zip(seeds, sick[c.name], strict=True)], n_jobs, log)
+    if train_sick:
+        train_all([(case_cfg(c, s).model_dump(mode="json"), d, None) for c in cases
+                   for s, d in zip(seeds, sick[c.name], strict=True)], n_jobs, log)
     arms, jobs = {}, []
     for c in cases:
         runs = [load_run(d) for d in sick[c.name]]
@@ -322,6 +323,8 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, docto
         if rec.changes and doctor:
             plans.append(("doctor", rec.cfg))
         for arm, cfg in plans:
+            if arm not in train_arms:
+                continue
             for s in (seeds if arm == "doctor" else arm_seeds):
                 jobs.append((with_seed(cfg, s).model_dump(mode="json"), out / c.name / f"{arm}-{s}", None))
     train_all(jobs, n_jobs, log)
@@ -344,7 +347,7 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, docto
             dirs = [out / c.name / f"{arm}-{s}" for s in (seeds if arm == "doctor" else arm_seeds)]
             if arm == "doctor" and not rec.changes:
                 stats = dict(ref)
-            elif arm == "doctor" and not doctor:
+            elif (arm == "doctor" and not doctor) or not all((d / "summary.json").exists() for d in dirs):
                 row[arm] = {**ref, "change": desc, "cured": False, "pending": True}
                 continue
             else:
@@ -453,6 +456,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--cases", nargs="*", default=None, help="case names (default: all)")
     ap.add_argument("--no-collapse", action="store_true")
     ap.add_argument("--no-doctor", action="store_true", help="train the sick, random and search arms only")
+    ap.add_argument("--train-arms", nargs="*", default=["doctor", "random", "search"],
+                    help="the arms this process trains (the others are read when present); with --no-sick, two "
+                         "processes can share OUT")
+    ap.add_argument("--no-sick", action="store_true", help="do not train sick runs (another process does)")
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--arm-seeds", type=int, nargs="+", default=None,
@@ -472,7 +479,7 @@ def main(argv=None) -> dict:
     path = out / "clinic.json"
     old = json.loads(path.read_text()) if path.exists() else {}
     rows = run_cases(cases, out, args.jobs, log, tuple(args.seeds), doctor=not args.no_doctor,
-                     arm_seeds=args.arm_seeds)
+                     arm_seeds=args.arm_seeds, train_arms=args.train_arms, train_sick=not args.no_sick)
     keep = [r for r in old.get("cases", []) if r["case"] not in {c.name for c in cases}]
     result = {"budget": BUDGET, "seeds": args.seeds, "cases": keep + rows, "collapses": old.get("collapses", [])}
     if not args.no_collapse:
