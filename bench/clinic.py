@@ -183,6 +183,7 @@ class Collapse:
             trainer.sched.base_lrs = [b * self.factor for b in trainer.sched.base_lrs]
             for g, b in zip(trainer.opt.param_groups, trainer.sched.base_lrs, strict=True):
                 g["lr"] = b * trainer.sched.lr_lambdas[0](trainer.sched.last_epoch)
+            trainer.sched._last_lr = [g["lr"] for g in trainer.opt.param_groups]  # what the step records
 
 
 def done(cfg_data: dict, out: Path) -> bool:
