@@ -212,9 +212,12 @@ def _train(job: tuple) -> str:
     return str(out)
 
 
+NO_TRAIN = False  # --measure: read what is trained, train nothing
+
+
 def train_all(jobs: list[tuple], n_jobs: int, log) -> None:
     todo = [j for j in jobs if not done(j[0], Path(j[1]))]
-    if not todo:
+    if not todo or NO_TRAIN:
         return
     log(f"training {len(todo)} runs ({n_jobs} at a time)")
     if n_jobs <= 1:
@@ -398,6 +401,8 @@ def run_collapses(out: Path, n_jobs: int, log, seeds=SEEDS, which=None) -> list[
     train_all(jobs, n_jobs, log)
     rows = []
     for (testbed, at, factor, s), d in dirs.items():
+        if not (d / "summary.json").exists():
+            continue
         run = load_run(d)
         n = int(run.summary.get("eval_n", 300))
         drop = two_se_drop(run.eval, n)
@@ -430,16 +435,26 @@ def table(result: dict) -> str:
         lines.append(f"| {r['case']} | {r['class']} | `{r['start']}` | {_acc(r['sick'])} | {named} | "
                      f"{r['doctor']['change']} | {cell['doctor']} | {r['random']['change']} | {cell['random']} | "
                      f"{r['search']['change']} | {cell['search']} |")
-    sick = [r for r in result.get("cases", []) if r["class"] != "healthy"]
     healthy = [r for r in result.get("cases", []) if r["class"] == "healthy"]
-    if sick:
+    ref = {}
+    for r in healthy:
+        ref.setdefault(r["testbed"], r["sick"])
+    starts = [r for r in result.get("cases", []) if r["class"] != "healthy"]
+    sick = [r for r in starts if r["testbed"] in ref and beats(ref[r["testbed"]], r["sick"])]
+    mild = [r["case"] for r in starts if r not in sick]
+    if starts:
+        def count(rs, arm):
+            done = [r for r in rs if not r[arm].get("pending")]
+            return f"{sum(r[arm]['cured'] for r in done)}/{len(done)}"
         lines.append("")
-        lines.append(f"Named: {sum(bool(r['named']) for r in sick)}/{len(sick)} sick starts. Cured: doctor "
-                     f"{sum(r['doctor']['cured'] for r in sick)}/{len(sick)}, random knob "
-                     f"{sum(r['random']['cured'] for r in sick)}/{len(sick)}, search "
-                     f"{sum(r['search']['cured'] for r in sick)}/{len(sick)}. Healthy starts unchanged or not worse: "
-                     f"{sum(r['doctor']['cured'] for r in healthy)}/{len(healthy)} "
-                     f"(quiet: {sum(r['changes'] == 'none' for r in healthy)}/{len(healthy)}).")
+        lines.append(f"Sick (the healthy start of its testbed beats it by 2 SE): {len(sick)} of {len(starts)} starts"
+                     + (f"; not sick at this budget: {', '.join(mild)}" if mild else "") + ". On the sick ones: "
+                     f"named {sum(bool(r['named']) for r in sick)}/{len(sick)}; cured by the doctor "
+                     f"{count(sick, 'doctor')}, the random knob {count(sick, 'random')}, the search "
+                     f"{count(sick, 'search')} (arms still training are left out). Starts that are not sick: "
+                     f"quiet {sum(r['changes'] == 'none' for r in starts if r['case'] in mild)}/{len(mild)}. "
+                     f"Healthy starts unchanged or not worse: {sum(r['doctor']['cured'] for r in healthy)}/"
+                     f"{len(healthy)} (quiet: {sum(r['changes'] == 'none' for r in healthy)}/{len(healthy)}).")
     col = result.get("collapses", [])
     if col:
         lines += ["", "| testbed | injected (step, lr x) | seed | accuracy 2 SE below peak at | first alert | lead "
@@ -461,6 +476,7 @@ def main(argv=None) -> dict:
                     help="the arms this process trains (the others are read when present); with --no-sick, two "
                          "processes can share OUT")
     ap.add_argument("--no-sick", action="store_true", help="do not train sick runs (another process does)")
+    ap.add_argument("--measure", action="store_true", help="train nothing: measure the runs already in OUT")
     ap.add_argument("--jobs", type=int, default=1, help="runs trained at once (processes)")
     ap.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     ap.add_argument("--arm-seeds", type=int, nargs="+", default=None,
@@ -474,6 +490,8 @@ def main(argv=None) -> dict:
         print(table(json.loads((out / "clinic.json").read_text())))
         return {}
     BUDGET.extend(args.set)
+    global NO_TRAIN
+    NO_TRAIN = args.measure
     out.mkdir(parents=True, exist_ok=True)
     cases = [c for c in CASES if args.cases is None or c.name in args.cases]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

@@ -577,44 +577,65 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
 DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
 
 
-@rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
+def _fewest_covering(shares: dict, cover: float, at_least: int = 1) -> tuple[list, float]:
+    """The fewest keys, largest share first, that carry `cover` of the total (and at least `at_least` of them)."""
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1])
+    total = sum(v for _, v in ranked) or 1.0
+    k, got = 0, 0.0
+    while k < len(ranked) and (got < cover * total or k < at_least):
+        got += ranked[k][1]
+        k += 1
+    return [key for key, _ in ranked[:k]], got / total
+
+
+@rule("reduced_layers", "the causal share (or, without attribution, displacement or shift) concentrated in a few "
+                        "layers")
 def reduced_layers(s: Signals):
     n = s.n_layers
     if not s.cfg.lora.enabled or n is None or n < MIN_LAYERS_FOR_ENDS:
         return None
-    spec = f"first{END_LAYERS}+last{END_LAYERS}"
+    spec = f"first{END_LAYERS}+last{END_LAYERS}"  # the study's fixed treatment, where only correlates are recorded
     current = set(parse_layers(s.cfg.lora.layers, n))
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items() if int(k) in current}
+    trend = s.accuracy_trend()
+    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
+    if causal:  # measured importance decides which layers, wherever they sit (Is One Layer Enough?: the middle)
+        keep, cover = _fewest_covering(causal, MODULE_MASS_COVER)
+        concentration = cover / (len(keep) / len(causal))
+        if len(keep) > len(causal) // 2 or concentration < END_RATIO or (concentration < END_RATIO_STRONG
+                                                                           and not regressed):
+            return None
+        layers = sorted(keep)
+        ev = (f"causal share: layers {', '.join(map(str, layers))} hold {cover:.0%} of the output KL lost when a "
+              f"layer is removed (attribution), {concentration:.3g}x their uniform share (> {END_RATIO}"
+              + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
+                 f"; strong: > {END_RATIO_STRONG})"))
+        return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, layers)],
+                        f"reduced layers where the effect is (attribution); the study's fixed treatment, {spec}, "
+                        "is the alternative when only displacement is recorded",
+                        confidence(concentration / END_RATIO - 1, s.n_train), end_ratio=concentration,
+                        source="causal share")
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
-    if causal:  # measured importance overrules the correlates
-        ratios["causal share"] = _end_ratio(causal, n)
-    else:
-        if s.layer_mass:
-            ratios["displacement"] = _end_ratio(s.layer_mass, n)
-        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-        if s.shift:
-            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    if s.layer_mass:
+        ratios["displacement"] = _end_ratio(s.layer_mass, n)
+    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+    if s.shift:
+        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
     what, ratio = max(ratios.items(), key=lambda kv: kv[1])
-    trend = s.accuracy_trend()
-    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
     if ratio < END_RATIO or (ratio < END_RATIO_STRONG and not regressed):
         return None
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
-                               f"; strong: > {END_RATIO_STRONG})"))
-    if causal:
-        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
-        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
-              "output KL lost when a layer is removed"
-    else:
-        ev += DISPLACEMENT_ONLY
+                               f"; strong: > {END_RATIO_STRONG})")) + DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
-                    "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
+                    f"reduced layers, the study's fixed treatment ({spec}: recovered most MBPP/APPS regressions); "
+                    "against it: Is One Layer Enough? finds the middle layers carry most of the RL gain; record "
+                    "attribution to choose by effect",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
 
 
