@@ -36,6 +36,7 @@ ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zer
 
 NAMES = ("no_update", "kl_spike", "kl_blowup", "truncation", "entropy_collapse", "entropy_rise", "zero_std",
          "reward_accuracy_gap")
+CRITICAL = ("no_update", "kl_spike", "kl_blowup", "entropy_collapse")  # record.halt_on: a run that will not recover
 
 
 @dataclass(frozen=True)

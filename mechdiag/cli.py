@@ -157,6 +157,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     from pathlib import Path
 
     from mechdiag import config as C
+    from mechdiag import tasks
 
     overrides = list(overrides)
     if trl_args and backend != "trl":
@@ -198,6 +199,11 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
                 click.echo(f"#   {r['name']}  ({r['in']} -> {r['out']}, {r['params']} params)")
         else:
             click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
+        if cfg.task.name in tasks.REGISTRY and tasks.task_class(cfg.task.name).domain != "code":
+            from mechdiag.reward_check import check_reward, table
+
+            click.echo("# reward pre-flight (mechdiag check-reward):")
+            click.echo("\n".join(f"#   {line}" for line in table(check_reward(cfg)).splitlines()))
         if backend == "trl":
             from mechdiag.integrations.trl import grpo_args, parse_trl_args
 
@@ -492,6 +498,33 @@ def recommend(runs, out, fmt):
     if snippet is not None and rec.changes:
         also = f" (also in {own_out})" if own_out else ""
         click.echo(f"as {OWN_TERMS_NAME[trainer]} settings{also}:\n{snippet}", nl=False)
+
+
+# ---- check-reward ----------------------------------------------------------------------------------------------
+@main.command("check-reward", short_help="Pre-flight: does the reward pay a failure more than a wrong answer?")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
+@click.option("--n", "n", type=int, default=8, show_default=True, help="Train examples to score.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def check_reward_cmd(config, overrides, n, fmt):
+    """Score degenerate completions (empty, prompt echo, format only, truncated, the answer without reasoning)
+    per reward component beside a genuine wrong and a genuine right answer; flag a component whose failure or
+    default value beats a genuine wrong answer. Exit 1 when something is flagged, 2 on bad input.
+
+    \b
+    Example:
+      mechdiag check-reward config.yaml --set rewards.weights.correctness=0.1
+    """
+    from mechdiag import atomic, tasks
+    from mechdiag import config as C
+    from mechdiag.reward_check import check_reward, records, table
+
+    cfg = C.load(config, list(overrides))
+    tasks.check_reward_weights(cfg)
+    result = check_reward(cfg, n)
+    click.echo("\n".join(atomic.dumps(r) for r in records(result)) if fmt == "json" else table(result))
+    if result.flags:
+        sys.exit(1)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------

@@ -90,6 +90,10 @@ class RecordConfig(_Strict):
     forget_n: int = Field(64, ge=1)  # probe prompts kept
     forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
     signals: list[str] = Field(default_factory=list)  # user signals, "package.module:Class" (mechdiag.recorder)
+    # auto-halt: alert names (mechdiag.alerts.NAMES, or "critical") that stop the run cleanly; best/ keeps the
+    # adapter with the best held-out accuracy, halt.json the alert and the resume step (mechdiag.recorder.Halt)
+    halt_on: list[str] = Field(default_factory=list)
+    alert_hook: str | None = None  # run on each alert: an http(s):// URL (POSTed JSON) or a shell command (stdin JSON)
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # report_to's names, as TRL spells them

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mechdiag import config as configlib
 from mechdiag.compare import side_by_side
-from mechdiag.config import Config, parse_layers
+from mechdiag.config import ALL_MODULES, Config, parse_layers
 from mechdiag.errors import UserError
 from mechdiag.evidence import MIN_POINTS, Signals
 from mechdiag.metrics import (  # the thresholds the live alerts share
@@ -30,6 +30,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.parts import family_name
+from mechdiag.reward_check import CORRECT_MARGIN_MIN
 from mechdiag.run import Run, final_eval, flatten_config, group_runs
 from mechdiag.tasks import reward_weights
 
@@ -42,6 +43,7 @@ REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts a
 REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
 TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
 TEMPERATURE_MAX = 1.2  # ...up to this
+TEMPERATURE_FLOOR = 0.7  # ...and at least to this: the low end of the working range (study 0.8, TRL 1.0)
 EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
 
 KL_HIGH = 0.10  # tail mean per-token KL to the reference above this (nats) is high
@@ -89,10 +91,24 @@ NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reaso
 
 KL_STILL = 0.01  # held_still: tail mean KL to the reference below this (nats/token)...
 EVAL_REWARD_FLAT = 0.02  # ...eval reward gain at most this share of the maximum, accuracy gain <= ACC_FLAT...
-BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: learning rate x LR_FREE
+BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: the learning rate, sized
 BETA_FREE_MAX = 0.01
-LR_FREE = 10.0
 HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score all alike (the groups still differ)
+
+# sick starts (docs/recommendations.md, "Sized from the evidence"; bench/clinic.py measures each)
+KL_WORKING = 0.01  # the per-token KL a short run that learns reaches (embedded default: 0.005-0.01 by step 12)
+LR_FREE_MIN, LR_FREE_MAX = 3.0, 100.0  # held_still's learning-rate factor sqrt(KL_WORKING / kl), within these
+COLLAPSE_FRAC = 0.5  # step_too_large: final held-out accuracy under this share of its best (base included)...
+KL_COLLAPSE = 1.0  # ...with the tail KL above this (nats/token): the policy left its base, it did not drift
+LR_CUT_MIN, LR_CUT_MAX = 3.0, 100.0  # the learning rate is divided by sqrt(kl_head / KL_WORKING), within these
+GROUP_SIZE_USUAL = 8  # group_small: groups smaller than this (the study's and TRL's usual 8)...
+ZERO_STD_TARGET = 0.25  # ...grow until the expected share of equal-reward groups falls under this
+GROUP_SIZE_MAX = 32
+CLIP_FRACTION_HIGH = 0.2  # clip_tight: with num_iterations > 1, a tail policy_clip_fraction above this...
+CLIP_FRACTION_TARGET = 0.05  # ...widens epsilon until about this share of tokens would be clipped...
+EPSILON_WORKING = 0.2  # ...at most to the usual 0.2 (the study's, TRL's default)
+LORA_NARROW_FRAC = 0.25  # lora_narrow: LoRA on under this share of the model's (layer, module) sites
+CORRECTNESS_SHARE_MIN = CORRECT_MARGIN_MIN  # correctness_unpaid: correctness under this share of the maximum
 
 SATURATION_FRAC = 0.9  # reward at or above this share of its own scale (Signals.reward_scale) is saturated...
 SATURATED_GROUPS = 0.5  # ...or, with no scale shown, this share of the groups all correct (group outcomes)
@@ -190,10 +206,16 @@ def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float,
 def _raise_temperature(cfg: Config) -> Change | None:
     if cfg.temperature >= TEMPERATURE_MAX - 1e-9:
         return None
-    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, cfg.temperature + TEMPERATURE_STEP), 4))
+    # a temperature far under the working range goes to its floor in one round, not by 0.2 steps
+    new = max(cfg.temperature + TEMPERATURE_STEP, TEMPERATURE_FLOOR)
+    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, new), 4))
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
+    """None also at num_iterations 1: each rollout is used for one update, the ratio is exactly 1 and no clip
+    binds, so a wider clip cannot act."""
+    if cfg.num_iterations <= 1:
+        return None
     if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
@@ -256,7 +278,9 @@ def _raise_budget(s: Signals) -> Change | None:
         top = min(top, context - 1)
     if cur >= top:
         return None
-    new = min(top, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    # a budget under NO_SIGNAL_MIN_BUDGET cannot hold reasoning + answer: twice that floor, not one 1.5x step
+    floor = 2 * NO_SIGNAL_MIN_BUDGET if cur < NO_SIGNAL_MIN_BUDGET else 0
+    new = min(top, max(floor, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8)))
     return Change("max_completion_tokens", cur, new)
 
 
@@ -406,6 +430,98 @@ def no_signal(s: Signals):
     return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
 
 
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, x))
+
+
+def _sig(x: float) -> float:
+    """Two significant figures: a learning rate of 1.7e-3, not 1.7320508e-3."""
+    return float(f"{x:.2g}")
+
+
+@rule("step_too_large", "held-out accuracy collapses while the policy runs far from its base: the step size "
+                        "blows the policy up")
+def step_too_large(s: Signals):
+    trend, kl = s.accuracy_trend(), s.window("kl", "tail")
+    if trend is None or kl is None:
+        return None
+    best, final, base = trend
+    if not (final < COLLAPSE_FRAC * best and best - final > ACC_DROP and kl[0] > KL_COLLAPSE):
+        return None
+    # KL grows with the square of the step while it is small: the factor that would bring it back to a working
+    # run's KL is sqrt(kl / KL_WORKING) (bounded: past a collapse KL saturates, so this is a floor on the cut)
+    factor = _clamp(math.sqrt(kl[0] / KL_WORKING), LR_CUT_MIN, LR_CUT_MAX)
+    lr = s.cfg.learning_rate
+    ev = (f"eval accuracy {final:.3g} < {COLLAPSE_FRAC} x best {best:.3g} (base {base:.3g}); kl {kl[0]:.3g} > "
+          f"{KL_COLLAPSE} over {kl[1]}, sqrt(kl / {KL_WORKING}) = {math.sqrt(kl[0] / KL_WORKING):.3g}")
+    return _finding(step_too_large, ev, [Change("learning_rate", lr, _sig(lr / factor))],
+                    f"a smaller step: the learning rate / {factor:.3g}, sized by how far the KL sits above a "
+                    "working run's", confidence(1 - final / max(COLLAPSE_FRAC * best, 1e-9), s.n_train),
+                    kl_tail=kl[0], accuracy_best=best, accuracy_final=final, lr_factor=1 / factor)
+
+
+@rule("correctness_unpaid", "the reward pays correctness too little of its maximum: the format is what pays")
+def correctness_unpaid(s: Signals):
+    w = reward_weights(s.cfg)
+    if "correctness" not in w or s.known("rewards.weights") is None:
+        return None
+    top = s.max_reward
+    share = w["correctness"] / top if top > 0 else 1.0
+    if share >= CORRECTNESS_SHARE_MIN:
+        return None
+    others = sum(v for k, v in w.items() if k != "correctness" and v > 0)
+    new = {**w, "correctness": round(max(w["correctness"], others), 6)}  # correctness: half the maximum
+    ev = (f"correctness weight {w['correctness']:g} is {share:.0%} of the maximum reward {top:.3g} "
+          f"(< {CORRECTNESS_SHARE_MIN:.0%}): a wrong but well-formed answer earns {1 - share:.0%} of a correct one "
+          "(`mechdiag check-reward` flags it before training)")
+    return _finding(correctness_unpaid, ev, [Change("rewards.weights", w, new)],
+                    "pay for the answer: correctness as much as every other component together",
+                    confidence(1 - share / CORRECTNESS_SHARE_MIN, s.n_train), correctness_share=share)
+
+
+@rule("group_small", "many groups score all alike and the group is small: more completions per prompt, the same "
+                     "rollouts per step")
+def group_small(s: Signals):
+    g, zero = s.cfg.group_size, s.window("frac_zero_std", "tail")
+    if g >= GROUP_SIZE_USUAL or zero is None or zero[0] <= FRAC_ZERO_STD_HIGH or _saturated(s):
+        return None
+    # a group is all alike with probability ~ q^G for a per-prompt outcome q: the share seen at G predicts the
+    # share at G' as zero^(G'/G); the smallest power of two that brings it under ZERO_STD_TARGET
+    new_g = g
+    while new_g < GROUP_SIZE_MAX and zero[0] ** (new_g / g) > ZERO_STD_TARGET:
+        new_g *= 2
+    if new_g == g:
+        return None
+    rollouts = g * s.cfg.prompts_per_step
+    ev = (f"frac_zero_std {zero[0]:.3g} > {FRAC_ZERO_STD_HIGH} over {zero[1]} with group_size {g}; expected at "
+          f"{new_g}: {zero[0] ** (new_g / g):.2g} (<= {ZERO_STD_TARGET})")
+    return _finding(group_small, ev, [Change("group_size", g, new_g),
+                                      Change("prompts_per_step", s.cfg.prompts_per_step, max(1, rollouts // new_g))],
+                    f"larger groups, fewer prompts: the same {rollouts} rollouts per step, more groups that differ",
+                    confidence((zero[0] - FRAC_ZERO_STD_HIGH) / (1 - FRAC_ZERO_STD_HIGH), s.n_train),
+                    frac_zero_std=zero[0], group_size=new_g)
+
+
+@rule("clip_tight", "with several updates per rollout, the clip stops most tokens: the update is throttled")
+def clip_tight(s: Signals):
+    frac = s.window("policy_clip_fraction", "tail")
+    eps = s.cfg.epsilon
+    if s.cfg.num_iterations <= 1 or frac is None or frac[0] <= CLIP_FRACTION_HIGH or eps >= EPSILON_WORKING:
+        return None
+    # |ratio - 1| roughly exponential with scale eps / -ln(f) when a share f of tokens lies beyond eps: the epsilon
+    # that clips CLIP_FRACTION_TARGET of them, at least twice the current, at most the working 0.2
+    scale = eps / -math.log(min(frac[0], 0.999))
+    new = round(_clamp(scale * -math.log(CLIP_FRACTION_TARGET), 2 * eps, EPSILON_WORKING), 3)
+    changes = [Change("epsilon", eps, new)]
+    if s.cfg.epsilon_high is not None and s.cfg.epsilon_high < new:
+        changes.append(Change("epsilon_high", s.cfg.epsilon_high, new))
+    ev = (f"policy_clip_fraction {frac[0]:.3g} > {CLIP_FRACTION_HIGH} over {frac[1]} at epsilon {eps:g}, "
+          f"num_iterations {s.cfg.num_iterations}")
+    return _finding(clip_tight, ev, changes, f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped",
+                    confidence((frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
+                    clip_fraction=frac[0])
+
+
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
 def early_saturation(s: Signals):
     steps, reward = s.series("reward")
@@ -470,6 +586,9 @@ def low_diversity(s: Signals):
               "task.options": "easier data: almost every completion fails, so groups score the same",
               }.get(change.key if change else "", "more sample diversity: a higher temperature spreads the "
                                                   "group's rewards (study's conclusion)")
+    if frac >= REWARD_HIGH_FRAC and s.cfg.num_iterations <= 1:
+        reason += ("; a higher upper clip (epsilon_high) is not proposed: with num_iterations 1 the ratio is exactly "
+                   "1 and no clip binds (it needs num_iterations > 1)")
     return _finding(low_diversity, ev, [change] if change else [], reason,
                     confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
                     onset=s.onset("frac_zero_std", lambda v: v > FRAC_ZERO_STD_HIGH) if zero else
@@ -703,37 +822,44 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
 DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
 
 
-def _causal_layers(s: Signals, causal: dict[int, float], n: int):
-    """Layers by the run's own attribution, wherever they sit: those above the uniform share, when together they
-    carry at least MODULE_CONCENTRATION x their uniform share (One Layer Enough: the middle often matters most)."""
-    keep = sorted(k for k, v in causal.items() if v > 1 / len(causal))
-    cover = sum(causal[k] for k in keep)
-    concentration = cover / (len(keep) / len(causal)) if keep else 0.0
-    current = set(parse_layers(s.cfg.lora.layers, n))
-    if not keep or len(keep) == len(causal) or concentration < MODULE_CONCENTRATION or current <= set(keep):
-        return None
-    ev = (f"attribution: layers {', '.join(map(str, keep))} carry {cover:.0%} of the output KL lost when a layer is "
-          f"removed ({len(keep)} of {len(causal)} layers, {concentration:.3g}x their uniform share > "
-          f"{MODULE_CONCENTRATION}); the study's fixed first{END_LAYERS}+last{END_LAYERS} is not used where the run "
-          "measured its own")
-    return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, keep)],
-                    "adapt the layers the run's own attribution shows doing the work (evidence for: this run's causal "
-                    "share; Is One Layer Enough?, arXiv 2607.01232: one well-chosen layer recovers most of the gain)",
-                    confidence(concentration / MODULE_CONCENTRATION - 1, s.n_train), end_ratio=None,
-                    source="causal share", layers=",".join(map(str, keep)))
+def _fewest_covering(shares: dict, cover: float, at_least: int = 1) -> tuple[list, float]:
+    """The fewest keys, largest share first, that carry `cover` of the total (and at least `at_least` of them)."""
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1])
+    total = sum(v for _, v in ranked) or 1.0
+    k, got = 0, 0.0
+    while k < len(ranked) and (got < cover * total or k < at_least):
+        got += ranked[k][1]
+        k += 1
+    return [key for key, _ in ranked[:k]], got / total
 
 
-@rule("reduced_layers", "the update concentrated in a few layers: where the run's attribution puts it, else the "
-                        "study's ends of the stack by displacement or shift")
+@rule("reduced_layers", "the causal share (or, without attribution, displacement or shift) concentrated in a few "
+                        "layers")
 def reduced_layers(s: Signals):
     n = s.n_layers
     if not s.cfg.lora.enabled or n is None or n < MIN_LAYERS_FOR_ENDS:
         return None
-    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
-    if causal:  # measured importance overrules the correlates, and picks any layers, not only the ends
-        return _causal_layers(s, causal, n)
-    spec = f"first{END_LAYERS}+last{END_LAYERS}"
+    spec = f"first{END_LAYERS}+last{END_LAYERS}"  # the study's fixed treatment, where only correlates are recorded
     current = set(parse_layers(s.cfg.lora.layers, n))
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items() if int(k) in current}
+    trend = s.accuracy_trend()
+    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
+    if causal:  # measured importance decides which layers, wherever they sit (Is One Layer Enough?: the middle)
+        keep, cover = _fewest_covering(causal, MODULE_MASS_COVER)
+        concentration = cover / (len(keep) / len(causal))
+        if len(keep) > len(causal) // 2 or concentration < END_RATIO or (concentration < END_RATIO_STRONG
+                                                                           and not regressed):
+            return None
+        layers = sorted(keep)
+        ev = (f"causal share: layers {', '.join(map(str, layers))} hold {cover:.0%} of the output KL lost when a "
+              f"layer is removed (attribution), {concentration:.3g}x their uniform share (> {END_RATIO}"
+              + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
+                 f"; strong: > {END_RATIO_STRONG})"))
+        return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, layers)],
+                        f"reduced layers where the effect is (attribution); the study's fixed treatment, {spec}, "
+                        "is the alternative when only displacement is recorded",
+                        confidence(concentration / END_RATIO - 1, s.n_train), end_ratio=concentration,
+                        source="causal share")
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
@@ -746,18 +872,15 @@ def reduced_layers(s: Signals):
     if not ratios:
         return None
     what, ratio = max(ratios.items(), key=lambda kv: kv[1])
-    trend = s.accuracy_trend()
-    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
     if ratio < END_RATIO or (ratio < END_RATIO_STRONG and not regressed):
         return None
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
-                               f"; strong: > {END_RATIO_STRONG})"))
-    ev += DISPLACEMENT_ONLY
+                               f"; strong: > {END_RATIO_STRONG})")) + DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
-                    "the study's reduced layers, first2+last2 (for: the study recovers most MBPP/APPS regressions; "
-                    "against: Is One Layer Enough?, arXiv 2607.01232, finds the middle layers matter most and the ends "
-                    "least; run `mechdiag attribute RUN --by layer --save` to choose from this run's own evidence)",
+                    f"reduced layers, the study's fixed treatment ({spec}: recovered most MBPP/APPS regressions); "
+                    "against it: Is One Layer Enough? finds the middle layers carry most of the RL gain; record "
+                    "attribution to choose by effect",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
 
 
@@ -822,29 +945,78 @@ def narrow_lora(s: Signals):
                     accuracy_gain=trend[1] - trend[2])
 
 
-@rule("held_still", "KL near zero and eval flat while the groups still differ: the KL penalty or a tiny step "
-                    "size holds the policy where it began")
-def held_still(s: Signals):
+def _still(s: Signals) -> tuple[str, float, float, float] | None:
+    """(evidence, kl tail, base, final) when the policy stayed where it began: tail KL under KL_STILL, held-out
+    accuracy and reward flat, the groups still differing; or, with beta above BETA_MAX (an anchor beyond any
+    working range), the KL held under KL_STILL whatever the accuracy did."""
     kl, zero = s.window("kl", "tail"), s.window("frac_zero_std", "tail")
     trend = s.accuracy_trend()
     if kl is None or trend is None or kl[0] >= KL_STILL:
         return None
     _, final, base = trend
-    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
-    if final - base > ACC_FLAT or (None not in ev_reward and ev_reward[0] - ev_reward[1] >
-                                   EVAL_REWARD_FLAT * s.reward_span):
-        return None
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
-    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g} (gain <= {ACC_FLAT})"
+    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
+    flat = final - base <= ACC_FLAT and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
+                                          EVAL_REWARD_FLAT * s.reward_span)
+    anchored = s.cfg.beta > BETA_MAX
+    if not (flat or anchored):
+        return None
+    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g}"
+          + (f" (gain <= {ACC_FLAT})" if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
+    return ev, kl[0], base, final
+
+
+def _lora_sites(s: Signals) -> tuple[int, int] | None:
+    """(sites LoRA adapts, sites it could adapt): (layer, module type) pairs of the model's linear modules."""
+    from mechdiag.models import layers_of  # noqa: PLC0415 - transformers' config reader, only for a LoRA run
+
+    lora = s.cfg.lora
+    if not lora.enabled or not s.known("model.name_or_path") or not set(lora.target_modules) <= set(ALL_MODULES):
+        return None
+    n = layers_of(s.cfg.model.name_or_path)
+    if n is None:
+        return None
+    return len(parse_layers(lora.layers, n)) * len(lora.target_modules), n * len(ALL_MODULES)
+
+
+@rule("lora_narrow", "the policy held still with LoRA on a small share of the model: widen it to every linear "
+                     "module of every layer (a low rank is enough)")
+def lora_narrow(s: Signals):
+    still, sites = _still(s), _lora_sites(s)
+    if still is None or sites is None or sites[0] >= LORA_NARROW_FRAC * sites[1] or s.cfg.beta > BETA_MAX:
+        return None
+    lora = s.cfg.lora
+    ev = f"{still[0]}; LoRA on {sites[0]} of {sites[1]} (layer, module) sites (< {LORA_NARROW_FRAC:.0%})"
+    changes = [c for c in (Change("lora.layers", lora.layers, "all") if lora.layers != "all" else None,
+                           Change("lora.target_modules", list(lora.target_modules), list(ALL_MODULES))
+                           if list(lora.target_modules) != ALL_MODULES else None) if c]
+    return _finding(lora_narrow, ev, changes,
+                    "widen the adapter: all linear modules of every layer, rank kept (LoRA Without Regret: rank 1-32 "
+                    "on all weight matrices matches full fine-tuning for RL; attention-only loses)",
+                    confidence(1 - sites[0] / (LORA_NARROW_FRAC * sites[1]), s.n_train), sites=sites[0],
+                    sites_total=sites[1])
+
+
+@rule("held_still", "KL near zero and eval flat while the groups still differ (or beta beyond its range): the KL "
+                    "penalty or a tiny step size holds the policy where it began")
+def held_still(s: Signals):
+    still = _still(s)
+    if still is None:
+        return None
+    ev, kl, base, final = still
     if s.cfg.beta > 0:
         change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
     else:
-        change = Change("learning_rate", s.cfg.learning_rate, min(1.0, s.cfg.learning_rate * LR_FREE))
-        reason = "a larger step: the update is too small to change any completion"
-    return _finding(held_still, ev, [change], reason, confidence(1 - kl[0] / KL_STILL, s.n_train), kl_tail=kl[0],
+        # KL grows with the square of the step while small: sqrt(KL_WORKING / kl) brings it to a working run's
+        factor = _clamp(math.sqrt(KL_WORKING / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
+        change = Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))
+        ev += f"; sqrt({KL_WORKING} / kl) = {math.sqrt(KL_WORKING / max(kl, 1e-12)):.3g}"
+        reason = (f"a larger step: the learning rate x {factor:.3g}, sized by how far the KL sits under a working "
+                  "run's")
+    return _finding(held_still, ev, [change], reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,
                     accuracy_base=base, accuracy_final=final)
 
 
@@ -896,7 +1068,16 @@ def _set(data: dict, key: str, value) -> None:
 # (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
 # no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
 # rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
-CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", "entropy_collapse"),
+             # a blown-up policy cuts, repeats and equalises its completions: every other symptom follows from it
+             "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
+                                                                                  "no_update", "cannot_judge",
+                                                                                  "step_too_large")),
+             "group_small": ("low_diversity", "entropy_collapse"),
+             # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps
+             "correctness_unpaid": ("early_saturation", "low_diversity", "reward_misalignment", "held_still"),
+             # the wider, sited treatment of the same idea (LoRA Without Regret): narrow_lora's change waits for it
+             "lora_narrow": ("held_still", "narrow_lora"),
              "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
                                                                              "no_update", "cannot_judge")),
              "no_update": tuple(name for name, _, _ in RULES if name not in ("no_update", "too_few_records",

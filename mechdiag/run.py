@@ -151,15 +151,20 @@ class RunDir:
         return final
 
     def write_final(self, save: Callable[[Path], None]) -> Path:
-        """final/ appears whole or not at all: written beside it by `save(folder)`, then renamed over it."""
-        tmp = self.path / ".final.tmp"
+        """final/ appears whole or not at all."""
+        return self.write_folder(self.final, save)
+
+    def write_folder(self, folder: Path, save: Callable[[Path], None]) -> Path:
+        """A model folder of the run (final/, best/) appears whole or not at all: written beside it by
+        `save(folder)`, then renamed over it."""
+        tmp = folder.with_name(f".{folder.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save(tmp)
         for p in sorted(tmp.iterdir()) + [tmp]:
             atomic.fsync_file(p)
-        shutil.rmtree(self.final, ignore_errors=True)
-        os.replace(tmp, self.final)
-        return self.final
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        return folder
 
     def write_summary(self, summary: dict) -> None:
         unknown = sorted(k for k in summary if k not in SUMMARY_KEYS and not k.endswith("_output_dir")

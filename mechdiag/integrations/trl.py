@@ -353,6 +353,11 @@ class MechdiagCallback(TrainerCallback):
         return trainer
 
     # ---- helpers ------------------------------------------------------------------------------------
+    @property
+    def halt_armed(self) -> bool:
+        """record.halt_on is set (the config given to the callback: every rank holds the same)."""
+        return self.config is not None and bool(self.config.record.halt_on)
+
     def _on(self, state) -> bool:
         """This rank computes: the writer always, every rank when the model is sharded (its figures need
         collectives all ranks join)."""
@@ -461,6 +466,13 @@ class MechdiagCallback(TrainerCallback):
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
+        if self.halt_armed:  # record.halt_on: the writer's alert stops every rank, cleanly
+            halt = self.recorder is not None and self.recorder.stop is not None
+            if args.world_size > 1:
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
+
+                halt = broadcast_object_list([halt])[0]
+            control.should_training_stop = control.should_training_stop or halt
         if not self._on(state):
             return
         step = state.global_step  # DefaultFlowCallback ran first
