@@ -827,7 +827,8 @@ def _fewest_covering(shares: dict, cover: float, at_least: int = 1) -> tuple[lis
     ranked = sorted(shares.items(), key=lambda kv: -kv[1])
     total = sum(v for _, v in ranked) or 1.0
     k, got = 0, 0.0
-    while k < len(ranked) and (got < cover * total or k < at_least):
+    while k < len(ranked) and (got < cover * total or k < at_least or
+                               (k and ranked[k][1] >= ranked[k - 1][1] * (1 - 1e-9))):  # ties go together
         got += ranked[k][1]
         k += 1
     return [key for key, _ in ranked[:k]], got / total
@@ -846,13 +847,15 @@ def reduced_layers(s: Signals):
     regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
     if causal:  # measured importance decides which layers, wherever they sit (Is One Layer Enough?: the middle)
         keep, cover = _fewest_covering(causal, MODULE_MASS_COVER)
-        concentration = cover / (len(keep) / len(causal))
-        if len(keep) > len(causal) // 2 or concentration < END_RATIO or (concentration < END_RATIO_STRONG
-                                                                           and not regressed):
+        if len(keep) > len(causal) // 2:
+            return None
+        # per-layer share of the kept layers over the rest's, as the end ratio compares ends and middle
+        concentration = (cover / len(keep)) / max((1 - cover) / (len(causal) - len(keep)), 1e-12)
+        if concentration < END_RATIO or (concentration < END_RATIO_STRONG and not regressed):
             return None
         layers = sorted(keep)
         ev = (f"causal share: layers {', '.join(map(str, layers))} hold {cover:.0%} of the output KL lost when a "
-              f"layer is removed (attribution), {concentration:.3g}x their uniform share (> {END_RATIO}"
+              f"layer is removed (attribution), {concentration:.3g}x the other layers' per-layer share (> {END_RATIO}"
               + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                  f"; strong: > {END_RATIO_STRONG})"))
         return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, layers)],
