@@ -36,7 +36,7 @@ OOD_SPLITS = ("ood_steps", "ood_numbers")
 METRICS = ("accuracy", "eval_reward")
 
 
-def make_cfg(args, seed: int, layers="all", modules=None) -> configlib.Config:
+def make_cfg(args, seed: int, layers="all", modules=None, r: int | None = None) -> configlib.Config:
     over = [f"model.name_or_path={args.model}", f"seed={seed}", "save_every=0", *args.set]
     if args.steps:
         over.append(f"max_steps={args.steps}")
@@ -44,7 +44,67 @@ def make_cfg(args, seed: int, layers="all", modules=None) -> configlib.Config:
     data = cfg.model_dump(mode="json")
     data["lora"]["layers"] = layers
     data["lora"]["target_modules"] = list(modules or ALL_MODULES)
+    if r is not None:  # alpha stays: LoRA Without Regret's fixed alpha keeps the best lr about rank-independent
+        data["lora"]["r"] = r
     return configlib.from_dict(data)
+
+
+def equal_params_selections(n_layers: int, per1: dict[str, int], best_layer: int) -> dict:
+    """The issue's selections at the trainable parameters of all-linear rank 1 on every layer: each gets the rank
+    that matches it (exactly where it divides, else the nearest)."""
+    every = list(range(n_layers))
+    target = lora_params(every, list(ALL_MODULES), per1)
+    k = n_layers // 4 or 1
+    mid = (n_layers - 2 * k) // 2
+    shapes = {"all-linear r=1": (every, list(ALL_MODULES)),
+              f"first{min(2, k)}+last{min(2, k)}": ([*range(min(2, k)), *range(n_layers - min(2, k), n_layers)],
+                                                   list(ALL_MODULES)),
+              "middle": (list(range(mid, mid + 2 * min(2, k))), list(ALL_MODULES)),
+              f"one layer ({best_layer}, attribution)": ([best_layer], list(ALL_MODULES)),
+              "v+o": (every, ["v_proj", "o_proj"])}
+    return {name: (lay, mods, max(1, round(target / lora_params(lay, mods, per1))))
+            for name, (lay, mods) in shapes.items()}
+
+
+def study(args, out: Path) -> dict:
+    """Selections at equal trainable parameters on every seed, beside uniform LoRA (the default rank)."""
+    from mechdiag.attribute import STREAM, Attribution
+    from mechdiag.metrics import causal_shares
+    from mechdiag.run import RunDir
+
+    uniform = [train_once(make_cfg(args, s), out / f"uniform-{s}") for s in args.seeds]
+    if not RunDir(uniform[0]).stream(STREAM).exists():
+        rows = Attribution(uniform[0]).rows("both")
+        atomic.write_text(RunDir(uniform[0]).stream(STREAM), "".join(atomic.dumps(r) + "\n" for r in rows))
+    shares = causal_shares([json.loads(x) for x in RunDir(uniform[0]).stream(STREAM).read_text().splitlines()],
+                           "layer")
+    best_layer = int(max(shares, key=shares.get))
+    n_layers, per1 = site_params(args.model, 1)
+    r0 = make_cfg(args, args.seeds[0]).lora.r
+    sels = {"uniform": (list(range(n_layers)), list(ALL_MODULES), r0), **equal_params_selections(n_layers, per1,
+                                                                                                 best_layer)}
+    runs = {"uniform": uniform}
+    for name, (lay, mods, r) in sels.items():
+        if name != "uniform":
+            slug = name.split(" ")[0].replace("+", "_").replace("=", "")
+            runs[name] = [train_once(make_cfg(args, s, lay, mods, r), out / f"{slug}-{s}") for s in args.seeds]
+    scores = {name: [score(r, args.ood_n) for r in rs] for name, rs in runs.items()}
+    pairs = [("heldout", m) for m in METRICS] + [(s, m) for s in OOD_SPLITS for m in METRICS]
+    table = []
+    for name, (lay, mods, r) in sels.items():
+        row = {"selection": name, "layers": lay, "modules": mods, "r": r,
+               "params": lora_params(lay, mods, per1) * r}
+        for b, m in pairs:
+            row[f"{b}.{m}"] = mean_std([sc[(b, m)] for sc in scores[name]])
+        table.append(row)
+    uni = table[0]
+    for row in table:
+        row["pairs_improved_vs_uniform"] = sum(row[f"{b}.{m}"][0] > uni[f"{b}.{m}"][0] for b, m in pairs)
+    result = {"model": args.model, "seeds": args.seeds, "steps": args.steps, "overrides": args.set, "study": True,
+              "causal_layer_shares": shares, "pairs": len(pairs), "table": table, "recommend_fired": []}
+    atomic.write_json(out / "selection.json", result)
+    print(render(result))
+    return result
 
 
 def train_once(cfg, out: Path) -> Path:
@@ -131,9 +191,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--ood-n", type=int, default=500)
     ap.add_argument("--set", action="append", default=[], help="config override for every run (KEY=VALUE)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--study", action="store_true",
+                    help="the issue-41 selections at equal trainable parameters (all-linear r=1, first2+last2, middle, "
+                         "one layer by attribution, v+o) beside uniform")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.study:
+        return study(args, out)
 
     from mechdiag.attribute import STREAM, Attribution
     from mechdiag.recommend import recommend
@@ -189,13 +254,14 @@ def main(argv=None) -> dict:
 
 def render(result: dict) -> str:
     cols = ["heldout.accuracy", "ood_steps.accuracy", "ood_numbers.accuracy"]
-    lines = ["| selection | layers | modules | LoRA params | " + " | ".join(cols) + " | pairs improved vs uniform |",
-             "|---" * (len(cols) + 5) + "|"]
+    lines = ["| selection | layers | modules | r | LoRA params | " + " | ".join(cols)
+             + " | pairs improved vs uniform |",
+             "|---" * (len(cols) + 6) + "|"]
     for r in result["table"]:
         cells = [f"{r[c][0]:.3f} ± {r[c][1]:.3f}" for c in cols]
         lines.append(f"| {r['selection']} | {','.join(map(str, r['layers']))} | {','.join(r['modules'])} | "
-                     f"{r['params']:,} | " + " | ".join(cells) + f" | {r['pairs_improved_vs_uniform']} of "
-                     f"{result['pairs']} |")
+                     f"{r.get('r', '')} | {r['params']:,} | " + " | ".join(cells)
+                     + f" | {r['pairs_improved_vs_uniform']} of {result['pairs']} |")
     return "\n".join(lines)
 
 

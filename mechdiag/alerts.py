@@ -15,7 +15,9 @@ from dataclasses import asdict, dataclass
 from mechdiag.metrics import (
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
+    ENTROPY_RISE_RATIO,
     FRAC_ZERO_STD_HIGH,
+    KL_BLOWUP,
     SAMPLER_GAP_GROWTH,
     SAMPLER_GAP_HIGH,
     group_norms,
@@ -35,8 +37,9 @@ GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of 
 GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
 ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
 
-NAMES = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap",
-         "sampler_mismatch")
+NAMES = ("no_update", "kl_spike", "kl_blowup", "truncation", "entropy_collapse", "entropy_rise", "zero_std",
+         "reward_accuracy_gap", "sampler_mismatch")
+CRITICAL = ("no_update", "kl_spike", "kl_blowup", "entropy_collapse")  # record.halt_on: a run that will not recover
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,13 @@ def no_update(metrics: list[dict], displacement: list[dict]) -> Alert | None:
             return Alert("no_update", step, f"every LoRA delta is exactly zero at step {step} (B still zero)")
         if moved <= NO_UPDATE_WDISP:
             return Alert("no_update", step, f"wdisp {moved:.2e} <= {NO_UPDATE_WDISP:g} at step {step}")
+    nan_grad = 0  # a logged grad_norm of NaN/inf (null in the records): the optimizer skipped or zeroed the step
+    for r in metrics:
+        g = r.get("grad_norm", 0.0)
+        nan_grad = nan_grad + 1 if g is None or (isinstance(g, float) and not math.isfinite(g)) else 0
+        if nan_grad >= NO_UPDATE_STEPS:
+            return Alert("no_update", r["step"], f"grad_norm NaN on {nan_grad} logged steps in a row (to step "
+                                                 f"{r['step']}): no update reaches the weights")
     zero_grad = 0  # a logged grad_norm of exactly 0: that optimizer step changed nothing
     for r in metrics:
         g = r.get("grad_norm")
@@ -97,6 +107,29 @@ def kl_spike(metrics: list[dict]) -> Alert | None:
             ratio = f"{v / med:.1f}x" if med > 0 else "inf x"
             return Alert("kl_spike", step, f"kl {v:.4g} = {ratio} the median {med:.3g} of the {len(before)} steps "
                                            f"before (threshold {KL_SPIKE_FACTOR:g}x)")
+    return None
+
+
+def kl_blowup(metrics: list[dict]) -> Alert | None:
+    """Mean KL over WINDOW steps above KL_BLOWUP: far from the reference, with or without a held-out stream."""
+    for step, m in _windows(series(metrics, "kl")):
+        if m > KL_BLOWUP:
+            return Alert("kl_blowup", step, f"kl {m:.3g} (mean of {WINDOW} steps to {step}) > {KL_BLOWUP:g} "
+                                            "nats/token: the policy samples far from its reference")
+    return None
+
+
+def entropy_rise(metrics: list[dict]) -> Alert | None:
+    """Mean entropy over WINDOW steps at or above ENTROPY_RISE_RATIO x the first WINDOW steps' (the policy
+    diffusing; entropy_collapse watches the other direction)."""
+    ent = series(metrics, "entropy")
+    if len(ent) < 2 * WINDOW:
+        return None
+    head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
+    for i, (step, m) in enumerate(_windows(ent)):
+        if i >= WINDOW and head > 0 and m >= ENTROPY_RISE_RATIO * head:
+            return Alert("entropy_rise", step, f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in "
+                                               f"the first {WINDOW} steps (>= {ENTROPY_RISE_RATIO:g}x)")
     return None
 
 
@@ -195,9 +228,9 @@ def check(metrics: list[dict], evals: list[dict] = (), displacement: list[dict] 
     """Every alert that has fired, in the order of NAMES."""
     metrics = sorted((r for r in metrics if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     evals = sorted((r for r in evals if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    found = [no_update(metrics, list(displacement)), kl_spike(metrics), truncation(metrics),
-             entropy_collapse(metrics), zero_std(metrics), reward_accuracy_gap(metrics, evals, max_reward),
-             sampler_mismatch(metrics)]
+    found = [no_update(metrics, list(displacement)), kl_spike(metrics), kl_blowup(metrics), truncation(metrics),
+             entropy_collapse(metrics), entropy_rise(metrics), zero_std(metrics),
+             reward_accuracy_gap(metrics, evals, max_reward), sampler_mismatch(metrics)]
     return [a for a in found if a is not None]
 
 

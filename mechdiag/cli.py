@@ -69,12 +69,11 @@ def report(runs, out):
     Example:
       mechdiag report runs/a runs/b --out reports/ab.html
     """
-    from mechdiag.integrations.readers import read_any_run
+    from mechdiag.integrations.readers import read_runs
     from mechdiag.report import write_report
-    from mechdiag.run import load_runs
 
     check_output(out, "--out", "file" if _is_html(out) else "dir")
-    click.echo(str(write_report(load_runs(runs, read_any_run), out)))
+    click.echo(str(write_report(read_runs(runs), out)))
 
 
 def _is_html(path: str | None) -> bool:
@@ -158,6 +157,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
     from pathlib import Path
 
     from mechdiag import config as C
+    from mechdiag import tasks
 
     overrides = list(overrides)
     if trl_args and backend != "trl":
@@ -199,6 +199,11 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
                 click.echo(f"#   {r['name']}  ({r['in']} -> {r['out']}, {r['params']} params)")
         else:
             click.echo(f"# full fine-tuning: {trainable_parameters(model)} parameters")
+        if cfg.task.name in tasks.REGISTRY and tasks.task_class(cfg.task.name).domain != "code":
+            from mechdiag.reward_check import check_reward, table
+
+            click.echo("# reward pre-flight (mechdiag check-reward):")
+            click.echo("\n".join(f"#   {line}" for line in table(check_reward(cfg)).splitlines()))
         if backend == "trl":
             from mechdiag.integrations.trl import grpo_args, parse_trl_args
 
@@ -442,12 +447,10 @@ def recommend(runs, out, fmt):
     from pathlib import Path
 
     from mechdiag import atomic
-    from mechdiag import config as configlib
     from mechdiag.compare import helped_lines
     from mechdiag.integrations.provenance import OWN_TERMS_NAME, OWN_TERMS_SUFFIX, own_terms_text
-    from mechdiag.integrations.readers import foreign_kind, read_any_run
+    from mechdiag.integrations.readers import foreign_kind, read_runs
     from mechdiag.recommend import recommend as run_recommend
-    from mechdiag.run import load_runs
 
     check_output(out, "--out")
     sidecars = {}  # a foreign run's user also gets the settings in the trainer's own terms, beside --out
@@ -455,19 +458,21 @@ def recommend(runs, out, fmt):
         for sfx in dict.fromkeys(OWN_TERMS_SUFFIX.values()):
             sidecars[sfx] = str(Path(out).with_suffix("")) + sfx
             check_output(sidecars[sfx], f"--out (its {sfx} beside it)")
-    loaded = load_runs(runs, read_any_run)
+    loaded = read_runs(runs)
     rec = run_recommend(loaded)
     prov = next((r.provenance for r in loaded if r.provenance), None) or {}
     trainer = prov.get("trainer")
     snippet = own_terms_text(trainer, rec.changes, rec.base_cfg, prov.get("fields"))
     own_out = sidecars.get(OWN_TERMS_SUFFIX.get(trainer, ""))
     if out:
-        configlib.save(rec.cfg, out, rec.header)
+        atomic.write_text(out, rec.text())
         if snippet is not None and own_out:
             atomic.write_text(own_out, snippet)
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
+    for n in rec.notes:
+        click.echo(f"note: {n}")
     if rec.comparison:
         metrics = sorted({r["metric"] for r in rec.comparison})
         groups = list(dict.fromkeys(r["group"] for r in rec.comparison))
@@ -493,6 +498,33 @@ def recommend(runs, out, fmt):
     if snippet is not None and rec.changes:
         also = f" (also in {own_out})" if own_out else ""
         click.echo(f"as {OWN_TERMS_NAME[trainer]} settings{also}:\n{snippet}", nl=False)
+
+
+# ---- check-reward ----------------------------------------------------------------------------------------------
+@main.command("check-reward", short_help="Pre-flight: does the reward pay a failure more than a wrong answer?")
+@click.argument("config", required=False, type=click.Path(dir_okay=False))
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
+@click.option("--n", "n", type=int, default=8, show_default=True, help="Train examples to score.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def check_reward_cmd(config, overrides, n, fmt):
+    """Score degenerate completions (empty, prompt echo, format only, truncated, the answer without reasoning)
+    per reward component beside a genuine wrong and a genuine right answer; flag a component whose failure or
+    default value beats a genuine wrong answer. Exit 1 when something is flagged, 2 on bad input.
+
+    \b
+    Example:
+      mechdiag check-reward config.yaml --set rewards.weights.correctness=0.1
+    """
+    from mechdiag import atomic, tasks
+    from mechdiag import config as C
+    from mechdiag.reward_check import check_reward, records, table
+
+    cfg = C.load(config, list(overrides))
+    tasks.check_reward_weights(cfg)
+    result = check_reward(cfg, n)
+    click.echo("\n".join(atomic.dumps(r) for r in records(result)) if fmt == "json" else table(result))
+    if result.flags:
+        sys.exit(1)
 
 
 # ---- tune --------------------------------------------------------------------------------------------------

@@ -90,6 +90,10 @@ class RecordConfig(_Strict):
     forget_n: int = Field(64, ge=1)  # probe prompts kept
     forget_tokens: int = Field(32, ge=1)  # greedy base continuation length
     signals: list[str] = Field(default_factory=list)  # user signals, "package.module:Class" (mechdiag.recorder)
+    # auto-halt: alert names (mechdiag.alerts.NAMES, or "critical") that stop the run cleanly; best/ keeps the
+    # adapter with the best held-out accuracy, halt.json the alert and the resume step (mechdiag.recorder.Halt)
+    halt_on: list[str] = Field(default_factory=list)
+    alert_hook: str | None = None  # run on each alert: an http(s):// URL (POSTed JSON) or a shell command (stdin JSON)
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow", "trackio")  # report_to's names, as TRL spells them
@@ -422,7 +426,12 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
 
 
 def to_yaml(cfg: Config, header: str = "") -> str:
-    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return to_yaml_dict(cfg.model_dump(mode="json"), header)
+
+
+def to_yaml_dict(data: dict, header: str = "") -> str:
+    """YAML of a (partial) config dict under `header` as comment lines."""
+    body = yaml.safe_dump(data, sort_keys=False)
     if header:
         body = "".join(f"# {line}\n" if line else "#\n" for line in header.splitlines()) + body
     return body

@@ -81,18 +81,31 @@ def context_length(config) -> int | None:
     return None
 
 
-def context_of(name_or_path: str | Path) -> int | None:
-    """context_length of a model argument (bundled, a model, adapter or run folder), from its config.json alone:
-    known before any weight is loaded. None when the config cannot be read (the load reports that, in one line)."""
+def _config_of(name_or_path: str | Path):
+    """The transformers config of a model argument (bundled, a model, adapter or run folder), from its config.json
+    alone: known before any weight is loaded. None when it cannot be read (the load reports that, in one line)."""
     from transformers import AutoConfig  # noqa: PLC0415 - the config only
 
     try:
         folder = checkpoint_folder(name_or_path)
         if is_adapter(folder):
             folder = local_base(folder)
-        return context_length(AutoConfig.from_pretrained(resolve(folder if folder.exists() else name_or_path)))
+        return AutoConfig.from_pretrained(resolve(folder if folder.exists() else name_or_path))
     except Exception:  # noqa: BLE001 - a bad model is reported by the load that follows
         return None
+
+
+def context_of(name_or_path: str | Path) -> int | None:
+    """context_length of a model argument (None when its config cannot be read)."""
+    config = _config_of(name_or_path)
+    return None if config is None else context_length(config)
+
+
+def layers_of(name_or_path: str | Path) -> int | None:
+    """The number of transformer layers of a model argument (None when its config does not say)."""
+    config = _config_of(name_or_path)
+    n = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
+    return n if isinstance(n, int) else None
 
 
 def fit_prompt_budget(context: int | None, max_prompt: int | None, max_new: int, prompt_name: str = "max_prompt_tokens",

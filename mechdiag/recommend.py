@@ -18,29 +18,26 @@ from dataclasses import dataclass, field
 
 from mechdiag import config as configlib
 from mechdiag.compare import side_by_side
-from mechdiag.config import Config, parse_layers
+from mechdiag.config import ALL_MODULES, Config, parse_layers
 from mechdiag.errors import UserError
+from mechdiag.evidence import MIN_POINTS, WINDOW_FRAC, Signals
 from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
+    ENTROPY_RISE_RATIO,
     FRAC_ZERO_STD_HIGH,
+    KL_BLOWUP,
     SAMPLER_GAP_GROWTH,
     SAMPLER_GAP_HIGH,
-    causal_shares,
-    last_step,
-    max_reward,
     sampler_gap_series,
-    update_mass,
-    update_mass_size_normalised,
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.parts import family_name
-from mechdiag.run import Run, base_eval, final_eval, group_runs
+from mechdiag.reward_check import CORRECT_MARGIN_MIN
+from mechdiag.run import Run, final_eval, flatten_config, group_runs
 from mechdiag.tasks import reward_weights
 
 # ---- thresholds (docs/recommendations.md) -----------------------------------------------------------------
-WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
-MIN_POINTS = 4  # fewer train records than this: trend rules stay silent
 MIN_RECORDS = 8  # fewer train records than this: too few to judge at all (two per head/tail window)
 CONFIDENT_POINTS = 20  # train records for full confidence from the data-size factor
 
@@ -49,6 +46,7 @@ REWARD_HIGH_FRAC = 0.75  # reward at or above this share of the maximum counts a
 REWARD_LOW_FRAC = 0.10  # below this share the data is too hard: easier data once temperature is at its cap
 TEMPERATURE_STEP = 0.2  # raise sampling temperature by this much per round...
 TEMPERATURE_MAX = 1.2  # ...up to this
+TEMPERATURE_FLOOR = 0.7  # ...and at least to this: the low end of the working range (study 0.8, TRL 1.0)
 EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
 
 KL_HIGH = 0.10  # tail mean per-token KL to the reference above this (nats) is high
@@ -85,6 +83,8 @@ MIN_LAYERS_FOR_ENDS = 2 * END_LAYERS + 2  # need a middle of at least 2 layers
 MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the update mass...
 MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
 MIN_MODULES = 2  # ...and we keep at least this many modules (the study's v_proj + o_proj)
+LORA_RANK_LOW = 32  # narrow_lora widens to all linear layers at this rank at most (LoRA Without Regret: 1-32)
+CONTROL_GAIN = 0.02  # a held-out gain above this earns the note: trust it beside a random-reward control run
 
 CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below this share of the head's
 
@@ -94,14 +94,41 @@ NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reaso
 
 KL_STILL = 0.01  # held_still: tail mean KL to the reference below this (nats/token)...
 EVAL_REWARD_FLAT = 0.02  # ...eval reward gain at most this share of the maximum, accuracy gain <= ACC_FLAT...
-BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: learning rate x LR_FREE
+BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: the learning rate, sized
 BETA_FREE_MAX = 0.01
-LR_FREE = 10.0
 HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score all alike (the groups still differ)
 
-SATURATION_FRAC = 0.9  # reward at or above this share of the maximum is saturated...
+# sick starts (docs/recommendations.md, "Sized from the evidence"; bench/clinic.py measures each)
+KL_WORKING = 0.01  # the per-token KL a short run that learns reaches (embedded default: 0.005-0.01 by step 12)
+LR_FREE_MIN, LR_FREE_MAX = 3.0, 100.0  # held_still's learning-rate factor sqrt(KL_WORKING / kl), within these
+COLLAPSE_FRAC = 0.5  # step_too_large: final held-out accuracy under this share of its best (base included)...
+KL_COLLAPSE = 1.0  # ...with the tail KL above this (nats/token): the policy left its base, it did not drift
+LR_CUT_MIN, LR_CUT_MAX = 3.0, 100.0  # the learning rate is divided by sqrt(kl_head / KL_WORKING), within these
+GROUP_SIZE_USUAL = 8  # group_small: groups smaller than this (the study's and TRL's usual 8)...
+ZERO_STD_TARGET = 0.25  # ...grow until the expected share of equal-reward groups falls under this
+GROUP_SIZE_MAX = 32
+CLIP_FRACTION_HIGH = 0.2  # clip_tight: with num_iterations > 1, a tail policy_clip_fraction above this...
+CLIP_FRACTION_TARGET = 0.05  # ...widens epsilon until about this share of tokens would be clipped...
+EPSILON_WORKING = 0.2  # ...at most to the usual 0.2 (the study's, TRL's default)
+LORA_NARROW_FRAC = 0.25  # lora_narrow: LoRA on under this share of the model's (layer, module) sites
+CORRECTNESS_SHARE_MIN = CORRECT_MARGIN_MIN  # correctness_unpaid: correctness under this share of the maximum
+
+SATURATION_FRAC = 0.9  # reward at or above this share of its own scale (Signals.reward_scale) is saturated...
+SATURATED_GROUPS = 0.5  # ...or, with no scale shown, this share of the groups all correct (group outcomes)
 SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
 DIFFICULTY_MAX = 4  # arith's hardest level
+
+NO_UPDATE_NAN_SHARE = 0.5  # grad_norm or loss NaN on at least this share of the logged steps: no update reached...
+NO_UPDATE_KL_EPS = 0.0  # ...or kl exactly this at every logged step (the policy never left its reference)
+KL_BLOWUP_RISE = 10.0  # kl_blowup: tail KL above KL_BLOWUP, or above KL_HIGH and this many times the head's, no eval
+REWARD_STALL = 0.05  # entropy_rise: reward gained at most this share of its span (or held-out accuracy fell)
+LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
+LENGTH_COLLAPSE_TOKENS = 16  # ...and under this many tokens: completions shrank to nothing
+REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a completion...
+REPEAT_SHARE = 0.5  # ...above this (or an empty completion)...
+DEGENERATE_SAMPLES = 0.3  # ...in at least this share of the latest sampled completions
+DEGENERATE_MIN_WORDS = 12  # completions shorter than this are not judged for repetition
+SUCCESS_KEYS = ("accuracy", "correct", "solved", "success", "win", "pass")  # a stream that counts answers right
 
 
 # ---- findings ---------------------------------------------------------------------------------------------
@@ -132,12 +159,15 @@ class Finding:
     reason: str
     confidence: float
     data: dict = field(default_factory=dict)  # the same numbers, machine-readable
+    onset: int | None = None  # the first step the symptom holds from (None: the whole run, or not a trend)
+    cost: dict = field(default_factory=dict)  # Signals.cost: steps since onset, rollouts on zero-advantage groups
 
     def record(self) -> dict:
         rec = {"kind": "finding", "rule": self.rule, "symptom": self.symptom, "evidence": self.evidence,
                "change": "; ".join(str(c) for c in self.changes) or "none (advice only)",
-               "reason": self.reason, "confidence": self.confidence}
+               "reason": self.reason, "confidence": self.confidence, "onset_step": self.onset}
         rec.update({f"evidence.{k}": v for k, v in self.data.items()})
+        rec.update({f"cost.{k}": v for k, v in self.cost.items()})
         return rec
 
 
@@ -158,129 +188,6 @@ def confidence(margin: float, n_points: int) -> float:
     return round(base * min(1.0, 0.5 + 0.5 * n_points / CONFIDENT_POINTS), 2)
 
 
-# ---- pooled signals ----------------------------------------------------------------------------------------
-def _pool(streams: list[list[dict]]) -> dict[int, dict[str, float]]:
-    """Per step, the mean over runs of every numeric key."""
-    acc: dict[int, dict[str, list[float]]] = {}
-    for rows in streams:
-        for r in rows:
-            if not _num(r.get("step")):
-                continue
-            slot = acc.setdefault(int(r["step"]), {})
-            for k, v in r.items():
-                if k != "step" and _num(v):
-                    slot.setdefault(k, []).append(float(v))
-    return {s: {k: sum(v) / len(v) for k, v in d.items()} for s, d in sorted(acc.items())}
-
-
-def _mean_dicts(dicts: list[dict]) -> dict:
-    dicts = [d for d in dicts if d]
-    keys = {k for d in dicts for k in d}
-    return {k: sum(d.get(k, 0.0) for d in dicts) / len(dicts) for k in keys}
-
-
-@dataclass
-class Signals:
-    """What the rules read: one config and the pooled records of its runs."""
-
-    cfg: Config
-    runs: list[str]
-    train: dict[int, dict[str, float]]
-    eval: dict[int, dict[str, float]]
-    layer_mass: dict[int, float]  # displacement share per layer, last recorded step
-    module_mass: dict[str, float]  # size-normalised displacement share per module type, last recorded step
-    shift: dict[int, dict[str, float]]  # per layer: shift (and increment) at the last recorded step
-    base: dict[str, float]
-    final: dict[str, float]
-    n_layers: int | None
-    samples: list[dict] = field(default_factory=list)  # sampled completions of the runs (train split first)
-    # causal share per "layer" and per "module" recorded by `mechdiag attribute --save`, mean over runs ({} if none)
-    causal: dict[str, dict] = field(default_factory=dict)
-    provenance: dict | None = None  # a foreign run's account of its config (run.Run.provenance); None: all read
-    modules: list[str] = field(default_factory=list)  # every module the displacement names, fused parts included
-
-    @classmethod
-    def from_runs(cls, runs: list[Run]) -> Signals:
-        cfg = runs[0].cfg
-        # the layer and module rules steer LoRA: read the tensors it adapts (not norms or embeddings)
-        adapted = {m.rsplit(".", 1)[-1] for m in cfg.lora.target_modules}  # as the run recorded them (resolved)
-        disp = [[row for row in last_step(r.displacement) if str(row.get("module")).rsplit(".", 1)[-1]
-                 in adapted] for r in runs]
-        shift_rows = [last_step(r.shift) for r in runs]
-        layers = [int(r["layer"]) for rows in disp + shift_rows for r in rows if _num(r.get("layer"))]
-        by_layer = [[{**r, "step": r["layer"]} for r in rows if _num(r.get("layer"))] for rows in shift_rows]
-        return cls(
-            cfg=cfg, runs=[str(r.path) for r in runs],
-            train=_pool([r.metrics for r in runs]), eval=_pool([r.eval for r in runs]),
-            layer_mass={int(k): v for k, v in _mean_dicts([update_mass(rows, "layer") for rows in disp]).items()},
-            module_mass=_mean_dicts([update_mass_size_normalised(rows, "module") for rows in disp]),
-            shift=_pool(by_layer), base=_mean_dicts([base_eval(r) for r in runs]),
-            final=_mean_dicts([final_eval(r) for r in runs]),
-            n_layers=max(layers) + 1 if layers else None,
-            samples=sorted((x for r in runs for x in r.samples if isinstance(x, dict)),
-                           key=lambda x: x.get("split") != "train"),
-            causal={by: _mean_dicts([causal_shares(r.read("attribution"), by) for r in runs])
-                    for by in ("layer", "module")},
-            provenance=runs[0].provenance,
-            modules=list(dict.fromkeys(str(row["module"]) for r in runs for row in last_step(r.displacement)
-                                       if str(row.get("part_of") or row.get("module")).rsplit(".", 1)[-1]
-                                       in adapted)))
-
-    def series(self, key: str, stream: str = "train") -> tuple[list[int], list[float]]:
-        src = self.train if stream == "train" else self.eval
-        pts = [(s, d[key]) for s, d in src.items() if key in d]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    def window(self, key: str, which: str) -> tuple[float, str] | None:
-        """Mean of `key` over the head or tail window of the train records, with its step range."""
-        steps, vals = self.series(key)
-        if len(vals) < MIN_POINTS:
-            return None
-        k = max(1, round(len(vals) * WINDOW_FRAC))
-        sl = slice(0, k) if which == "head" else slice(len(vals) - k, len(vals)) if which == "tail" else \
-            slice(k, 2 * k)  # "second": the second quarter
-        s, v = steps[sl], vals[sl]
-        return sum(v) / len(v), f"steps {s[0]}-{s[-1]}"
-
-    @property
-    def n_train(self) -> int:
-        return len(self.train)
-
-    @property
-    def max_reward(self) -> float:
-        """The run's own best total reward: a foreign run's from its reward functions as logged (provenance),
-        a mechdiag run's from its reward weights."""
-        own = (self.provenance or {}).get("max_reward") or {}
-        return float(own["value"]) if _num(own.get("value")) and own["value"] > 0 else \
-            max_reward(reward_weights(self.cfg))
-
-    def known(self, key: str) -> dict | None:
-        """How the run holds config key `key`: {"how": "read"} for a mechdiag run, its provenance entry for a
-        foreign run, None when the run does not show it."""
-        if self.provenance is None:
-            return {"how": "read"}
-        keys = self.provenance.get("keys") or {}
-        return keys.get(key) or keys.get(key.split(".", 1)[0])
-
-    def sampled_pass_k(self) -> tuple[str, list[int], list[float]] | None:
-        """(key, steps, values) of the largest recorded pass@k with k > 1: only sampled completions give it."""
-        keys = {k for d in self.eval.values() for k in d if k.startswith("pass@") and k[5:].isdigit()
-                and int(k[5:]) > 1}
-        if not keys:
-            return None
-        key = max(keys, key=lambda k: int(k[5:]))
-        return (key, *self.series(key, "eval"))
-
-    def accuracy_trend(self) -> tuple[float, float, float] | None:
-        """(best so far including base, final, base) eval accuracy, or None without two points."""
-        _, acc = self.series("accuracy", "eval")
-        base = self.base.get("accuracy", acc[0] if acc else None)
-        final = self.final.get("accuracy", acc[-1] if acc else None)
-        if base is None or final is None or (len(acc) < 2 and "accuracy" not in self.base):
-            return None
-        return max([base, *acc]), final, base
-
-
 # ---- rules ------------------------------------------------------------------------------------------------
 RuleFn = Callable[[Signals], "Finding | None"]
 RULES: list[tuple[str, str, RuleFn]] = []
@@ -294,17 +201,24 @@ def rule(name: str, symptom: str):
     return register
 
 
-def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float, **data) -> Finding:
-    return Finding(fn.rule_name, fn.symptom, evidence, changes, reason, conf, data)
+def _finding(fn, evidence: str, changes: list[Change], reason: str, conf: float, onset: int | None = None,
+             **data) -> Finding:
+    return Finding(fn.rule_name, fn.symptom, evidence, changes, reason, conf, data, onset)
 
 
 def _raise_temperature(cfg: Config) -> Change | None:
     if cfg.temperature >= TEMPERATURE_MAX - 1e-9:
         return None
-    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, cfg.temperature + TEMPERATURE_STEP), 4))
+    # a temperature far under the working range goes to its floor in one round, not by 0.2 steps
+    new = max(cfg.temperature + TEMPERATURE_STEP, TEMPERATURE_FLOOR)
+    return Change("temperature", cfg.temperature, round(min(TEMPERATURE_MAX, new), 4))
 
 
 def _raise_epsilon_high(cfg: Config) -> Change | None:
+    """None also at num_iterations 1: each rollout is used for one update, the ratio is exactly 1 and no clip
+    binds, so a wider clip cannot act."""
+    if cfg.num_iterations <= 1:
+        return None
     if (cfg.epsilon if cfg.epsilon_high is None else cfg.epsilon_high) >= EPSILON_HIGH_TARGET - 1e-9:
         return None
     return Change("epsilon_high", cfg.epsilon_high, EPSILON_HIGH_TARGET)
@@ -330,8 +244,16 @@ def _easier_data(cfg: Config) -> Change | None:
 
 
 def _saturated(s: Signals) -> tuple[float, str] | None:
+    """The tail reward when it sits at the top of the reward's own scale (Signals.reward_scale), or most groups
+    are all correct (group outcomes); None without either: a flat mean alone is never "saturated"."""
     tail = s.window("reward", "tail")
-    if tail and tail[0] >= SATURATION_FRAC * s.max_reward:
+    if tail is None:
+        return None
+    level = s.reward_level(tail[0])
+    if level is not None and level >= SATURATION_FRAC:
+        return tail
+    solved = s.window("frac_groups_all_correct", "tail")
+    if level is None and solved and solved[0] >= SATURATED_GROUPS:
         return tail
     return None
 
@@ -359,22 +281,108 @@ def _raise_budget(s: Signals) -> Change | None:
         top = min(top, context - 1)
     if cur >= top:
         return None
-    new = min(top, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8))
+    # a budget under NO_SIGNAL_MIN_BUDGET cannot hold reasoning + answer: twice that floor, not one 1.5x step
+    floor = 2 * NO_SIGNAL_MIN_BUDGET if cur < NO_SIGNAL_MIN_BUDGET else 0
+    new = min(top, max(floor, int(math.ceil(cur * COMPLETION_FACTOR / 8) * 8)))
     return Change("max_completion_tokens", cur, new)
+
+
+def _how(s: Signals, key: str) -> str:
+    """How the run shows config key `key`, for evidence text."""
+    held = s.known(key)
+    if s.provenance is None:
+        return "its config"
+    return f"{held.get('how')} from {held.get('evidence')}" if held else "not shown"
+
+
+def _counts_right(key: str) -> bool:
+    """A stream of the share of answers right: accuracy, a correctness reward, a solved / win / success rate,
+    pass@1 (not pass@k, k > 1, nor a std)."""
+    if key.startswith(("trl/", "reward_std/")) or (key.startswith("pass@") and key != "pass@1"):
+        return False
+    return any(w in key.rsplit("/", 1)[-1].lower() for w in SUCCESS_KEYS)
+
+
+def _success(s: Signals) -> tuple[list[float], str]:
+    """The values of the streams that count answers right (held-out accuracy, a correctness reward, a solved or
+    win rate, base eval included) and the name of the first, or ([], "")."""
+    vals, names = [], []
+    for stream, src in (("eval", s.eval), ("train", s.train)):
+        keys = sorted({k for d in src.values() for k in d if _counts_right(k)})
+        for k in keys:
+            vals += s.series(k, stream)[1]
+            names.append(k)
+    if "accuracy" in s.base:
+        vals.append(s.base["accuracy"])
+    return vals, (names[0] if names else "accuracy")
+
+
+@rule("no_update", "the weights never moved: grad_norm or loss NaN at most steps, or KL exactly 0 at every step")
+def no_update(s: Signals):
+    hits, onset = [], None
+    for key in ("grad_norm", "loss"):
+        bad, logged = s.nonfinite(key), s.logged(key)
+        if logged and len(bad) >= NO_UPDATE_NAN_SHARE * len(logged):
+            hits.append(f"{key} NaN/inf at {len(bad)} of {len(logged)} logged steps ({bad[0]}..{bad[-1]})")
+            onset = bad[0] if onset is None else min(onset, bad[0])
+    steps, kl = s.series("kl")
+    _, zero_std = s.series("frac_zero_std")
+    _, rstd = s.series("reward_std")
+    # KL stays 0 also when every group scores alike (no advantage, no gradient): no_signal's case, not this one.
+    # reward_std is a batch statistic (TRL, verl): it tells groups apart only where frac_zero_std is not logged
+    differ = min(zero_std) < 1 - NO_SIGNAL_EPS if zero_std else bool(rstd) and max(rstd) > NO_SIGNAL_EPS
+    if differ and len(kl) >= MIN_POINTS and max(abs(v) for v in kl) <= NO_UPDATE_KL_EPS:
+        hits.append(f"kl exactly 0 at all {len(kl)} logged steps ({steps[0]}..{steps[-1]}): the policy never left "
+                    "its reference")
+        onset = steps[0] if onset is None else min(onset, steps[0])
+    if not hits or (len(hits) == 1 and hits[0].startswith("loss")):
+        return None
+    reason = ("no update reached the weights: a NaN gradient is skipped or zeroed (check fp16 overflow, the "
+              "learning-rate warm-up from 0, bf16 support, a reward that returns NaN); fix the cause before tuning")
+    return _finding(no_update, "; ".join(hits), [], reason, 0.95, onset=onset, signs=len(hits))
+
+
+@rule("cannot_judge", "a stream the diagnosis needs is missing: what it would show cannot be judged")
+def cannot_judge(s: Signals):
+    missing = []
+    if not s.series("reward")[1] and not s.series("eval_reward", "eval")[1]:
+        missing.append("reward (no train or held-out reward stream): learning progress, no_signal, saturation and "
+                       "diversity cannot be judged")
+    if not s.series("reward")[1] and not s.train:
+        missing.append("train records (the log holds held-out values only): the training signals cannot be judged")
+    if not missing:
+        return None
+    return _finding(cannot_judge, "; ".join(missing), [],
+                    "log the missing stream (TRL logs reward with its default logging; verl critic/score/mean) "
+                    "before judging this run: mechdiag does not call a run healthy when it cannot see it", 0.95,
+                    missing=len(missing))
 
 
 @rule("no_signal", "zero reward or zero correct throughout: every group scores the same, nothing to learn from")
 def no_signal(s: Signals):
     _, reward = s.series("reward")
-    _, correct = s.series("reward/correctness")
-    _, acc = s.series("accuracy", "eval")
-    acc = acc + [s.base["accuracy"]] if "accuracy" in s.base else acc
-    zero_reward = bool(reward) and max(reward) <= NO_SIGNAL_EPS
-    zero_correct = bool(correct or acc) and max(correct + acc) <= NO_SIGNAL_EPS
+    correct, success = _success(s)
+    _, zero_std = s.series("frac_zero_std")
+    _, rstd = s.series("reward_std")
+    # no signal = no spread within the groups: every group all equal, or the reward constant where no spread is
+    # logged; a negative or any other constant level is judged the same (all-negative rewards are not "0")
+    if zero_std:
+        zero_reward = min(zero_std) >= 1 - NO_SIGNAL_EPS
+    elif rstd:
+        zero_reward = max(rstd) <= NO_SIGNAL_EPS
+    else:  # a constant batch mean, unless a batch maximum above it shows completions that scored differently
+        _, top = s.series("reward_max_batch")
+        zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS and \
+            not (top and max(top) > max(reward) + NO_SIGNAL_EPS)
+    zero_correct = bool(correct) and max(correct) <= NO_SIGNAL_EPS
     if not (zero_reward or zero_correct):
         return None
-    what = "reward 0" if zero_reward else "no correct answer"
-    ev = f"{what} on all {len(reward) or len(acc)} records"
+    if zero_reward:
+        what = (f"reward constant at {reward[0]:.4g}" if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS
+                else "every group's rewards all equal")
+    else:
+        what = f"no correct answer ({success} 0)"
+    ev = f"{what} on all {len(reward) or len(correct)} records"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
     pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
     pool = [x for x in pool if x.get("split", "train") == "train"] or pool
@@ -390,11 +398,13 @@ def no_signal(s: Signals):
         tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
-    too_small = s.cfg.max_completion_tokens < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
+    budget = s.value("max_completion_tokens")
+    too_small = budget is not None and budget < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
     if cut > CLIPPED_HIGH and (too_small or not never_started):
         cause = "budget too short"
-        ev += (f"; {cut:.0%} of completions cut at max_completion_tokens {s.cfg.max_completion_tokens} "
-               f"(> {CLIPPED_HIGH:.0%}): the answer never fits")
+        ev += (f"; {cut:.0%} of completions cut at the completion budget"
+               + (f" ({_field(s, 'max_completion_tokens')} {budget})" if budget is not None else "")
+               + f" (> {CLIPPED_HIGH:.0%}): the answer never fits")
         if too_small:
             ev += f"; a budget under {NO_SIGNAL_MIN_BUDGET} tokens cannot hold the reasoning and answer blocks"
         change = _raise_budget(s)
@@ -423,16 +433,116 @@ def no_signal(s: Signals):
     return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
 
 
+def _clamp(x: float, lo: float, hi: float) -> float:
+    return min(hi, max(lo, x))
+
+
+def _sig(x: float) -> float:
+    """Two significant figures: a learning rate of 1.7e-3, not 1.7320508e-3."""
+    return float(f"{x:.2g}")
+
+
+@rule("step_too_large", "held-out accuracy collapses while the policy runs far from its base: the step size "
+                        "blows the policy up")
+def step_too_large(s: Signals):
+    trend, kl = s.accuracy_trend(), s.window("kl", "tail")
+    if trend is None or kl is None:
+        return None
+    best, final, base = trend
+    if not (final < COLLAPSE_FRAC * best and best - final > ACC_DROP and kl[0] > KL_COLLAPSE):
+        return None
+    # KL grows with the square of the step while it is small: the factor that would bring it back to a working
+    # run's KL is sqrt(kl / KL_WORKING) (bounded: past a collapse KL saturates, so this is a floor on the cut)
+    factor = _clamp(math.sqrt(kl[0] / KL_WORKING), LR_CUT_MIN, LR_CUT_MAX)
+    lr = s.cfg.learning_rate
+    ev = (f"eval accuracy {final:.3g} < {COLLAPSE_FRAC} x best {best:.3g} (base {base:.3g}); kl {kl[0]:.3g} > "
+          f"{KL_COLLAPSE} over {kl[1]}, sqrt(kl / {KL_WORKING}) = {math.sqrt(kl[0] / KL_WORKING):.3g}")
+    return _finding(step_too_large, ev, [Change("learning_rate", lr, _sig(lr / factor))],
+                    f"a smaller step: the learning rate / {factor:.3g}, sized by how far the KL sits above a "
+                    "working run's", confidence(1 - final / max(COLLAPSE_FRAC * best, 1e-9), s.n_train),
+                    kl_tail=kl[0], accuracy_best=best, accuracy_final=final, lr_factor=1 / factor)
+
+
+@rule("correctness_unpaid", "the reward pays correctness too little of its maximum: the format is what pays")
+def correctness_unpaid(s: Signals):
+    w = reward_weights(s.cfg)
+    if "correctness" not in w or s.known("rewards.weights") is None:
+        return None
+    top = s.max_reward
+    share = w["correctness"] / top if top > 0 else 1.0
+    if share >= CORRECTNESS_SHARE_MIN:
+        return None
+    others = sum(v for k, v in w.items() if k != "correctness" and v > 0)
+    new = {**w, "correctness": round(max(w["correctness"], others), 6)}  # correctness: half the maximum
+    ev = (f"correctness weight {w['correctness']:g} is {share:.0%} of the maximum reward {top:.3g} "
+          f"(< {CORRECTNESS_SHARE_MIN:.0%}): a wrong but well-formed answer earns {1 - share:.0%} of a correct one "
+          "(`mechdiag check-reward` flags it before training)")
+    return _finding(correctness_unpaid, ev, [Change("rewards.weights", w, new)],
+                    "pay for the answer: correctness as much as every other component together",
+                    confidence(1 - share / CORRECTNESS_SHARE_MIN, s.n_train), correctness_share=share)
+
+
+@rule("group_small", "many groups score all alike and the group is small: more completions per prompt, the same "
+                     "rollouts per step")
+def group_small(s: Signals):
+    g, zero = s.cfg.group_size, s.window("frac_zero_std", "tail")
+    if g >= GROUP_SIZE_USUAL or zero is None or zero[0] <= FRAC_ZERO_STD_HIGH or _saturated(s):
+        return None
+    # a group is all alike with probability ~ q^G for a per-prompt outcome q: the share seen at G predicts the
+    # share at G' as zero^(G'/G); the smallest power of two that brings it under ZERO_STD_TARGET
+    new_g = g
+    while new_g < GROUP_SIZE_MAX and zero[0] ** (new_g / g) > ZERO_STD_TARGET:
+        new_g *= 2
+    if new_g == g:
+        return None
+    rollouts = g * s.cfg.prompts_per_step
+    ev = (f"frac_zero_std {zero[0]:.3g} > {FRAC_ZERO_STD_HIGH} over {zero[1]} with group_size {g}; expected at "
+          f"{new_g}: {zero[0] ** (new_g / g):.2g} (<= {ZERO_STD_TARGET})")
+    return _finding(group_small, ev, [Change("group_size", g, new_g),
+                                      Change("prompts_per_step", s.cfg.prompts_per_step, max(1, rollouts // new_g))],
+                    f"larger groups, fewer prompts: the same {rollouts} rollouts per step, more groups that differ",
+                    confidence((zero[0] - FRAC_ZERO_STD_HIGH) / (1 - FRAC_ZERO_STD_HIGH), s.n_train),
+                    frac_zero_std=zero[0], group_size=new_g)
+
+
+@rule("clip_tight", "with several updates per rollout, the clip stops most tokens: the update is throttled")
+def clip_tight(s: Signals):
+    frac = s.window("policy_clip_fraction", "tail")
+    eps = s.cfg.epsilon
+    if s.cfg.num_iterations <= 1 or frac is None or frac[0] <= CLIP_FRACTION_HIGH or eps >= EPSILON_WORKING:
+        return None
+    # |ratio - 1| roughly exponential with scale eps / -ln(f) when a share f of tokens lies beyond eps: the epsilon
+    # that clips CLIP_FRACTION_TARGET of them, at least twice the current, at most the working 0.2
+    scale = eps / -math.log(min(frac[0], 0.999))
+    new = round(_clamp(scale * -math.log(CLIP_FRACTION_TARGET), 2 * eps, EPSILON_WORKING), 3)
+    changes = [Change("epsilon", eps, new)]
+    if s.cfg.epsilon_high is not None and s.cfg.epsilon_high < new:
+        changes.append(Change("epsilon_high", s.cfg.epsilon_high, new))
+    ev = (f"policy_clip_fraction {frac[0]:.3g} > {CLIP_FRACTION_HIGH} over {frac[1]} at epsilon {eps:g}, "
+          f"num_iterations {s.cfg.num_iterations}")
+    return _finding(clip_tight, ev, changes, f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped",
+                    confidence((frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
+                    clip_fraction=frac[0])
+
+
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")
 def early_saturation(s: Signals):
     steps, reward = s.series("reward")
     if len(reward) < MIN_POINTS or not _saturated(s):
         return None
-    level = SATURATION_FRAC * s.max_reward
-    first = next(i for i, r in enumerate(reward) if r >= level)
-    if first > SATURATION_EARLY * (len(reward) - 1):
+    scale = s.reward_scale()
+    if scale is not None:
+        level = scale[0] + SATURATION_FRAC * (scale[1] - scale[0])
+        first = next((i for i, r in enumerate(reward) if r >= level), None)
+        where = f"{SATURATION_FRAC:.0%} of the reward's scale {scale[0]:.3g}..{scale[1]:.3g} ({scale[2]})"
+    else:
+        s_steps, solved = s.series("frac_groups_all_correct")
+        first = next((steps.index(st) for st, v in zip(s_steps, solved, strict=True)
+                      if v >= SATURATED_GROUPS and st in steps), None)
+        where = f"{SATURATED_GROUPS:.0%} of groups all correct"
+    if first is None or first > SATURATION_EARLY * (len(reward) - 1):
         return None
-    ev = (f"reward {reward[first]:.3g} >= {SATURATION_FRAC} x max {s.max_reward:.3g} already at step {steps[first]} "
+    ev = (f"reward {reward[first]:.3g} reached {where} already at step {steps[first]} "
           f"({first + 1} of {len(reward)} records; early = first {SATURATION_EARLY:.0%})")
     opts = dict(s.cfg.task.options)
     level_now = _difficulty(s.cfg)
@@ -443,7 +553,7 @@ def early_saturation(s: Signals):
         "harder data: add harder problems to task.mixture (no difficulty knob to turn here)"
     return _finding(early_saturation, ev, changes, reason,
                     confidence(1 - first / max(1, SATURATION_EARLY * len(reward)), len(reward)),
-                    saturated_at_step=steps[first], max_reward=s.max_reward)
+                    onset=steps[first], saturated_at_step=steps[first])
 
 
 @rule("low_diversity", "low reward CV or many zero-std groups: the group advantage has little to work with")
@@ -458,7 +568,8 @@ def low_diversity(s: Signals):
     if not hits or _saturated(s):  # a solved task also gives equal rewards: early_saturation's case, not ours
         return None
     reward = s.window("reward", "tail")
-    frac = reward[0] / s.max_reward if reward else 0.0
+    level = s.reward_level(reward[0]) if reward else None
+    frac = level if level is not None else 0.5  # no scale: neither high nor low
     if frac >= REWARD_HIGH_FRAC:
         order = [_raise_epsilon_high, _raise_temperature]
     elif frac < REWARD_LOW_FRAC:
@@ -466,7 +577,8 @@ def low_diversity(s: Signals):
     else:
         order = [_raise_temperature, _raise_epsilon_high]
     change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
-    ev = "; ".join(h[0] for h in hits) + f"; reward {frac:.0%} of max"
+    ev = "; ".join(h[0] for h in hits) + (f"; reward at {frac:.0%} of its scale" if level is not None else
+                                          "; the reward's scale is not shown (batch means only)")
     stds = {k: w[0] for k in {k for d in s.train.values() for k in d if k.startswith("reward_std/")}
             if (w := s.window(k, "tail"))}
     if stds:  # which reward function still spreads the group's rewards
@@ -477,8 +589,13 @@ def low_diversity(s: Signals):
               "task.options": "easier data: almost every completion fails, so groups score the same",
               }.get(change.key if change else "", "more sample diversity: a higher temperature spreads the "
                                                   "group's rewards (study's conclusion)")
+    if frac >= REWARD_HIGH_FRAC and s.cfg.num_iterations <= 1:
+        reason += ("; a higher upper clip (epsilon_high) is not proposed: with num_iterations 1 the ratio is exactly "
+                   "1 and no clip binds (it needs num_iterations > 1)")
     return _finding(low_diversity, ev, [change] if change else [], reason,
                     confidence(max(h[1] for h in hits), s.n_train), reward_frac=frac,
+                    onset=s.onset("frac_zero_std", lambda v: v > FRAC_ZERO_STD_HIGH) if zero else
+                    s.onset("reward_cv", lambda v: v < REWARD_CV_LOW),
                     reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)
 
 
@@ -491,11 +608,12 @@ def kl_drift(s: Signals):
     if final > best - ACC_DROP:
         return None
     tail, second = s.window("kl", "tail"), s.window("kl", "second")
-    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} (base {base:.3g})"
+    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} ({s.start_label} {base:.3g})"
     if tail is None:
-        if s.cfg.beta > 0 or s.series("kl")[1]:
+        beta = s.value("beta")
+        if beta is None or beta > 0 or s.series("kl")[1]:
             return None
-        ev, margin, kl = f"kl not recorded with beta = 0; {acc_ev}", 0.0, None
+        ev, margin, kl = f"kl not recorded with beta = 0 ({_how(s, 'beta')}); {acc_ev}", 0.0, None
     else:
         high = tail[0] > KL_HIGH
         rising = second is not None and tail[0] > KL_RISE_MIN and tail[0] > KL_RISE_RATIO * max(second[0], 1e-12)
@@ -512,7 +630,121 @@ def kl_drift(s: Signals):
         changes.append(Change("learning_rate", s.cfg.learning_rate, s.cfg.learning_rate * LR_FACTOR))
     reason = "a stronger KL anchor keeps the policy near the base (study: 4B on MCQ, beta 0.003 -> 0.01)"
     return _finding(kl_drift, ev, changes, reason, confidence(margin, s.n_train), kl_tail=kl,
+                    onset=s.onset("kl", lambda v: v > KL_HIGH) if kl is not None else None,
                     accuracy_final=final, accuracy_best=best)
+
+
+@rule("kl_blowup", "KL to the reference blew up, or rose far with no held-out stream to say what it costs")
+def kl_blowup(s: Signals):
+    head, tail = s.window("kl", "head"), s.window("kl", "tail")
+    if not (head and tail):
+        return None
+    trend = s.accuracy_trend()
+    rise = tail[0] / max(head[0], 1e-12)
+    blown = tail[0] > KL_BLOWUP
+    unwatched = trend is None and tail[0] > KL_HIGH and rise >= KL_BLOWUP_RISE
+    if not (blown or unwatched):
+        return None
+    if trend is not None and trend[1] > trend[0] - ACC_DROP and not blown:
+        return None
+    onset = s.onset("kl", lambda v: v > KL_HIGH)
+    ev = (f"kl {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), x{rise:.3g}"
+          + (f"; above {KL_BLOWUP} nats/token" if blown else "")
+          + ("; no held-out stream: nothing says whether the drift costs accuracy" if trend is None else ""))
+    # a value the run does not show still names the direction: own_terms turns it into advice without a value
+    beta = s.value("beta")
+    beta = s.cfg.beta if beta is None else beta
+    changes = []
+    if beta > 0:  # sized: the penalty grows with how far KL sits above the working range
+        factor = min(BETA_MAX / beta, max(BETA_FACTOR, math.sqrt(tail[0] / KL_HIGH)))
+        if factor > 1:
+            changes.append(Change("beta", beta, round(beta * factor, 6)))
+    elif s.value("beta") is None:
+        changes.append(Change("beta", beta, BETA_FROM_ZERO))
+    lr = s.value("learning_rate")
+    lr = s.cfg.learning_rate if lr is None else lr
+    if not changes or blown:
+        changes.append(Change("learning_rate", lr, lr * max(LR_FACTOR, min(1.0, KL_HIGH / tail[0]) ** 0.5)))
+    reason = ("the policy drifts far from its reference: a stronger KL anchor and a smaller step hold it; add a "
+              "held-out eval (eval_strategy) to see what the drift costs")
+    conf = confidence(max(tail[0] / KL_BLOWUP - 1, rise / KL_BLOWUP_RISE - 1), s.n_train)
+    return _finding(kl_blowup, ev, changes, reason, conf, onset=onset, kl_head=head[0], kl_tail=tail[0])
+
+
+@rule("entropy_rise", "entropy rises while reward or held-out accuracy does not: the policy diffuses")
+def entropy_rise(s: Signals):
+    head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
+    if not (head and tail) or head[0] <= 0 or tail[0] < ENTROPY_RISE_RATIO * head[0]:
+        return None
+    costs = []
+    trend = s.accuracy_trend()
+    if trend and trend[1] < trend[0] - ACC_DROP:
+        costs.append(f"eval accuracy {trend[0]:.3g} (best) -> {trend[1]:.3g}")
+    r_head, r_tail = s.window("reward", "head"), s.window("reward", "tail")
+    if r_head and r_tail and r_tail[0] - r_head[0] <= REWARD_STALL * s.reward_span:
+        costs.append(f"reward {r_head[0]:.3g} -> {r_tail[0]:.3g} (gain <= {REWARD_STALL:.0%} of its span)")
+    if not costs:
+        return None
+    lr = s.value("learning_rate")
+    lr = s.cfg.learning_rate if lr is None else lr  # unshown: own_terms makes it advice without a value
+    changes = [Change("learning_rate", lr, lr * LR_FACTOR)]
+    ev = f"entropy {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), x{tail[0] / head[0]:.3g}; " + \
+        "; ".join(costs)
+    return _finding(entropy_rise, ev, changes, "a smaller step: updates too large spread probability over tokens "
+                    "that earn nothing (check the learning rate, and a clip that binds: num_iterations > 1)",
+                    confidence(tail[0] / (ENTROPY_RISE_RATIO * head[0]) - 1 + 0.2 * len(costs), s.n_train),
+                    onset=s.onset("entropy", lambda v: v >= ENTROPY_RISE_RATIO * head[0]),
+                    entropy_head=head[0], entropy_tail=tail[0])
+
+
+@rule("length_collapse", "completions shrink to almost nothing")
+def length_collapse(s: Signals):
+    head, tail = s.window("completion_length", "head"), s.window("completion_length", "tail")
+    if not (head and tail) or head[0] <= 0:
+        return None
+    if not (tail[0] < LENGTH_COLLAPSE_RATIO * head[0] and tail[0] < LENGTH_COLLAPSE_TOKENS):
+        return None
+    ev = f"completion_length {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]})"
+    return _finding(length_collapse, ev, [], "a reward that pays for ending early (a length penalty, a format "
+                    "reward met by an empty answer) or a loss that favours short completions: check the reward "
+                    "components on short completions (mechdiag check-reward)", 0.9,
+                    onset=s.onset("completion_length", lambda v: v < LENGTH_COLLAPSE_RATIO * head[0]),
+                    length_head=head[0], length_tail=tail[0])
+
+
+def _repeat_share(text: str) -> float:
+    words = text.split()
+    grams = [tuple(words[i:i + REPEAT_NGRAM]) for i in range(len(words) - REPEAT_NGRAM + 1)]
+    return 1 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+@rule("degenerate_text", "sampled completions are empty or repeat themselves")
+def degenerate_text(s: Signals):
+    pool = [x for x in s.samples if isinstance(x.get("completion"), str) and x.get("split", "train") == "train"]
+    steps = sorted({x["step"] for x in pool if _num(x.get("step"))})
+    if not pool or not steps:
+        return None
+    late = [x for x in pool if _num(x.get("step")) and x["step"] >= steps[len(steps) // 2]]
+    def degenerate(x) -> bool:
+        words = x["completion"].split()
+        return not words or (len(words) >= DEGENERATE_MIN_WORDS and _repeat_share(x["completion"]) > REPEAT_SHARE)
+
+    bad = [x for x in late if degenerate(x)]
+    if len(late) < MIN_POINTS or len(bad) < DEGENERATE_SAMPLES * len(late):
+        return None
+    onset = None  # the first sampled step from which every step's samples are degenerate at the threshold share
+    for st in steps:
+        at = [x for x in pool if x.get("step") == st]
+        ok = sum(map(degenerate, at)) >= DEGENERATE_SAMPLES * len(at)
+        onset = (st if onset is None else onset) if ok else None
+    empty = sum(not x["completion"].strip() for x in bad)
+    ev = (f"{len(bad)} of {len(late)} sampled completions from step {late[0]['step']} on are degenerate ({empty} "
+          f"empty, {len(bad) - empty} with > {REPEAT_SHARE:.0%} repeated {REPEAT_NGRAM}-grams); e.g. "
+          f"{bad[0]['completion'][:80]!r}")
+    return _finding(degenerate_text, ev, [], "the policy found text the reward pays for without an answer: check "
+                    "the reward on empty and repetitive completions (mechdiag check-reward), and a repetition or "
+                    "length penalty", confidence(len(bad) / len(late) / DEGENERATE_SAMPLES - 1, len(late)),
+                    onset=onset, degenerate=len(bad), judged=len(late))
 
 
 @rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")
@@ -522,10 +754,11 @@ def reward_misalignment(s: Signals):
         return None
     rise = tail[0] - head[0]
     _, final, base = trend
-    if rise < REWARD_RISE_FRAC * s.max_reward or final - base > ACC_FLAT:
+    if rise < REWARD_RISE_FRAC * s.reward_span or final - base > ACC_FLAT:
         return None
     w = reward_weights(s.cfg)
-    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.max_reward:.0%} of max; "
+    ev = (f"reward {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), +{rise / s.reward_span:.0%} of the "
+          "reward's span; "
           f"eval accuracy {base:.3g} -> {final:.3g}")
     c_tail, c_head = s.window("reward/correctness", "tail"), s.window("reward/correctness", "head")
     share = None
@@ -543,7 +776,7 @@ def reward_misalignment(s: Signals):
     changes = [Change("rewards.weights", w, new)] if new != w else []
     return _finding(reward_misalignment, ev, changes,
                     "reward reshaping: pay for correct answers, less for tags (study: code correctness 1.0 -> 2.0)",
-                    confidence(rise / (REWARD_RISE_FRAC * s.max_reward) - 1, s.n_train), reward_rise=rise,
+                    confidence(rise / (REWARD_RISE_FRAC * s.reward_span) - 1, s.n_train), reward_rise=rise,
                     accuracy_base=base, accuracy_final=final, correctness_share=share)
 
 
@@ -576,6 +809,7 @@ def truncation(s: Signals):
     if not change:
         reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
+                    onset=s.onset("completion_clipped_ratio", lambda v: v > CLIPPED_SOME),
                     length_fill=fill, length_shrink=shrink)
 
 
@@ -591,44 +825,68 @@ def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
 DISPLACEMENT_ONLY = " (evidence: displacement only; no attribution recorded, run `mechdiag attribute RUN --save`)"
 
 
-@rule("reduced_layers", "displacement or shift concentrated at the ends of the stack")
+def _fewest_covering(shares: dict, cover: float, at_least: int = 1) -> tuple[list, float]:
+    """The fewest keys, largest share first, that carry `cover` of the total (and at least `at_least` of them)."""
+    ranked = sorted(shares.items(), key=lambda kv: -kv[1])
+    total = sum(v for _, v in ranked) or 1.0
+    k, got = 0, 0.0
+    while k < len(ranked) and (got < cover * total or k < at_least or
+                               (k and ranked[k][1] >= ranked[k - 1][1] * (1 - 1e-9))):  # ties go together
+        got += ranked[k][1]
+        k += 1
+    return [key for key, _ in ranked[:k]], got / total
+
+
+@rule("reduced_layers", "the causal share (or, without attribution, displacement or shift) concentrated in a few "
+                        "layers")
 def reduced_layers(s: Signals):
     n = s.n_layers
     if not s.cfg.lora.enabled or n is None or n < MIN_LAYERS_FOR_ENDS:
         return None
-    spec = f"first{END_LAYERS}+last{END_LAYERS}"
+    spec = f"first{END_LAYERS}+last{END_LAYERS}"  # the study's fixed treatment, where only correlates are recorded
     current = set(parse_layers(s.cfg.lora.layers, n))
+    causal = {int(k): v for k, v in s.causal.get("layer", {}).items() if int(k) in current}
+    trend = s.accuracy_trend()
+    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
+    if causal:  # measured importance decides which layers, wherever they sit (Is One Layer Enough?: the middle)
+        keep, cover = _fewest_covering(causal, MODULE_MASS_COVER)
+        if len(keep) > len(causal) // 2:
+            return None
+        # per-layer share of the kept layers over the rest's, as the end ratio compares ends and middle
+        concentration = (cover / len(keep)) / max((1 - cover) / (len(causal) - len(keep)), 1e-12)
+        if concentration < END_RATIO or (concentration < END_RATIO_STRONG and not regressed):
+            return None
+        layers = sorted(keep)
+        ev = (f"causal share: layers {', '.join(map(str, layers))} hold {cover:.0%} of the output KL lost when a "
+              f"layer is removed (attribution), {concentration:.3g}x the other layers' per-layer share (> {END_RATIO}"
+              + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
+                 f"; strong: > {END_RATIO_STRONG})"))
+        return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, layers)],
+                        f"reduced layers where the effect is (attribution); the study's fixed treatment, {spec}, "
+                        "is the alternative when only displacement is recorded",
+                        confidence(concentration / END_RATIO - 1, s.n_train), end_ratio=concentration,
+                        source="causal share")
     if current <= set(parse_layers(spec, n)):
         return None
     ratios = {}
-    causal = {int(k): v for k, v in s.causal.get("layer", {}).items()}
-    if causal:  # measured importance overrules the correlates
-        ratios["causal share"] = _end_ratio(causal, n)
-    else:
-        if s.layer_mass:
-            ratios["displacement"] = _end_ratio(s.layer_mass, n)
-        key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
-        if s.shift:
-            ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
+    if s.layer_mass:
+        ratios["displacement"] = _end_ratio(s.layer_mass, n)
+    key = "increment" if any("increment" in d for d in s.shift.values()) else "shift"
+    if s.shift:
+        ratios[f"shift.{key}"] = _end_ratio({k: d[key] for k, d in s.shift.items() if key in d}, n)
     ratios = {k: v for k, v in ratios.items() if v is not None}
     if not ratios:
         return None
     what, ratio = max(ratios.items(), key=lambda kv: kv[1])
-    trend = s.accuracy_trend()
-    regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
     if ratio < END_RATIO or (ratio < END_RATIO_STRONG and not regressed):
         return None
     ev = (f"{what}: first/last {END_LAYERS} layers carry {ratio:.3g}x the middle's per-layer share "
           f"(> {END_RATIO}" + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
-                               f"; strong: > {END_RATIO_STRONG})"))
-    if causal:
-        ends = set(range(END_LAYERS)) | set(range(n - END_LAYERS, n))
-        ev += f"; attribution: the end layers hold {sum(v for k, v in causal.items() if k in ends):.0%} of the " \
-              "output KL lost when a layer is removed"
-    else:
-        ev += DISPLACEMENT_ONLY
+                               f"; strong: > {END_RATIO_STRONG})")) + DISPLACEMENT_ONLY
     return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, spec)],
-                    "reduced layers: adapt only where the update goes (study: recovers most MBPP/APPS regressions)",
+                    f"reduced layers, the study's fixed treatment ({spec}: recovered most MBPP/APPS regressions); "
+                    "against it: Is One Layer Enough? finds the middle layers carry most of the RL gain; record "
+                    "attribution to choose by effect",
                     confidence(ratio / END_RATIO - 1, s.n_train), end_ratio=ratio, source=what)
 
 
@@ -666,29 +924,105 @@ def reduced_modules(s: Signals):
                     modules=",".join(new), source="causal share" if causal else "displacement")
 
 
-@rule("held_still", "KL near zero and eval flat while the groups still differ: the KL penalty or a tiny step "
-                    "size holds the policy where it began")
-def held_still(s: Signals):
+@rule("narrow_lora", "LoRA on attention only and held-out accuracy flat: too little of the model can move")
+def narrow_lora(s: Signals):
+    if not s.cfg.lora.enabled or s.known("lora.target_modules") is None:
+        return None
+    current = list(s.cfg.lora.target_modules)
+    mlp = [m for m in configlib.ALL_MODULES if m not in configlib.ATTN_MODULES]
+    if any(m.rsplit(".", 1)[-1] in mlp for m in current):
+        return None
+    trend = s.accuracy_trend()
+    if trend is None or trend[1] - trend[2] > ACC_FLAT:
+        return None
+    wide = list(dict.fromkeys(current + [family_name(m, s.modules) or m for m in mlp]))  # the family's own names
+    if wide == current:
+        return None
+    ev = (f"LoRA targets {', '.join(current)} (attention only); eval accuracy {s.start_label} {trend[2]:.3g} -> "
+          f"{trend[1]:.3g} (gain <= {ACC_FLAT})")
+    changes = [Change("lora.target_modules", current, wide)]
+    if s.cfg.lora.r > LORA_RANK_LOW:
+        changes.append(Change("lora.r", s.cfg.lora.r, LORA_RANK_LOW))
+    return _finding(narrow_lora, ev, changes,
+                    "widen LoRA to every linear layer at low rank (LoRA Without Regret: rank 1-32 on all weight "
+                    "matrices matches full fine-tuning for RL, attention-only loses even at matched parameters; "
+                    "a LoRA learning rate about 10x full fine-tuning's; our bench: uniform LoRA 0.545 beat v+o 0.520)",
+                    confidence((ACC_FLAT - (trend[1] - trend[2])) / max(ACC_FLAT, 1e-9), s.n_train),
+                    accuracy_gain=trend[1] - trend[2])
+
+
+def _still(s: Signals) -> tuple[str, float, float, float] | None:
+    """(evidence, kl tail, base, final) when the policy stayed where it began: tail KL under KL_STILL, held-out
+    accuracy and reward flat, the groups still differing; or, with beta above BETA_MAX (an anchor beyond any
+    working range), the KL held under KL_STILL whatever the accuracy did."""
     kl, zero = s.window("kl", "tail"), s.window("frac_zero_std", "tail")
     trend = s.accuracy_trend()
     if kl is None or trend is None or kl[0] >= KL_STILL:
         return None
     _, final, base = trend
-    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
-    if final - base > ACC_FLAT or (None not in ev_reward and ev_reward[0] - ev_reward[1] >
-                                   EVAL_REWARD_FLAT * s.max_reward):
-        return None
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
-    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g} (gain <= {ACC_FLAT})"
+    ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
+    flat = final - base <= ACC_FLAT and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
+                                          EVAL_REWARD_FLAT * s.reward_span)
+    anchored = s.cfg.beta > BETA_MAX
+    if not (flat or anchored):
+        return None
+    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g}"
+          + (f" (gain <= {ACC_FLAT})" if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
+    return ev, kl[0], base, final
+
+
+def _lora_sites(s: Signals) -> tuple[int, int] | None:
+    """(sites LoRA adapts, sites it could adapt): (layer, module type) pairs of the model's linear modules."""
+    from mechdiag.models import layers_of  # noqa: PLC0415 - transformers' config reader, only for a LoRA run
+
+    lora = s.cfg.lora
+    if not lora.enabled or not s.known("model.name_or_path") or not set(lora.target_modules) <= set(ALL_MODULES):
+        return None
+    n = layers_of(s.cfg.model.name_or_path)
+    if n is None:
+        return None
+    return len(parse_layers(lora.layers, n)) * len(lora.target_modules), n * len(ALL_MODULES)
+
+
+@rule("lora_narrow", "the policy held still with LoRA on a small share of the model: widen it to every linear "
+                     "module of every layer (a low rank is enough)")
+def lora_narrow(s: Signals):
+    still, sites = _still(s), _lora_sites(s)
+    if still is None or sites is None or sites[0] >= LORA_NARROW_FRAC * sites[1] or s.cfg.beta > BETA_MAX:
+        return None
+    lora = s.cfg.lora
+    ev = f"{still[0]}; LoRA on {sites[0]} of {sites[1]} (layer, module) sites (< {LORA_NARROW_FRAC:.0%})"
+    changes = [c for c in (Change("lora.layers", lora.layers, "all") if lora.layers != "all" else None,
+                           Change("lora.target_modules", list(lora.target_modules), list(ALL_MODULES))
+                           if list(lora.target_modules) != ALL_MODULES else None) if c]
+    return _finding(lora_narrow, ev, changes,
+                    "widen the adapter: all linear modules of every layer, rank kept (LoRA Without Regret: rank 1-32 "
+                    "on all weight matrices matches full fine-tuning for RL; attention-only loses)",
+                    confidence(1 - sites[0] / (LORA_NARROW_FRAC * sites[1]), s.n_train), sites=sites[0],
+                    sites_total=sites[1])
+
+
+@rule("held_still", "KL near zero and eval flat while the groups still differ (or beta beyond its range): the KL "
+                    "penalty or a tiny step size holds the policy where it began")
+def held_still(s: Signals):
+    still = _still(s)
+    if still is None:
+        return None
+    ev, kl, base, final = still
     if s.cfg.beta > 0:
         change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
     else:
-        change = Change("learning_rate", s.cfg.learning_rate, min(1.0, s.cfg.learning_rate * LR_FREE))
-        reason = "a larger step: the update is too small to change any completion"
-    return _finding(held_still, ev, [change], reason, confidence(1 - kl[0] / KL_STILL, s.n_train), kl_tail=kl[0],
+        # KL grows with the square of the step while small: sqrt(KL_WORKING / kl) brings it to a working run's
+        factor = _clamp(math.sqrt(KL_WORKING / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
+        change = Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))
+        ev += f"; sqrt({KL_WORKING} / kl) = {math.sqrt(KL_WORKING / max(kl, 1e-12)):.3g}"
+        reason = (f"a larger step: the learning rate x {factor:.3g}, sized by how far the KL sits under a working "
+                  "run's")
+    return _finding(held_still, ev, [change], reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,
                     accuracy_base=base, accuracy_final=final)
 
 
@@ -723,7 +1057,8 @@ def entropy_collapse(s: Signals):
                                    "a stronger KL anchor to the base's entropy")
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
-                    entropy_start=start, entropy_end=end, costs=len(costs))
+                    entropy_start=start, entropy_end=end, costs=len(costs),
+                    onset=s.onset("entropy", lambda v: v < ENTROPY_COLLAPSE_RATIO * start))
 
 
 OFF_POLICY_MASK_TARGET = 0.5  # sampler_mismatch: the off-policy sequence mask's threshold (TRL's example value)
@@ -771,8 +1106,20 @@ def _set(data: dict, key: str, value) -> None:
 # (reward_misalignment) follow from truncation. Those findings are kept as evidence; their changes wait a round.
 # no_signal confounds every other rule, with or without a change of its own: with no learning signal, equal
 # rewards, flat entropy or a still policy say nothing about temperature, clip or layers.
-CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment"),
-             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records"))}
+CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", "entropy_collapse"),
+             # a blown-up policy cuts, repeats and equalises its completions: every other symptom follows from it
+             "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
+                                                                                  "no_update", "cannot_judge",
+                                                                                  "step_too_large")),
+             "group_small": ("low_diversity", "entropy_collapse"),
+             # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps
+             "correctness_unpaid": ("early_saturation", "low_diversity", "reward_misalignment", "held_still"),
+             # the wider, sited treatment of the same idea (LoRA Without Regret): narrow_lora's change waits for it
+             "lora_narrow": ("held_still", "narrow_lora"),
+             "no_signal": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
+                                                                             "no_update", "cannot_judge")),
+             "no_update": tuple(name for name, _, _ in RULES if name not in ("no_update", "too_few_records",
+                                                                             "cannot_judge"))}
 
 
 def diagnose(signals: Signals) -> list[Finding]:
@@ -783,7 +1130,8 @@ def diagnose(signals: Signals) -> list[Finding]:
     if few is not None:
         return [few]
     found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
-    deferred = {r: name for name, f in found if f.changes or name == "no_signal" for r in CONFOUNDS.get(name, ())}
+    deferred = {r: name for name, f in found if f.changes or name in ("no_signal", "no_update")
+                for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}
     for name, f in found:
         if name in deferred and f.changes:
@@ -798,6 +1146,7 @@ def diagnose(signals: Signals) -> list[Finding]:
                 c.rule = name
                 kept.append(c)
         f.changes = kept
+        f.cost = signals.cost(f.onset) if f.onset is not None or f.changes else {}
         findings.append(f)
     return findings
 
@@ -817,6 +1166,11 @@ def own_terms(s: Signals, findings: list[Finding]) -> None:
                 kept.append(c)
                 continue
             name = _field(s, c.key)
+            if c.key.startswith("task."):  # the data, not a trainer setting: no GRPOConfig / verl key to name
+                harder = f.rule == "early_saturation"  # the one rule that asks for harder data
+                f.reason += (f"; advice: train on {'harder' if harder else 'easier'} problems (a change to the data "
+                             "set; the run's trainer has no setting for it)")
+                continue
             up = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new > c.old
             down = isinstance(c.new, (int, float)) and isinstance(c.old, (int, float)) and c.new < c.old
             verb = "raise" if up else "lower" if down else "change"
@@ -862,6 +1216,7 @@ class Recommendation:
     runs: list[str]
     comparison: list[dict]
     provenance: dict | None = None  # a foreign run's account of its config (Signals.provenance)
+    notes: list[str] = field(default_factory=list)  # advice that is no finding (a control run for a gain)
 
     @property
     def changes(self) -> list[Change]:
@@ -870,6 +1225,20 @@ class Recommendation:
     @property
     def header(self) -> str:
         return header(self.findings, self.runs)
+
+    def text(self) -> str:
+        """The refined config as YAML. A foreign run's holds only the keys its files show (read or inferred, as
+        refined): mechdiag's placeholders for the rest are never written as the run's settings."""
+        if self.provenance is None:
+            return configlib.to_yaml(self.cfg, self.header)
+        flat = flatten_config(self.cfg.model_dump(mode="json"))
+        shown = {k for k, e in (self.provenance.get("keys") or {}).items() if e.get("how") in ("read", "inferred")}
+        data: dict = {}
+        for key in sorted(k for k in flat if k in shown or k.split(".", 1)[0] in shown):
+            _set(data, key, flat[key])
+        note = ("Only the settings the run's files show are written (read or inferred from its logs); the rest "
+                "are left out, so mechdiag's defaults are never presented as the run's.")
+        return configlib.to_yaml_dict(data, self.header + "\n" + note)
 
 
 def recommend(runs: list[Run]) -> Recommendation:
@@ -888,4 +1257,15 @@ def recommend(runs: list[Run]) -> Recommendation:
     findings = diagnose(signals)
     own_terms(signals, findings)
     return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison,
-                          signals.provenance)
+                          signals.provenance, control_note(signals))
+
+
+def control_note(s: Signals) -> list[str]:
+    """A held-out gain is trusted beside a control: the same budget with a random reward (Spurious rewards,
+    arXiv 2506.10947: a Qwen base gains from random rewards alone)."""
+    trend = s.accuracy_trend()
+    if trend is None or trend[1] - trend[2] <= CONTROL_GAIN:
+        return []
+    return [f"held-out accuracy {s.start_label} {trend[2]:.3g} -> {trend[1]:.3g}: to trust this gain, train a "
+            "control run with a random reward at the same budget and seed (Spurious rewards, arXiv 2506.10947: "
+            "a Qwen base gains from random rewards alone)"]

@@ -18,11 +18,16 @@ writer rank only. A user's signal is a Signal subclass named in the config (reco
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+import urllib.request
 from dataclasses import asdict, dataclass, field
 
-from mechdiag import tasks
-from mechdiag.alerts import Watcher
+from mechdiag import atomic, tasks
+from mechdiag.alerts import CRITICAL, NAMES, Watcher
 from mechdiag.config import load_object, save
 from mechdiag.displacement import lora_rows
 from mechdiag.distributed import inference_mode
@@ -170,6 +175,12 @@ class Recorder:
 
     def find(self, kind: type):
         return next((s for s in self.signals if isinstance(s, kind)), None)
+
+    @property
+    def stop(self):
+        """The alert that halts the run (record.halt_on), or None: trainers check it once per step."""
+        halt = self.find(Halt)
+        return None if halt is None else halt.stop
 
 
 # ---- the built-in signals ------------------------------------------------------------------------------------
@@ -407,6 +418,72 @@ class Alerts(Signal):
         self._update(rec)
 
 
+class Halt(Signal):
+    """Auto-halt and the alert hook (record.halt_on, record.alert_hook). Runs after Alerts and reads the alerts an
+    event fired first: each goes to the hook; the first one named in halt_on sets `stop`, and RUN/halt.json says
+    which alert, at which step, and where to resume: the step of the best held-out accuracy so far, whose adapter
+    (or model) RUN/best/ keeps (step 0: the base model, nothing to keep)."""
+
+    HOOK_TIMEOUT_S = 30
+
+    def __init__(self, cfg):
+        names = set()
+        for n in cfg.record.halt_on:
+            if n not in (*NAMES, "critical"):
+                raise UserError(f"record.halt_on: unknown alert {n!r}; known: critical, {', '.join(NAMES)}")
+            names |= set(CRITICAL) if n == "critical" else {n}
+        self.halt_on, self.hook = names, cfg.record.alert_hook
+        self.stop = None
+        self.best: tuple[float, int] | None = None  # (held-out accuracy, step)
+
+    def _alerts(self, rec):
+        alerts = rec.find(Alerts)
+        for a in alerts.new if alerts is not None else ():
+            if rec.writer and self.hook:
+                self._call_hook(rec, a)
+            if self.stop is None and a.alert in self.halt_on:
+                self.stop = a
+                if rec.writer:
+                    best = self.best or (None, 0)
+                    atomic.write_json(rec.run.path / "halt.json", {
+                        **a.to_dict(), "halted_at": a.step, "resume_step": best[1], "best_accuracy": best[0],
+                        "best": "best" if best[1] else None})
+                print(f"mechdiag: halting at step {a.step} on {a.alert} (record.halt_on); best held-out accuracy "
+                      f"at step {(self.best or (None, 0))[1]}", file=sys.stderr, flush=True)
+
+    def _call_hook(self, rec, alert) -> None:
+        body = json.dumps({**alert.to_dict(), "run": str(rec.run.path)})
+        try:
+            if self.hook.startswith(("http://", "https://")):
+                req = urllib.request.Request(self.hook, body.encode(), {"Content-Type": "application/json"})
+                urllib.request.urlopen(req, timeout=self.HOOK_TIMEOUT_S).close()
+            else:
+                subprocess.run(["/bin/sh", "-c", self.hook], input=body, text=True, timeout=self.HOOK_TIMEOUT_S,
+                               check=True, env={**os.environ, "MECHDIAG_ALERT": alert.alert,
+                                                "MECHDIAG_ALERT_STEP": str(alert.step)})
+        except (OSError, subprocess.SubprocessError) as e:  # a failing hook is reported, never stops training
+            print(f"mechdiag: alert hook failed on {alert.alert}: {e}", file=sys.stderr, flush=True)
+
+    def on_train(self, rec, step, record):
+        self._alerts(rec)
+
+    def on_weights(self, rec, step, model, last):
+        self._alerts(rec)
+
+    def on_eval(self, rec, step, record, ctx):
+        self._alerts(rec)
+        acc = record.get("accuracy")
+        if not isinstance(acc, (int, float)) or (self.best is not None and acc <= self.best[0]):
+            return
+        self.best = (float(acc), step)
+        if step and rec.writer and self.halt_on and ctx.get("model") is not None:
+            rec.run.write_folder(rec.run.path / "best", ctx["model"].save_pretrained)
+            atomic.write_json(rec.run.path / "best" / "best.json", {"step": step, "accuracy": float(acc)})
+
+    def on_end(self, rec, step, ctx):
+        self._alerts(rec)
+
+
 def user_signal(spec: str) -> Signal:
     """The Signal named by "package.module:Class" (called with no arguments); a UserError when it cannot be."""
     sig = load_object(spec, "signal", "Class")()
@@ -419,7 +496,8 @@ def signals(cfg, evaluate: Signal | None = None, lora: bool = True, forget=None,
             shift_batch_size: int = 64, extra: list | None = None, writer: bool = True) -> list[Signal]:
     """The signal set of a config, in the order they run; the same for both trainers, their differences options:
     `evaluate` the held-out evaluation (HeldOut, or a user's), `forget` the forget probe, `shift_prompts` the
-    activation-shift prompts (None: off), `extra` signals passed in code; alerts print on the writer only."""
+    activation-shift prompts (None: off), `extra` signals passed in code; alerts
+    (and Halt, for record.halt_on / alert_hook) run on the writer only."""
     rec = cfg.record
     out: list[Signal] = [TrainMetrics(), Samples(rec.samples_every)]
     if lora:
@@ -428,4 +506,5 @@ def signals(cfg, evaluate: Signal | None = None, lora: bool = True, forget=None,
     if lora and shift_prompts:
         out.append(Shift(shift_prompts, min(len(shift_prompts), shift_batch_size)))
     out += [user_signal(s) for s in rec.signals] + list(extra or [])
-    return out + ([Alerts(cfg)] if writer else []) + [Summary(cfg)]
+    alerts = [Alerts(cfg), *([Halt(cfg)] if rec.halt_on or rec.alert_hook else [])] if writer else []
+    return out + alerts + [Summary(cfg)]

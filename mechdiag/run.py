@@ -18,7 +18,7 @@ A TRL output_dir recorded by MechdiagCallback holds its run directory in OUT/mec
 
 `Run` is a run directory read into memory (`load_run`); `group_runs` pools seeds of one config; `base_eval` and
 `final_eval` are the untrained and the final held-out metrics. Runs of other trainers (TRL, verl) are converted
-into this shape once, at the edge (mechdiag.integrations.readers.load_runs).
+into this shape once, at the edge (mechdiag.integrations.readers.read_any_run).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ STREAMS = ("metrics", "eval", "samples", "displacement", "shift", "eval_benchmar
 SUMMARY_KEYS = ("steps", "planned_steps", "seed", "model", "task", "eval_n", "source", "wall_time_s", "recorder_s",
                 "recorder_once_s",
                 "sandbox", "memory", "config_derived", "base_accuracy", "final_accuracy", "accuracy_gain",
-                "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable")
+                "base_eval_reward", "final_eval_reward", "provenance", "engine", "world_size", "unavailable",
+                "read")  # read: a foreign run's name among the runs its source holds (integrations.readers)
 
 
 @dataclass
@@ -150,15 +151,20 @@ class RunDir:
         return final
 
     def write_final(self, save: Callable[[Path], None]) -> Path:
-        """final/ appears whole or not at all: written beside it by `save(folder)`, then renamed over it."""
-        tmp = self.path / ".final.tmp"
+        """final/ appears whole or not at all."""
+        return self.write_folder(self.final, save)
+
+    def write_folder(self, folder: Path, save: Callable[[Path], None]) -> Path:
+        """A model folder of the run (final/, best/) appears whole or not at all: written beside it by
+        `save(folder)`, then renamed over it."""
+        tmp = folder.with_name(f".{folder.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save(tmp)
         for p in sorted(tmp.iterdir()) + [tmp]:
             atomic.fsync_file(p)
-        shutil.rmtree(self.final, ignore_errors=True)
-        os.replace(tmp, self.final)
-        return self.final
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+        return folder
 
     def write_summary(self, summary: dict) -> None:
         unknown = sorted(k for k in summary if k not in SUMMARY_KEYS and not k.endswith("_output_dir")
@@ -322,10 +328,10 @@ def final_eval(run: Run) -> dict[str, float]:
 
 
 def base_eval(run: Run) -> dict[str, float]:
-    """The untrained model's numbers: the first eval record (when there is a later one), with summary.json's
-    base_* over it."""
+    """The untrained model's numbers: the first eval record when it is at step 0 and a later one follows (a log
+    whose first eval is at step 20 of a resumed run holds no base), with summary.json's base_* over it."""
     rows = _eval_rows(run)
-    rec = {**(rows[0] if len(rows) > 1 else {}), **_summary_eval(run.summary, "base")}
+    rec = {**(rows[0] if len(rows) > 1 and rows[0]["step"] == 0 else {}), **_summary_eval(run.summary, "base")}
     return {k: float(v) for k, v in rec.items() if k != "step" and is_number(v)}
 
 
@@ -368,7 +374,11 @@ def _treatment(run: Run) -> dict:
         data = run.cfg.model_dump(mode="json")
     except UserError:  # an old or foreign config: compare it as written
         data = run.config or {"path": str(run.path)}
-    return {k: v for k, v in flatten_config(data).items() if not k.startswith(IGNORED_KEYS)}
+    out = {k: v for k, v in flatten_config(data).items() if not k.startswith(IGNORED_KEYS)}
+    seed = ((run.provenance or {}).get("keys") or {}).get("seed") or {}
+    if run.provenance is not None and seed.get("how") != "read":
+        out["run"] = str(run.path)  # a foreign run that does not show its seed is never pooled as another's seed
+    return out
 
 
 def _stem(run: Run) -> str:

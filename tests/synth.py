@@ -26,10 +26,12 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
               accuracy=(0.2, 0.5), n_evals: int = 3, n_layers: int = 8, layer_mass=None, module_mass=None,
               shift=None, components: dict | None = None, noise: float = 0.01, kl_recorded: bool = True,
               disp_layers: list[int] | None = None, pass_k: dict | None = None,
-              samples: list[dict] | None = None, eval_reward=(1.0, 2.0), sampler_gap=None) -> RunDir:
+              samples: list[dict] | None = None, eval_reward=(1.0, 2.0), drop: tuple = (),
+              clip_fraction=0.0, sampler_gap=None) -> RunDir:
     """Write a run directory. Curves are over training time; layer_mass(layer) and module_mass[module] shape
     the displacement rows, shift(layer) the shift rows (defaults: flat). pass_k {"pass@4": curve} adds sampled
-    pass@k to the eval records (greedy accuracy is `accuracy`); samples are train samples.jsonl records."""
+    pass@k to the eval records (greedy accuracy is `accuracy`); samples are train samples.jsonl records; `drop`
+    names train keys the run does not log."""
     cfg = cfg or configlib.load()
     rng = random.Random(seed)
     rd = RunDir(path, create=True)
@@ -42,18 +44,19 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
                "frac_zero_std": min(1.0, max(0.0, _curve(frac_zero_std, t) + jit())),
                "completion_clipped_ratio": min(1.0, max(0.0, _curve(clipped, t) + jit())),
                "entropy": max(0.0, _curve(entropy, t) + jit()), "completion_length": _curve(length, t),
-               "reward_std": 0.4, "policy_clip_fraction": 0.0, "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
+               "reward_std": 0.4, "policy_clip_fraction": _curve(clip_fraction, t),
+               "loss": 0.01, "grad_norm": 0.5, "lr": cfg.learning_rate}
         if kl_recorded:
             rec["kl"] = max(0.0, _curve(kl, t) + jit() * 0.1)
         for name, spec in (components or {}).items():
             rec[f"reward/{name}"] = _curve(spec, t)
         if sampler_gap is not None:  # mean |log pi_train - log pi_sampler|
             rec["sampler_logp_diff"] = _curve(sampler_gap, t)
-        metrics.append(rec)
+        metrics.append({k: v for k, v in rec.items() if k not in drop})
     rd.append("metrics", metrics)
     eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)]
     evals = [{"step": s, "accuracy": _curve(accuracy, s / steps) + jit() * 0.1,
-              "eval_reward": _curve(eval_reward, s / steps),
+              **({"eval_reward": _curve(eval_reward, s / steps)} if eval_reward is not None else {}),
               "entropy": _curve(entropy, s / steps), "completion_length": 30.0,
               **{k: _curve(v, s / steps) for k, v in (pass_k or {}).items()}} for s in eval_steps]
     rd.append("eval", evals)

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from mechdiag import attribute as A
+from mechdiag.evidence import Signals
 from mechdiag.metrics import attribution_reference, causal_shares, last_step, update_mass
-from mechdiag.recommend import Signals, reduced_layers, reduced_modules
+from mechdiag.recommend import reduced_layers, reduced_modules
 from mechdiag.run import RunDir, load_runs
 from tests.helpers import assert_bad_input, run_cli
 

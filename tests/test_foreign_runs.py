@@ -11,8 +11,9 @@ import pytest
 from click.testing import CliRunner
 
 from mechdiag.cli import main
+from mechdiag.evidence import Signals
 from mechdiag.integrations.readers import read_any_run
-from mechdiag.recommend import Signals, recommend
+from mechdiag.recommend import recommend
 
 # folder -> (train records, eval records)
 REAL = {"aaipl-minesweeper": (50, 0), "chaos-economy": (40, 0), "gemma3-1b-gsm8k": (25, 0),

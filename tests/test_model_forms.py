@@ -13,8 +13,9 @@ from click.testing import CliRunner
 from mechdiag import models
 from mechdiag.cli import main
 from mechdiag.errors import UserError
-from mechdiag.integrations.readers import is_trl_dir, locate
-from mechdiag.recommend import Signals
+from mechdiag.evidence import Signals
+from mechdiag.integrations.readers import locate
+from mechdiag.integrations.readers.trl_dir import is_trl_dir
 from mechdiag.report.figures import _module_mass
 from mechdiag.run import callback_run, is_run_dir, load_run, resolve_run
 from tests.helpers import assert_bad_input

@@ -9,6 +9,7 @@ from mechdiag import config as configlib
 from mechdiag import recommend as R
 from mechdiag.compare import side_by_side
 from mechdiag.errors import UserError
+from mechdiag.evidence import Signals
 from mechdiag.paths import REPO_ROOT
 from mechdiag.run import base_eval, final_eval, load_runs
 from tests.helpers import assert_bad_input
@@ -66,9 +67,19 @@ def test_frac_zero_std_alone_fires(tmp_path):
 
 
 def test_low_diversity_high_reward_raises_upper_clip(tmp_path):
-    r = rec(tmp_path, reward=(2.8, 3.0), reward_cv=0.03, kl=0.01)  # 81% of the max reward 3.7: high
+    r = rec(tmp_path, cfg_with("num_iterations=2"), reward=(2.8, 3.0), reward_cv=0.03, kl=0.01)  # 81% of max: high
     assert changed(r) == {"epsilon_high": 0.3}
     assert "eps_high" in r.findings[0].reason
+
+
+def test_no_clip_change_where_the_clip_cannot_bind(tmp_path):
+    """num_iterations 1: one update per rollout, the ratio is exactly 1, so epsilon_high is inert (two refined runs
+    came out bit-identical to their sick runs): the temperature moves instead, and the reason says why."""
+    r = rec(tmp_path, reward=(2.8, 3.0), reward_cv=0.03, kl=0.01)
+    assert changed(r) == {"temperature": 1.2}
+    assert "needs num_iterations > 1" in r.findings[0].reason
+    r = rec(tmp_path, cfg_with("temperature=1.2"), name="capped", reward=(2.8, 3.0), reward_cv=0.03, kl=0.01)
+    assert r.changes == [] and "epsilon" not in {c.key for c in r.changes}
 
 
 def test_low_diversity_with_nothing_left_to_raise_is_advice_only(tmp_path, cli):
@@ -157,7 +168,7 @@ def test_budget_pressure_fixes_the_budget_first(tmp_path):
     r = rec(tmp_path, cfg_with("max_completion_tokens=16", "beta=0"), clipped=(1.0, 0.2, 0.15),
             length=(16.0, 12.5, 11.8), accuracy=(0.094, 0.042), kl=(0.0, 0.15, 0.3), reward=(0.7, 1.8), reward_cv=0.3)
     assert {"truncation", "kl_drift"} <= fired(r)
-    assert changed(r) == {"max_completion_tokens": 24}
+    assert changed(r) == {"max_completion_tokens": 48}  # under 24 tokens no answer fits: twice that floor
     trunc = next(f for f in r.findings if f.rule == "truncation")
     assert "the policy shortened its completions to fit the budget" in trunc.evidence
     assert re.search(r"completion_length 15\.\d+ -> 12 \(-21%\) by steps 31-40", trunc.evidence), trunc.evidence
@@ -491,7 +502,7 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
 
     for task, best in (("arith", 3.7), ("arc", 3.5), ("mbpp", 3.1)):
         write_run(tmp_path / task, cfg_with(f"task.name={task}"))
-        assert R.Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
+        assert Signals.from_runs(load_runs([tmp_path / task])).max_reward == pytest.approx(best)
     # 3.2 is 91% of MCQ's maximum (saturated) but 86% of math's
     assert "early_saturation" in fired(rec(tmp_path, cfg_with("task.name=arc"), name="arc_sat", reward=(3.2, 3.25),
                                            kl=0.01))
@@ -514,6 +525,19 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "sampler_mismatch": {"sampler_gap": (1e-4, 2e-3)},
     "held_still": {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2,
                    "eval_reward": (1.5, 1.5)},
+    "no_update": {"kl": 0.0, "noise": 0.0},  # the groups differ (frac_zero_std 0.1), yet KL never leaves 0
+    "cannot_judge": {"drop": ("reward",), "eval_reward": None},
+    "kl_blowup": {"kl": (0.01, 1.5, 2.0)},
+    "entropy_rise": {"entropy": (0.3, 1.2), **FLAT},
+    "length_collapse": {"length": (30.0, 4.0)},
+    "narrow_lora": {"cfg": cfg_with("lora.target_modules=[v_proj,o_proj]"), **STALLED},
+    "degenerate_text": {"samples": [{"completion": "so so so so so so so so so so so so so so so", "reward": 1.0}] * 8},
+    "step_too_large": {"kl": (0.0, 2.0, 6.0), "accuracy": (0.4, 0.0), "reward": (1.5, 0.2)},
+    "correctness_unpaid": {"cfg": cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}")},
+    "group_small": {"cfg": cfg_with("group_size=2", "prompts_per_step=32"), "frac_zero_std": 0.6, **FLAT},
+    "clip_tight": {"cfg": cfg_with("num_iterations=4", "epsilon=0.005"), "clip_fraction": 0.6, **FLAT},
+    "lora_narrow": {"cfg": cfg_with("lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"), "kl": 0.001,
+                    "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2, "eval_reward": (1.5, 1.5)},
 }
 
 
@@ -554,3 +578,68 @@ def test_every_trl_option_can_be_prescribed():
     assert {k: getattr(refined, k) for k in new} == new
     snippet = trl_snippet(changes, cfg)
     assert all(f"{k}={v!r}" in snippet for k, v in new.items()), snippet
+
+
+# ---- sick starts: each treatment sized from the evidence (bench/clinic.py re-trains them) --------------------
+def test_held_still_sizes_the_learning_rate_from_how_far_kl_sits_under_a_working_run(tmp_path):
+    """lr 50x too low on the embedded default left KL at ~5e-6 (clinic): x10 did not cure it; the factor is
+    sqrt(KL_WORKING / kl), bounded."""
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=2e-5"), kl=4e-6, reward=(1.5, 1.5), accuracy=(0.4, 0.4),
+            frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
+    assert changed(r) == {"learning_rate": pytest.approx(1e-3)}  # sqrt(0.01 / 4e-6) = 50
+    assert "sqrt(0.01 / kl) = 50" in r.findings[0].evidence
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=5e-4"), name="near", kl=0.005, reward=(1.5, 1.5),
+            accuracy=(0.4, 0.4), frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
+    assert changed(r) == {"learning_rate": pytest.approx(1.5e-3)}  # sqrt(2) = 1.4, at least LR_FREE_MIN = 3
+
+
+def test_beta_beyond_its_range_is_freed_even_while_accuracy_creeps_up(tmp_path):
+    """beta 2.0 and 0.5: accuracy rose a little, so the flat-accuracy test never fired; an anchor above BETA_MAX
+    holding the KL under KL_STILL is the finding."""
+    for beta in (2.0, 0.5):
+        r = rec(tmp_path, cfg_with(f"beta={beta}"), name=f"b{beta}", kl=0.002, accuracy=(0.37, 0.44), **{
+            "reward": (1.5, 1.7)})
+        assert "held_still" in fired(r) and changed(r)["beta"] == 0.01
+    assert "held_still" not in fired(rec(tmp_path, cfg_with("beta=0.1"), name="b01", kl=0.002, accuracy=(0.37, 0.44)))
+
+
+def test_a_blown_up_policy_gets_a_smaller_step_sized_by_its_kl_and_nothing_else(tmp_path):
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=4e-2"), kl=(0.0, 3.0, 6.0), accuracy=(0.4, 0.0),
+            reward=(1.5, 0.2), clipped=(0.0, 0.9), frac_zero_std=0.9, noise=0.0)
+    assert changed(r) == {"learning_rate": pytest.approx(4e-2 / 24, rel=0.05)}  # sqrt(6 / 0.01) = 24.5
+    assert {"truncation", "low_diversity"} <= fired(r)  # still reported, their changes wait
+    assert all(not f.changes for f in r.findings if f.rule != "step_too_large")
+
+
+def test_small_groups_grow_at_the_same_rollouts(tmp_path):
+    r = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=32"), frac_zero_std=0.6, noise=0.0, **FLAT)
+    assert changed(r) == {"group_size": 8, "prompts_per_step": 8}  # 0.6^2 = 0.36 > 0.25, 0.6^4 = 0.13
+    assert "low_diversity" in fired(r) and "temperature" not in changed(r)
+
+
+def test_a_tight_clip_widens_where_it_binds(tmp_path):
+    r = rec(tmp_path, cfg_with("num_iterations=4", "epsilon=0.005"), clip_fraction=0.6, noise=0.0, **FLAT)
+    assert changed(r) == {"epsilon": pytest.approx(0.029, abs=0.001)}
+    assert "clip_tight" not in fired(rec(tmp_path, cfg_with("epsilon=0.005"), name="one", clip_fraction=0.6, **FLAT))
+
+
+def test_a_narrow_lora_that_held_still_is_widened_not_given_a_bigger_step(tmp_path):
+    r = rec(tmp_path, **RULE_CASES["lora_narrow"])
+    assert changed(r) == {"lora.layers": "all", "lora.target_modules": configlib.ALL_MODULES}
+    assert "1 of 21" in next(f for f in r.findings if f.rule == "lora_narrow").evidence
+    for rule in ("held_still", "narrow_lora"):  # a bigger step, or attention-only widened by module, waits
+        held = next(f for f in r.findings if f.rule == rule)
+        assert held.changes == [] and "deferred: lora_narrow" in held.reason
+
+
+def test_a_reward_that_pays_the_format_gets_correctness_back(tmp_path):
+    r = rec(tmp_path, cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}"))
+    assert changed(r) == {"rewards.weights": {"correctness": 2.0, "xml_count": 1.0, "format": 1.0}}
+    assert "5% of the maximum" in r.findings[0].evidence
+
+
+def test_a_format_paying_reward_is_not_called_saturated(tmp_path):
+    r = rec(tmp_path, cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}"),
+            reward=(2.05, 2.08), frac_zero_std=0.8, reward_cv=0.02, kl=0.01)
+    assert {"correctness_unpaid", "early_saturation"} <= fired(r)
+    assert set(changed(r)) == {"rewards.weights"}  # not harder data: the saturation is the format's

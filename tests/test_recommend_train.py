@@ -49,14 +49,15 @@ def test_held_still_by_kl_freed_and_the_advice_trains_better(tmp_path, cli):
 
 def test_held_still_by_a_tiny_step_size_freed_and_the_advice_trains_better(tmp_path, cli):
     """beta 0 and a learning rate too small to move the policy in 16 steps: held_still raises the learning rate
-    (x10); the refined config, trained the same way, ends above the held run on held-out reward and accuracy."""
+    by sqrt(KL_WORKING / kl), at least x3; the refined config, trained the same way, ends above the held run on
+    held-out reward and accuracy."""
     held, refined, freed = tmp_path / "held", tmp_path / "refined.yaml", tmp_path / "freed"
     assert cli("train", *HELD, "--set", "beta=0", "--set", "learning_rate=0.0001", "--out", str(held)).returncode == 0
     proc = cli("recommend", str(held), "--out", str(refined), "--format", "json")
     assert proc.returncode == 0, proc.stderr
     rules = {f["rule"]: f for f in json.loads(proc.stdout)}
-    assert "held_still" in rules and rules["held_still"]["change"] == "learning_rate: 0.0001 -> 0.001"
-    assert configlib.load(refined).learning_rate == 0.001
+    assert "held_still" in rules and rules["held_still"]["change"].startswith("learning_rate: 0.0001 -> ")
+    assert configlib.load(refined).learning_rate >= 3e-4
     assert cli("train", str(refined), *HELD[:2], "--out", str(freed)).returncode == 0
     last = [json.loads(x) for x in (held / "eval.jsonl").read_text().splitlines()]
     new = [json.loads(x) for x in (freed / "eval.jsonl").read_text().splitlines()]

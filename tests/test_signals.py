@@ -17,7 +17,8 @@ import torch
 
 from mechdiag import alerts as A
 from mechdiag import config as C
-from mechdiag.integrations.readers import completions_rows, read_verl_run
+from mechdiag.integrations.readers.trl_dir import completions_rows
+from mechdiag.integrations.readers.verl_log import read_verl_run
 from mechdiag.integrations.trl import GroupCV
 from mechdiag.metrics import max_reward
 from mechdiag.outcomes import KEYS, group_stats

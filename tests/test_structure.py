@@ -129,7 +129,7 @@ HOMES = {
     "series": "metrics.py", "group_norms": "metrics.py", "metric_order": "metrics.py", "write_jsonl": "atomic.py",
     "TRACKERS": "config.py", "scalars": "trackers.py", "mlflow_key": "trackers.py", "heatmap_image": "trackers.py",
     "tensorboard_records": "integrations/logs.py", "STEP_KEYS": "integrations/logs.py",
-    "table_flavour": "integrations/readers.py", "own_terms_text": "integrations/provenance.py",
+    "table_flavour": "integrations/readers/table_log.py", "own_terms_text": "integrations/provenance.py",
     "output_parts": "parts.py", "family_name": "parts.py", "ROLES": "parts.py", "is_part": "metrics.py",
     "tensor_site": "weights.py", "expert_index": "weights.py",
     "Engine": "distributed.py", "inference_mode": "distributed.py", "clean_name": "distributed.py",

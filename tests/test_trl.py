@@ -13,7 +13,7 @@ import torch
 
 from mechdiag import config as C
 from mechdiag.errors import UserError
-from mechdiag.integrations.readers import map_verl, read_verl_run
+from mechdiag.integrations.readers.verl_log import map_verl, read_verl_run
 from mechdiag.integrations.trl import GroupCV, MechdiagCallback, config_from_grpo, grpo_args, read_trl_run
 from mechdiag.integrations.trl_args import SAME_FIELDS
 from mechdiag.outcomes import group_stats

@@ -226,6 +226,42 @@ def table_records(path: Path) -> list[tuple[int, dict]]:
     return out
 
 
+def _run_of(key) -> str | None:
+    """The run a W&B chart export's "RUN - key" column belongs to."""
+    return key.rsplit(" - ", 1)[0] if isinstance(key, str) and " - " in key else None
+
+
+def table_launches(path: Path) -> list[dict]:
+    """The runs in a tabular log: [{"name", "records", "why"}]. A W&B chart CSV holding several runs' columns
+    ("RUN - key") is split by run, each named by its W&B run name; TensorBoard events by launch
+    (tensorboard_launches); anything else is one run named by the file."""
+    if is_tensorboard(path):
+        return tensorboard_launches(path)
+    text = read_text(path)
+    rows = _table_rows(path, text)
+    if rows is None:
+        raise UserError(f"{path}: not a JSON-lines, JSON or CSV log of records")
+    rows = [r for r in rows if isinstance(r, dict)]
+    names = list(dict.fromkeys(n for r in rows[:1] for k in r if (n := _run_of(k)) and
+                               not str(k).endswith(("__MIN", "__MAX"))))
+    if len(names) <= 1:
+        return [{"name": names[0] if names else path.name, "records": table_records(path), "why": ""}]
+    out = []
+    for name in names:
+        recs = []
+        for r in rows:
+            own = {k: v for k, v in r.items() if not isinstance(k, str) or _run_of(k) in (None, name)}
+            step = _row_step(own)
+            nums = _flat_numbers(own) if step is not None else {}
+            if nums:
+                recs.append((step, nums))
+        if recs:
+            out.append({"name": name, "records": recs, "why": "the columns of one W&B run in a chart export"})
+    if not out:
+        raise UserError(f"{path} holds no records with a step ({', '.join(STEP_KEYS)}) and numbers")
+    return out
+
+
 # ---- TensorBoard ----------------------------------------------------------------------------------------------
 def _event_files(path: Path) -> list[Path]:
     if path.is_file():
@@ -238,17 +274,20 @@ def is_tensorboard(path: Path) -> bool:
     return bool(_event_files(path))
 
 
-def tensorboard_records(path: Path) -> list[tuple[int, dict]]:
-    """Scalars of the event file(s) at `path` by step, through tensorboard's EventAccumulator (simple values and
-    the scalar tensors tf.summary writes); a step logged twice keeps its last value."""
-    try:
-        from tensorboard.backend.event_processing import event_accumulator as ea  # noqa: PLC0415 - optional
-        from tensorboard.util import tensor_util  # noqa: PLC0415 - optional
-    except ImportError:
-        raise UserError(f"{path}: {TB_EXTRA}") from None
+def _event_scalars(f: Path, ea, tensor_util) -> dict[int, dict]:
+    """Scalars of one event file by step (a gzipped copy is read through a temporary file)."""
+    import tempfile  # noqa: PLC0415 - only gzipped event files need it
+
     by_step: dict[int, dict] = {}
-    for f in _event_files(path):
-        acc = ea.EventAccumulator(str(f), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
+    with tempfile.TemporaryDirectory(prefix="mechdiag-tb-") as tmp:
+        src = f
+        if f.suffix == ".gz":
+            src = Path(tmp) / f.name.removesuffix(".gz")
+            try:
+                src.write_bytes(gzip.decompress(f.read_bytes()))
+            except (OSError, EOFError, gzip.BadGzipFile) as e:
+                raise UserError(f"cannot read TensorBoard events {f}: {e}") from None
+        acc = ea.EventAccumulator(str(src), size_guidance={ea.SCALARS: 0, ea.TENSORS: 0})
         try:
             acc.Reload()
         except Exception as e:  # noqa: BLE001 - a damaged event file raises several types
@@ -256,14 +295,164 @@ def tensorboard_records(path: Path) -> list[tuple[int, dict]]:
         tags = acc.Tags()
         for tag in tags.get(ea.SCALARS, []):
             for ev in acc.Scalars(tag):
-                if math.isfinite(ev.value):
-                    by_step.setdefault(int(ev.step), {})[tag] = float(ev.value)
+                by_step.setdefault(int(ev.step), {})[tag] = float(ev.value)
         for tag in tags.get(ea.TENSORS, []):
             for ev in acc.Tensors(tag):
                 arr = tensor_util.make_ndarray(ev.tensor_proto)
-                if arr.size == 1 and arr.dtype.kind in "fiu" and math.isfinite(float(arr.reshape(-1)[0])):
+                if arr.size == 1 and arr.dtype.kind in "fiu":
                     by_step.setdefault(int(ev.step), {})[tag] = float(arr.reshape(-1)[0])
-    out = sorted(by_step.items())
-    if not out:
+    return by_step
+
+
+def tensorboard_launches(path: Path) -> list[dict]:
+    """The launches in TensorBoard event file(s) at `path`: [{"name", "records", "why"}]. One event file is one
+    launch; the files of one folder are one run when their steps follow on (a resumed job), and separate launches
+    when a file's steps start again at or below another's (a logging_dir reused by several runs). Non-finite values
+    are kept (NaN is a finding); a step logged twice in one file keeps its last value."""
+    try:
+        from tensorboard.backend.event_processing import event_accumulator as ea  # noqa: PLC0415 - optional
+        from tensorboard.util import tensor_util  # noqa: PLC0415 - optional
+    except ImportError:
+        raise UserError(f"{path}: {TB_EXTRA}") from None
+    files = [(f, _event_scalars(f, ea, tensor_util)) for f in _event_files(path)]
+    files = [(f, s) for f, s in files if s]
+    if not files:
         raise UserError(f"{path}: TensorBoard events with no scalars")
+    files.sort(key=lambda fs: min(fs[1]))
+    restarts = any(min(b[1]) <= max(a[1]) for a, b in zip(files, files[1:], strict=False))
+    if not restarts:
+        merged: dict[int, dict] = {}
+        for _, s in files:
+            for step, d in s.items():
+                merged.setdefault(step, {}).update(d)
+        return [{"name": path.name, "records": sorted(merged.items()), "why": ""}]
+    files.sort(key=lambda fs: fs[0].name)
+    return [{"name": f.name.removesuffix(".gz"), "records": sorted(s.items()),
+             "why": "one event file of a logging_dir several launches wrote (steps start again)"} for f, s in files]
+
+
+def tensorboard_records(path: Path) -> list[tuple[int, dict]]:
+    """Scalars of the event file(s) at `path` by step, through tensorboard's EventAccumulator (simple values and
+    the scalar tensors tf.summary writes), when they hold one run; several launches: a UserError naming them."""
+    launches = tensorboard_launches(path)
+    if len(launches) > 1:
+        raise UserError(f"{path} holds {len(launches)} launches; read them through readers.read_runs")
+    return launches[0]["records"]
+
+
+# ---- printed log dicts (TRL, Unsloth: the trainer's `{'loss': ..., 'reward': ...}` lines on stdout) ----------------
+_PRINTED = re.compile(r"\{'[^{}\n]*\}")
+_BARE = re.compile(r"(?<=[:\[,(\s])(-?)(nan|inf|infinity)(?=\s*[,}\])])", re.IGNORECASE)
+_TQDM = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
+# a trainer starting again in the same file: Unsloth's banner, HF's "***** Running training *****"
+_LAUNCH = re.compile(r"\*{5} Running training \*{5}|==\(\(====\)\)==\s+Unsloth - 2x faster|Total steps = \d+")
+SUMMARY_KEY = "train_runtime"  # the dict HF prints when train() returns: the end of one launch
+
+
+def printed_dict(text: str) -> dict | None:
+    """One printed log dict -> {key: number}; nan and inf kept as float nan/inf (a NaN grad_norm is a finding)."""
+    import ast  # noqa: PLC0415 - only printed dicts need it
+
+    try:  # bare nan / inf become strings literal_eval accepts, read back as floats below
+        got = ast.literal_eval(_BARE.sub(lambda m: f"'{m[1]}{m[2]}'", text))
+    except (ValueError, SyntaxError):
+        return None
+    if not isinstance(got, dict) or not got:
+        return None
+    out = {}
+    for k, v in got.items():
+        if isinstance(v, str):
+            try:
+                v = float(v)
+            except ValueError:
+                continue
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and isinstance(k, str):
+            out[k] = float(v)
+    return out or None
+
+
+def _is_printed_line(line: str) -> bool:
+    return "{'" in line and _PRINTED.search(line) is not None
+
+
+def is_printed_log(path: Path) -> bool:
+    """A text file with a printed TRL/Unsloth log dict (a `{'loss': ...}` or `{'reward': ...}` line)."""
+    if not path.is_file() or path.suffix.lower() in (*PICKLE_SUFFIXES, ".safetensors", ".parquet", ".arrow", ".json",
+                                                       ".jsonl", ".csv"):
+        return False
+    head = _head(path)
+    if not head or "\x00" in head[:8192]:
+        return False
+    try:
+        for line in _lines(path, CONSOLE_SNIFF):
+            if _is_printed_line(line):
+                for m in _PRINTED.finditer(line):
+                    d = printed_dict(m.group(0))
+                    if d and any(k in d for k in ("loss", "reward", "grad_norm", "kl")):
+                        return True
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return False
+    return False
+
+
+def printed_launches(path: Path) -> list[dict]:
+    """The launches in a console log of printed log dicts: [{"records": [(step, data)], "interval": k, "why": ...}].
+
+    A launch ends at the summary dict HF prints when train() returns (train_runtime), at a trainer's start banner
+    after records, or where the epoch goes back. The dicts carry no step: the step is the record's index times the
+    logging interval, which is the progress bar's total over the records printed when that ratio is a whole number
+    (within 2%), else 1 (the step is then the record index, said so)."""
+    text = read_text(path).replace("\r", "\n")
+    launches, cur, totals = [], [], []
+
+    def close():
+        if cur:
+            launches.append({"records": list(cur), "totals": list(totals)})
+        cur.clear()
+        totals.clear()
+
+    last_epoch = None
+    for line in text.split("\n"):
+        line = _ANSI.sub("", line)
+        if _LAUNCH.search(line) and cur:
+            close()
+            last_epoch = None
+        for m in _TQDM.finditer(line):
+            totals.append(int(m.group(2)))
+        if not _is_printed_line(line):
+            continue
+        for m in _PRINTED.finditer(line):
+            d = printed_dict(m.group(0))
+            if not d:
+                continue
+            if SUMMARY_KEY in d:
+                close()
+                last_epoch = None
+                continue
+            if not any(k in d for k in ("loss", "reward", "grad_norm", "kl")) and not any(
+                    k.startswith("eval_") for k in d):
+                continue
+            ep = d.get("epoch")
+            if ep is not None and last_epoch is not None and ep < last_epoch - 1e-9:
+                close()
+            last_epoch = ep if ep is not None else last_epoch
+            cur.append(d)
+    close()
+    out = []
+    for la in launches:
+        recs = la["records"]
+        n_train = sum(1 for d in recs if not any(k.startswith("eval_") for k in d))
+        total = max(la["totals"], default=0)
+        ratio = total / n_train if n_train else 0
+        k = round(ratio) if ratio >= 1.5 and abs(ratio - round(ratio)) <= 0.02 * ratio else 1
+        why = (f"step = record index x {k} (progress bar total {total} / {n_train} printed records)" if k > 1 else
+               "step = record index (the printed dicts carry no step)")
+        steps, i = [], 0
+        for d in recs:
+            if not any(kk.startswith("eval_") for kk in d):
+                i += 1
+            steps.append(max(i, 1) * k)
+        out.append({"records": list(zip(steps, recs, strict=True)), "interval": k, "why": why})
+    if not out:
+        raise UserError(f"{path} holds no printed log dicts (`{{'loss': ..., 'reward': ...}}`)")
     return out

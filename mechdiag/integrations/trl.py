@@ -7,7 +7,7 @@
     grpo_args / peft_lora_config / config_from_grpo   our design lambda <-> GRPOConfig and peft's LoraConfig
     train_trl            `mechdiag train --backend trl`: the same config run through GRPOTrainer
     save_adapter         trainer.save_model, with the adapter whole under FSDP1 (peft writes it empty there)
-    read_trl_run         re-exported from mechdiag.integrations.readers
+    read_trl_run         re-exported from mechdiag.integrations.readers.trl_dir
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from mechdiag import trackers as T
 from mechdiag.console import Progress
 from mechdiag.distributed import Engine, clean_name
 from mechdiag.errors import UserError, first_line
-from mechdiag.integrations.readers import (
+from mechdiag.integrations.readers.trl_dir import (
     _contiguous_keys,
     completion_files,
     completions_rows,
@@ -36,8 +36,8 @@ from mechdiag.integrations.readers import (
     is_train_log,
     map_trl_log,
     read_trl_run,
-    read_verl_run,
 )
+from mechdiag.integrations.readers.verl_log import read_verl_run
 from mechdiag.integrations.trl_args import SAME_FIELDS, config_from_grpo
 from mechdiag.models import context_of, device, eos_ids, load_model_and_tokenizer, load_tokenizer
 from mechdiag.outcomes import CORRECTNESS, group_stats
@@ -354,6 +354,11 @@ class MechdiagCallback(TrainerCallback):
         return trainer
 
     # ---- helpers ------------------------------------------------------------------------------------
+    @property
+    def halt_armed(self) -> bool:
+        """record.halt_on is set (the config given to the callback: every rank holds the same)."""
+        return self.config is not None and bool(self.config.record.halt_on)
+
     def _on(self, state) -> bool:
         """This rank computes: the writer always, every rank when the model is sharded (its figures need
         collectives all ranks join)."""
@@ -462,6 +467,13 @@ class MechdiagCallback(TrainerCallback):
 
                 stop = broadcast_object_list([stop])[0]
             control.should_training_stop = control.should_training_stop or stop
+        if self.halt_armed:  # record.halt_on: the writer's alert stops every rank, cleanly
+            halt = self.recorder is not None and self.recorder.stop is not None
+            if args.world_size > 1:
+                from accelerate.utils import broadcast_object_list  # noqa: PLC0415 - accelerate is part of the optional trl extra
+
+                halt = broadcast_object_list([halt])[0]
+            control.should_training_stop = control.should_training_stop or halt
         if not self._on(state):
             return
         step = state.global_step  # DefaultFlowCallback ran first

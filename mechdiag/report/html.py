@@ -40,6 +40,7 @@ class Shown:
     change: str
     confidence: float | None
     reason: str = ""
+    when: str = ""  # onset and cost so far (mechdiag.recommend.Finding.onset / .cost)
 
 
 @dataclass
@@ -57,7 +58,19 @@ def _shown(f) -> Shown:
     ev = getattr(f, "evidence", "")
     return Shown(rule=str(getattr(f, "rule", "")), symptom=str(getattr(f, "symptom", "")),
                  evidence=ev if isinstance(ev, str) else json.dumps(ev, default=str, ensure_ascii=False),
-                 change=str(change), confidence=getattr(f, "confidence", None), reason=str(getattr(f, "reason", "")))
+                 change=str(change), confidence=getattr(f, "confidence", None), reason=str(getattr(f, "reason", "")),
+                 when=_when(getattr(f, "onset", None), getattr(f, "cost", None) or {}))
+
+
+def _when(onset, cost: dict) -> str:
+    """"since step N; K steps; S% of groups zero-advantage (R rollouts)": a finding's onset and cost so far."""
+    parts = [f"since step {onset}"] if onset is not None else []
+    if "steps_since_onset" in cost and onset is not None:
+        parts.append(f"{cost['steps_since_onset']} steps so far")
+    if "zero_advantage_share" in cost:
+        wasted = f", {cost['rollouts_wasted']} rollouts" if "rollouts_wasted" in cost else ""
+        parts.append(f"{cost['zero_advantage_share']:.0%} of groups with zero advantage{wasted}")
+    return "; ".join(parts)
 
 
 def advice_from(result) -> Advice:
@@ -414,7 +427,8 @@ def section_recommendations(advice) -> str:
             c = f.confidence
             conf = f"{c:.0%}" if isinstance(c, (int, float)) and not isinstance(c, bool) else esc(c)
             reason = f"<div class=note>{esc(f.reason)}</div>" if f.reason else ""
-            rows.append(f"<tr><td>{esc(f.rule)}</td><td>{esc(f.symptom)}</td><td class=ev>{esc(f.evidence)}</td>"
+            when = f"<div class=note>{esc(f.when)}</div>" if f.when else ""
+            rows.append(f"<tr><td>{esc(f.rule)}</td><td>{esc(f.symptom)}</td><td class=ev>{esc(f.evidence)}{when}</td>"
                         f"<td><code>{esc(f.change)}</code>{reason}</td><td>{conf}</td></tr>")
         out = ("<table class=recs><tr><th>rule</th><th>symptom</th><th>evidence</th><th>change</th>"
                "<th>confidence</th></tr>" + "".join(rows) + "</table>")

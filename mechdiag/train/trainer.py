@@ -286,6 +286,8 @@ class Trainer:
                     self._eval(step)
                 if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
                     self.save_checkpoint(step)  # last in a step: a checkpoint at N has every record of steps <= N
+                if self.recorder.stop is not None:  # record.halt_on: a critical alert stops the run cleanly
+                    break
                 if cfg.max_time_s is not None and time.perf_counter() - t_train > cfg.max_time_s \
                         and step < self.total_steps:
                     warnings.warn(f"max_time_s={cfg.max_time_s:g} reached: stopping after step {step} of "
