@@ -205,7 +205,6 @@ class Replay:
         `module` whose saved tensors are `saved` (names as peft saves them, the adapter name removed). `weight`
         in its stored dtype: an init that rewrites the base runs on it as peft runs it on load."""
         from peft import get_peft_model  # noqa: PLC0415
-        from peft.utils import set_peft_model_state_dict  # noqa: PLC0415
 
         w = weight if weight.dtype in (torch.float32, torch.float16, torch.bfloat16) else weight.float()
         leaf = _leaf(module, w, None if bias is None else bias.to(w.dtype), bool(self.cfg.get("fan_in_fan_out")))
@@ -219,7 +218,7 @@ class Replay:
                 _put_shared(model, self.shared)
                 sd = {f"base_model.model.{k}": v for k, v in saved.items()}
                 sd.update(self.shared)  # peft checks they are there, now that they fit
-                result = set_peft_model_state_dict(model, sd)
+                result = set_factors(model, sd)
         except UserError:
             raise
         except Exception as e:  # noqa: BLE001 - peft's own refusal of this module, in one line
@@ -233,3 +232,12 @@ class Replay:
             raise UserError(f"{self.folder}: peft cannot merge module {module} ({first_line(e, 200)})") from None
         dw = dw + (residual if residual is not None else 0.0)  # tuned = residual + update, against the original
         return dw, db, residual
+
+
+def set_factors(peft_model, tensors: dict):
+    """Saved adapter tensors (names as peft saves them) into a peft model whose adapter has the same targets: the
+    one place factors are loaded (a resume, attribute's final adapter, a module rebuilt for its algebra). Returns
+    peft's load result (its unexpected keys)."""
+    from peft.utils import set_peft_model_state_dict  # noqa: PLC0415 - peft only where factors are loaded
+
+    return set_peft_model_state_dict(peft_model, tensors)

@@ -22,7 +22,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from peft import PeftModel, set_peft_model_state_dict
+from peft import PeftModel
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
@@ -195,7 +195,7 @@ def load_adapter_weights(peft_model, folder: Path) -> None:
     targets: a native run's resume, its final adapter in `mechdiag attribute`; one UserError line when the file is
     damaged or does not fit."""
     try:
-        set_peft_model_state_dict(peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
+        adapter_forms.set_factors(peft_model, load_file(Path(folder) / ADAPTER_WEIGHTS))
     except Exception as e:  # noqa: BLE001 - a damaged or mismatched file raises many types
         raise UserError(f"cannot load {Path(folder) / ADAPTER_WEIGHTS}: {first_line(e)}") from None
 

@@ -137,6 +137,7 @@ HOMES = {
     # issue 36: one step record, every per-step signal computed from it once
     "StepRecord": "recorder.py", "Update": "recorder.py", "step_metrics": "recorder.py", "group_stats": "outcomes.py",
     "all_equal": "outcomes.py", "run_config": "train/trainer.py", "load_adapter_weights": "models.py",
+    "set_factors": "adapters.py",
     "predicted_peak": "train/memory.py", "CHUNK_LIVE": "vocab.py",
 }
 # inline forms of those ideas that must not come back outside their home
@@ -160,8 +161,7 @@ PATTERNS = {
     "package.module:Name loader": (r"importlib\.import_module\(", "config.py"),
     "a zero-std tolerance": (r"std\)? <= (1e-8|EQ_TOL)", "outcomes.py"),
     "reward weights resolved": (r"resolve_rewards\(cfg\)", "train/trainer.py"),
-    # a saved adapter's file into a PEFT model (adapters.py rebuilds one module from given tensors: another job)
-    "adapter factors loaded": (r"set_peft_model_state_dict\([\w.]+, load_file\(", "models.py"),
+    "adapter factors loaded": (r"set_peft_model_state_dict\(", "adapters.py"),
     "the held-out set": (r"eval_split, n=cfg\.eval_n", "recorder.py"),
 }
 
