@@ -203,7 +203,7 @@ def train_cmd(config, overrides, out, resume, seed, max_steps, device, dry_run, 
             from mechdiag.reward_check import check_reward, table
 
             click.echo("# reward pre-flight (mechdiag check-reward):")
-            click.echo("\n".join(f"#   {line}" for line in table(check_reward(cfg)).splitlines()))
+            click.echo("\n".join(f"# | {line}" for line in table(check_reward(cfg)).splitlines()))  # apart from modules
         if backend == "trl":
             from mechdiag.integrations.trl import grpo_args, parse_trl_args
 
@@ -501,7 +501,7 @@ def recommend(runs, out, fmt):
 
 
 # ---- check-reward ----------------------------------------------------------------------------------------------
-@main.command("check-reward", short_help="Pre-flight: does the reward pay a failure more than a wrong answer?")
+@main.command("check-reward", short_help="Reward pre-flight: failures paid over wrong answers.")
 @click.argument("config", required=False, type=click.Path(dir_okay=False))
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="Override a config field (repeatable).")
 @click.option("--n", "n", type=int, default=8, show_default=True, help="Train examples to score.")
