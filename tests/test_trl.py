@@ -299,7 +299,7 @@ def test_backend_trl_bad_input(stories260k, cli, tmp_path, monkeypatch):
     assert "num_generations=4" in line and "per_device_train_batch_size=8" in line and "beta=0.5" in line
 
 
-def test_config_round_trip(stories260k):
+def test_config_round_trip(stories260k, tmp_path):
     """Our Config -> GRPOConfig -> Config keeps every key TRL has."""
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
@@ -317,7 +317,7 @@ def test_config_round_trip(stories260k):
                               "min_p=0.05", "repetition_penalty=1.1"))
     model = AutoModelForCausalLM.from_pretrained(stories260k)
     model = get_peft_model(model, peft_lora_config(model, cfg.lora))
-    back = config_from_grpo(grpo_args(cfg, "/tmp/unused"), model, ["correctness"])
+    back = config_from_grpo(grpo_args(cfg, str(tmp_path)), model, ["correctness"])
     for key in ("group_size", "prompts_per_step", "grad_accum", "beta", "epsilon", "epsilon_high", "temperature",
                 "top_p", "learning_rate", "lr_schedule", "max_steps", "max_completion_tokens", "seed", "save_every",
                 "loss_type", "scale_rewards", "adam_beta2", "weight_decay", "max_grad_norm", "report_to",
@@ -325,7 +325,7 @@ def test_config_round_trip(stories260k):
         assert getattr(back, key) == getattr(cfg, key), key
     # two updates a rollout: TRL counts updates, so its max_steps (read back as the run's steps) doubles
     minis = cfg.model_copy(update={"steps_per_generation": 4})
-    back = config_from_grpo(grpo_args(minis, "/tmp/unused"), model, ["correctness"])
+    back = config_from_grpo(grpo_args(minis, str(tmp_path)), model, ["correctness"])
     assert (back.steps_per_generation, back.grad_accum, back.max_steps) == (4, 2, 14)
     assert back.lora.layers == [0, 1, 3, 4] and back.lora.target_modules == ["o_proj", "v_proj"]
     assert (back.lora.r, back.lora.alpha) == (cfg.lora.r, cfg.lora.alpha)
