@@ -32,13 +32,16 @@ KL_SPIKE_FACTOR = 5.0  # kl above this many times the median of the steps before
 KL_WINDOW = 50  # ...over at most this many steps before it...
 KL_MIN_HISTORY = 5  # ...given at least this many...
 KL_SPIKE_MIN = 0.1  # ...and above this (nats/token): healthy runs drift up to ~0.05 from ~0, many medians high
+UPDATE_SPIKE_FACTOR = 5.0  # a step's weight change above this many times the median of the steps before it
+# (KL_WINDOW, KL_MIN_HISTORY): AdamW's steps are near lr-sized, so a jump is the lr, the optimizer or a gradient
+# gone wrong, seen in the step that did it (before the next rollout's KL or any eval can show it)
 WINDOW = 5  # truncation, entropy and zero_std look at the mean of this many steps ending at each step
 GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of the maximum reward...
 GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
 ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
 
-NAMES = ("no_update", "kl_spike", "kl_blowup", "truncation", "entropy_collapse", "entropy_rise", "zero_std",
-         "reward_accuracy_gap", "sampler_mismatch")
+NAMES = ("no_update", "update_spike", "kl_spike", "kl_blowup", "truncation", "entropy_collapse", "entropy_rise",
+         "zero_std", "reward_accuracy_gap", "sampler_mismatch")
 CRITICAL = ("no_update", "kl_spike", "kl_blowup", "entropy_collapse")  # record.halt_on: a run that will not recover
 
 
@@ -107,6 +110,22 @@ def kl_spike(metrics: list[dict]) -> Alert | None:
             ratio = f"{v / med:.1f}x" if med > 0 else "inf x"
             return Alert("kl_spike", step, f"kl {v:.4g} = {ratio} the median {med:.3g} of the {len(before)} steps "
                                            f"before (threshold {KL_SPIKE_FACTOR:g}x)")
+    return None
+
+
+def update_spike(metrics: list[dict]) -> Alert | None:
+    """update_norm (how far the step moved the trainable weights) above UPDATE_SPIKE_FACTOR x the median of the
+    steps before it."""
+    moved = series(metrics, "update_norm")
+    for i, (step, v) in enumerate(moved):
+        before = [x for _, x in moved[max(0, i - KL_WINDOW):i]]
+        if len(before) < KL_MIN_HISTORY:
+            continue
+        med = statistics.median(before)
+        if med > 0 and v > UPDATE_SPIKE_FACTOR * med:
+            return Alert("update_spike", step, f"the weights moved {v:.3g} at step {step} = {v / med:.1f}x the median "
+                                               f"{med:.3g} of the {len(before)} steps before (threshold "
+                                               f"{UPDATE_SPIKE_FACTOR:g}x): the lr or the gradient jumped")
     return None
 
 
@@ -228,7 +247,8 @@ def check(metrics: list[dict], evals: list[dict] = (), displacement: list[dict] 
     """Every alert that has fired, in the order of NAMES."""
     metrics = sorted((r for r in metrics if isinstance(r.get("step"), int)), key=lambda r: r["step"])
     evals = sorted((r for r in evals if isinstance(r.get("step"), int)), key=lambda r: r["step"])
-    found = [no_update(metrics, list(displacement)), kl_spike(metrics), kl_blowup(metrics), truncation(metrics),
+    found = [no_update(metrics, list(displacement)), update_spike(metrics),
+             kl_spike(metrics), kl_blowup(metrics), truncation(metrics),
              entropy_collapse(metrics), entropy_rise(metrics), zero_std(metrics),
              reward_accuracy_gap(metrics, evals, max_reward), sampler_mismatch(metrics)]
     return [a for a in found if a is not None]

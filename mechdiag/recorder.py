@@ -50,6 +50,7 @@ class Update:
     clip_fraction_high: float | None = None
     policy_clip_fraction: float | None = None
     grad_norm: float | None = None
+    update_norm: float | None = None  # ||theta_after - theta_before|| of the trainable parameters over the step
     entropy_coef: float | None = None  # the entropy bonus's coefficient after the updates (adaptive controller)
     lr: float | None = None
     step_time: float | None = None
@@ -263,8 +264,8 @@ class HeldOut(Signal):
         self.cfg, self.task, self.examples, self.prompts = cfg, task, examples, prompts
 
     @classmethod
-    def from_config(cls, cfg, tokenizer) -> HeldOut:
-        task = tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
+    def from_config(cls, cfg, tokenizer, task=None) -> HeldOut:
+        task = task or tasks.get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
         examples = task.examples(cfg.task.eval_split, n=cfg.eval_n, seed=0)
         return cls(cfg, task, examples, [task.prompt(ex, tokenizer) for ex in examples])
 

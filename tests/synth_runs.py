@@ -96,8 +96,8 @@ def make_run(path: Path, seed: int = 42, steps: int = 200, layers: int = 4, eval
     return run
 
 
-ALERT_FAULTS = ("no_update", "kl_spike", "truncation", "entropy_collapse", "zero_std", "reward_accuracy_gap",
-                "sampler_mismatch")
+ALERT_FAULTS = ("no_update", "update_spike", "kl_spike", "truncation", "entropy_collapse", "zero_std",
+                "reward_accuracy_gap", "sampler_mismatch")
 
 
 def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> RunDir:
@@ -117,9 +117,12 @@ def make_alert_run(path: Path, fault: str | None = None, steps: int = 40) -> Run
                "completion_clipped_ratio": 0.05, "entropy": 1.2 - 0.3 * p, "completion_length": 30.0,
                "frac_zero_std": 0.2, "frac_groups_all_correct": 0.1, "frac_groups_all_wrong": 0.1,
                "frac_groups_shaping_only": 0.05, "loss": 0.01, "grad_norm": 0.5,
-               "sampler_logp_diff": 2e-6}  # a float32 sampler's rounding
+               "sampler_logp_diff": 2e-6,  # a float32 sampler's rounding
+               "update_norm": 0.02 * (1.5 - p)}  # AdamW's steps shrink as its second moments settle
         if fault == "kl_spike" and s == 25:
             rec["kl"] *= 10
+        if fault == "update_spike" and s == 25:
+            rec["update_norm"] *= 8
         if fault == "truncation" and late:
             rec["completion_clipped_ratio"] = 0.6
         if fault == "entropy_collapse" and late:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mechdiag import eval_table
+from mechdiag import eval_table, sandbox
 from mechdiag import evaluate as E
 from mechdiag.atomic import read_jsonl
 from mechdiag.compare import verdict
@@ -26,7 +26,7 @@ from mechdiag.metrics import change
 from mechdiag.report.html import _delta_class
 from mechdiag.tasks import REGISTRY, get_task
 from tests.helpers import assert_bad_input
-from tests.sandbox_conditions import without_landlock
+from tests.sandbox_conditions import guard_only_python, without_landlock
 
 torch.set_num_threads(1)
 
@@ -406,14 +406,14 @@ def test_sandbox_mode_in_every_eval_table_and_the_report(stories260k, tmp_path):
     from mechdiag.report.html import sandbox_of
     from mechdiag.run import load_run
 
-    def ev(out, *extra, env=None):
+    def ev(out, *extra, env=None, python=sys.executable, path=()):
         # env given: no bwrap on PATH and a kernel without landlock (tests/sandbox_conditions.py)
         args = ["-m", "mechdiag", "eval", str(stories260k), "--task", "mbpp,arith", "--n", "1", "--k", "1",
                 "--samples", "1", "--max-new-tokens", "6", "--out", str(out), "--format", "json", *extra]
-        return subprocess.run(without_landlock(args) if env else [sys.executable, *args], capture_output=True,
+        root = str(Path(__file__).resolve().parent.parent)
+        return subprocess.run(without_landlock(args, python) if env else [python, *args], capture_output=True,
                               text=True, timeout=300,
-                              env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent),
-                                       **(env or {})))
+                              env=dict(os.environ, PYTHONPATH=os.pathsep.join([root, *path]), **(env or {})))
 
     p = ev(tmp_path / "bw")
     assert p.returncode == 0, p.stderr
@@ -432,7 +432,13 @@ def test_sandbox_mode_in_every_eval_table_and_the_report(stories260k, tmp_path):
     assert p.returncode == 2 and len(lines) == 1 and "sandbox: auto, but bubblewrap cannot be used" in lines[0], p
     assert "and landlock cannot either" in lines[0]
     assert not (tmp_path / "refused").exists()
-    p = ev(tmp_path / "guard", "--sandbox", "guard-only", env=nobw)
+    if sandbox._guard_only_refusal() is not None:  # this interpreter sits where only root may enter
+        p = ev(tmp_path / "guard", "--sandbox", "guard-only", env=nobw)
+        lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+        assert p.returncode == 2 and len(lines) == 1 and "guard-only cannot hold here" in lines[0], p
+        assert not (tmp_path / "guard").exists()
+    python, path = guard_only_python()  # an interpreter every user can read
+    p = ev(tmp_path / "guard", "--sandbox", "guard-only", env=nobw, python=python, path=path)
     assert p.returncode == 0, p.stderr
     assert {r["sandbox"] for r in json.loads(p.stdout) if r["benchmark"] == "mbpp/test"} == {"guard-only"}
     assert "warning: sandbox: guard-only" in p.stderr

@@ -221,7 +221,7 @@ def test_healthy_run_fires_nothing(tmp_path):
 def test_each_alert_fires_on_its_fault(tmp_path, fault):
     fired = _check(make_alert_run(tmp_path / fault, fault))
     assert [a.alert for a in fired] == [fault]
-    start = {"no_update": 10, "reward_accuracy_gap": 10, "kl_spike": 25}.get(fault)
+    start = {"no_update": 10, "reward_accuracy_gap": 10, "kl_spike": 25, "update_spike": 25}.get(fault)
     assert fired[0].step == start if start else 20 <= fired[0].step <= 24
     assert fired[0].evidence
 

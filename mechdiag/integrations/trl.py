@@ -43,9 +43,10 @@ from mechdiag.models import context_of, device, eos_ids, load_model_and_tokenize
 from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
+from mechdiag.tasks import get_task
 from mechdiag.tasks.rewards import weighted_total
 from mechdiag.train.lora import peft_config, peft_refusals
-from mechdiag.train.trainer import run_config
+from mechdiag.train.trainer import StepChange, run_config
 
 try:  # the callback must be a real TrainerCallback for Trainer; reading runs needs no transformers
     from transformers import TrainerCallback
@@ -327,6 +328,7 @@ class MechdiagCallback(TrainerCallback):
         self.forget_prompts, self.forget_tokens = list(forget_prompts or []), forget_tokens
         self.max_time_s, self._t0 = max_time_s, time.perf_counter()
         self._created = self._t0
+        self.change, self._moved = None, {}  # StepChange once training begins; step -> update_norm
         self.displacement_every = displacement_every
         self.shift_prompts = list(shift_prompts or [])[:shift_n]
         self.shift_batch_size = shift_batch_size
@@ -451,12 +453,16 @@ class MechdiagCallback(TrainerCallback):
             self.recorder.start()
         if self.evaluate is not None and state.global_step == 0:
             self._record_eval(0, model, processing_class)
+        # one process holds every trainable parameter: each step's weight change (StepChange, update_norm)
+        self.change = StepChange(model) if self.writer and args.world_size == 1 else None
 
     @_timed
     def on_step_begin(self, args, state, control, **kw):
         if self._on(state):
             self._flush(args)  # the last step's completions parquet is written by now
             self.report.deliver(args, state, control)
+        if self.change is not None:
+            self.change.begin()
 
     @_timed
     def on_step_end(self, args, state, control, model=None, processing_class=None, **kw):
@@ -474,6 +480,8 @@ class MechdiagCallback(TrainerCallback):
 
                 halt = broadcast_object_list([halt])[0]
             control.should_training_stop = control.should_training_stop or halt
+        if self.change is not None:
+            self._moved[state.global_step] = self.change.end()
         if not self._on(state):
             return
         step = state.global_step  # DefaultFlowCallback ran first
@@ -489,7 +497,9 @@ class MechdiagCallback(TrainerCallback):
             return
         self._flush(args)  # before an eval log: TRL then writes the eval's completions over this step's file
         if is_train_log(logs) and not is_eval_log(logs):
-            self._pending = {"step": state.global_step, **map_trl_log(logs)}
+            moved = self._moved.pop(state.global_step, None)
+            self._pending = {"step": state.global_step, **map_trl_log(logs),
+                             **({"update_norm": moved} if moved is not None else {})}
 
     @_timed
     def on_evaluate(self, args, state, control, metrics=None, model=None, processing_class=None, **kw):
@@ -559,12 +569,10 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
         torch.set_num_threads(cfg.threads)
     if cfg.task.mixture:
         raise UserError("--backend trl does not mix data sources yet (task.mixture); use the native backend")
-    run_config(cfg)  # weights resolved, prompt budget fitted (our held-out evals cut prompts to what fits)
     torch.manual_seed(cfg.seed)
     context = context_of(cfg.model.name_or_path)
     tok = load_tokenizer(cfg.model.name_or_path)
-    heldout = R.HeldOut.from_config(cfg, tok)
-    task, eval_prompts = heldout.task, heldout.prompts
+    task = get_task(cfg.task.name, cfg.task.path, **cfg.task.options)
     train_ex = task.examples(cfg.task.train_split, n=cfg.task.n_train, seed=cfg.seed)
     if not train_ex:
         raise UserError(f"task {cfg.task.name} has no training examples")
@@ -577,6 +585,9 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
                             f"max_completion_tokens={cfg.max_completion_tokens} it passes the model's context of "
                             f"{context} positions (TRL does not cut prompts); {room}train with the native backend, "
                             "which cuts them")
+    run_config(cfg)  # weights resolved, prompt budget fitted (our held-out evals cut prompts to what fits)
+    heldout = R.HeldOut.from_config(cfg, tok, task)
+    eval_prompts = heldout.prompts
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, tokenizer=tok)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
     data = Dataset.from_list([{"prompt": p, "example_id": ex.id} for p, ex in zip(prompts, train_ex, strict=True)])

@@ -183,6 +183,30 @@ def check_data(cfg: Config) -> None:
             raise UserError(f"mixture task {s.name} has no training examples")
 
 
+class StepChange:
+    """How far one step's updates moved the trainable parameters: ||theta_after - theta_before|| (float64 sums), the
+    lr, clipping and optimizer state all in it. Measured where the trainable parameters are at most MAX_ELEMENTS
+    (a LoRA's factors: a copy costs nothing); None otherwise (a full fine-tune would need a second model)."""
+
+    MAX_ELEMENTS = 1 << 27
+
+    def __init__(self, model):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.on = sum(p.numel() for p in self.params) <= self.MAX_ELEMENTS
+        self.before = None
+
+    def begin(self) -> None:
+        self.before = [p.detach().clone() for p in self.params] if self.on else None
+
+    def end(self) -> float | None:
+        if self.before is None:
+            return None
+        sq = math.fsum(float((p.detach().double() - b.double()).square().sum())
+                       for p, b in zip(self.params, self.before, strict=True))
+        self.before = None
+        return math.sqrt(sq)
+
+
 # ---- trainer ----------------------------------------------------------------------------------------------
 class Trainer:
     def __init__(self, cfg: Config, out_dir, resume: bool = False, extra_hooks: list | None = None):
@@ -251,6 +275,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                      weight_decay=cfg.weight_decay)
         self.sched = make_scheduler(self.opt, cfg, self.total_steps * cfg.updates_per_step)
+        self.change = StepChange(self.model)
         self.step, self.bad_steps, self.base_eval = 0, 0, None
 
     def _recorder(self, out_dir, resume: bool) -> None:
@@ -321,9 +346,12 @@ class Trainer:
         per_pass = self.plan(roll)
         fresh = torch.full_like(roll.sample_logp, math.nan)  # the first update's log-probs, against the sampler's
         plan = update_plan(len(roll), self.cfg.prompts_per_step * self.cfg.group_size, self.cfg.grad_accum)
+        self.change.begin()
         updates = [self.update(step, roll, batches, per_pass, fresh if it == 0 and u == 0 else None)
                    for it in range(self.cfg.num_iterations) for u, batches in enumerate(plan)]
-        return step_record(step, roll, self.cfg, updates, lr, t_roll, time.perf_counter() - t0, fresh), roll
+        record = step_record(step, roll, self.cfg, updates, lr, t_roll, time.perf_counter() - t0, fresh)
+        record.update.update_norm = self.change.end()
+        return record, roll
 
     def plan(self, roll: Rollout) -> int:
         """Rows per update pass, from the memory model, once per rollout (rows_per_pass); summary.json's predicted
