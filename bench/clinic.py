@@ -14,7 +14,9 @@ passes when recommend changes nothing, or its change is not worse by 2 SE.
 
 Injected collapses: the healthy config with its learning rate multiplied at a step (a hook on the optimizer's
 schedule); evals every 2 steps. `lead` = the first eval step at which held-out accuracy is 2 SE below its peak so
-far, minus the step of the first live alert (mechdiag.alerts) at or after the injection.
+far, minus the step of the first live alert (mechdiag.alerts) at or after the injection. A step's alerts fire from
+its record, before that step's eval runs: lead 0 is an alert printed before the eval that shows the drop. A shock
+(x40 at one step) does its damage in that one update, so no signal can come earlier; a ramp (x2 per step) builds up.
 
     python bench/clinic.py --out bench/_work/clinic                         # every case, both testbeds
     python bench/clinic.py --out bench/_work/clinic --cases lr_low healthy  # some cases
@@ -59,6 +61,7 @@ class Case:
     testbed: str  # key of TESTBEDS
     overrides: list[str]
     keys: dict[str, str] = field(default_factory=dict)  # config key -> "up" / "down" / "any": what names the class
+    ref: str = ""  # the healthy case it is sick against (default: its testbed's first healthy case)
 
 
 CASES = [
@@ -70,9 +73,12 @@ CASES = [
     Case("beta_mid", "beta far too high", "base", ["beta=0.5"], {"beta": "down"}),
     Case("temp_low", "temperature too low", "base", ["temperature=0.1"], {"temperature": "up"}),
     Case("budget_short", "budget too short", "base", ["max_completion_tokens=14"], {"max_completion_tokens": "up"}),
-    Case("group_small", "group too small", "base", ["group_size=2", "prompts_per_step=32"], {"group_size": "up"}),
+    Case("group_small", "group too small", "base", ["group_size=2", "prompts_per_step=8"], {"group_size": "up"}),
+    # several updates per rollout: sick against the same start with the working clip
+    Case("healthy_iter4", "healthy", "base", ["num_iterations=4"]),
     Case("clip_tight", "clip too tight", "base", ["num_iterations=4", "epsilon=0.0002"],
-         {"epsilon": "up", "epsilon_high": "up"}),
+         {"epsilon": "up", "epsilon_high": "up"}, ref="healthy_iter4"),
+    Case("temp_high", "temperature too high", "base", ["temperature=2.0"], {"temperature": "down"}),
     Case("lora_small", "LoRA too small / wrong place", "base",
          ["lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"],
          {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}),
@@ -86,8 +92,9 @@ CASES = [
          ["lora.r=1", "lora.layers=[7]", "lora.target_modules=[q_proj]"],
          {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}),
 ]
-COLLAPSES = [  # (testbed, inject at step, learning-rate factor); each on both seeds
-    ("base", 6, 40.0), ("base", 8, 100.0), ("deep", 6, 40.0),
+COLLAPSES = [  # (testbed, inject at step, learning-rate factor, ramp); each on both seeds
+    ("base", 6, 40.0, False), ("base", 8, 100.0, False), ("deep", 6, 40.0, False),
+    ("base", 6, 2.0, True), ("deep", 6, 2.0, True),  # x2 more at every step from 6: a collapse that builds up
 ]
 COLLAPSE_BUDGET = ["max_steps=16", "eval_every=2", "eval_n=100"]
 
@@ -173,15 +180,17 @@ def sick_params(cfg: configlib.Config) -> dict:
 
 # ---- training (in worker processes) --------------------------------------------------------------------------
 class Collapse:
-    """Multiplies the learning rate by `factor` from step `at` on (the schedule's base rates, so it holds). A hook
+    """Multiplies the learning rate by `factor` from step `at` on (the schedule's base rates, so it holds); with
+    `ramp`, by `factor` again at every later step (a collapse that builds up over steps). A hook
     on the recorder's protocol (train.hooks), given its trainer once built."""
 
-    def __init__(self, at: int, factor: float):
-        self.at, self.factor, self.trainer = at, factor, None
+    def __init__(self, at: int, factor: float, ramp: bool = False):
+        self.at, self.factor, self.ramp, self.trainer = at, factor, ramp, None
 
     def on_weights(self, rec, step, model, last):
         trainer = self.trainer
-        if step == self.at - 1:  # after step at-1's updates: before step `at`'s
+        # after step at-1's updates: before step `at`'s (a ramp: again after each later step, compounding)
+        if step == self.at - 1 or (self.ramp and step >= self.at - 1):
             trainer.sched.base_lrs = [b * self.factor for b in trainer.sched.base_lrs]
             for g, b in zip(trainer.opt.param_groups, trainer.sched.base_lrs, strict=True):
                 g["lr"] = b * trainer.sched.lr_lambdas[0](trainer.sched.last_epoch)
@@ -344,6 +353,7 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, docto
         rec = a["rec"]
         ref = arm_stats(sick[c.name])
         row = {"case": c.name, "class": c.klass, "testbed": c.testbed, "start": " ".join(c.overrides) or "default",
+               "ref": c.ref,
                "sick": ref, "findings": [f.rule for f in rec.findings],
                "changes": "; ".join(str(x) for x in rec.changes) or "none"}
         if c.keys:
@@ -398,15 +408,15 @@ def run_collapses(out: Path, n_jobs: int, log, seeds=SEEDS, which=None) -> list[
 
     todo = [c for c in COLLAPSES if which is None or c[0] in which]
     jobs, dirs = [], {}
-    for testbed, at, factor in todo:
+    for testbed, at, factor, ramp in todo:
         base = Case("collapse", "collapse", testbed, COLLAPSE_BUDGET)
         for s in seeds:
-            d = out / f"collapse-{testbed}-at{at}-x{factor:g}" / f"seed-{s}"
-            dirs[(testbed, at, factor, s)] = d
-            jobs.append((case_cfg(base, s).model_dump(mode="json"), d, (at, factor)))
+            d = out / f"collapse-{testbed}-at{at}-x{factor:g}{'-ramp' if ramp else ''}" / f"seed-{s}"
+            dirs[(testbed, at, factor, ramp, s)] = d
+            jobs.append((case_cfg(base, s).model_dump(mode="json"), d, (at, factor, ramp)))
     train_all(jobs, n_jobs, log)
     rows = []
-    for (testbed, at, factor, s), d in dirs.items():
+    for (testbed, at, factor, ramp, s), d in dirs.items():
         if not (d / "summary.json").exists():
             continue
         run = load_run(d)
@@ -416,7 +426,8 @@ def run_collapses(out: Path, n_jobs: int, log, seeds=SEEDS, which=None) -> list[
         before = [a for a in alerts if a.step < at]
         after = sorted((a for a in alerts if a.step >= at), key=lambda a: a.step)
         first = after[0] if after else None
-        rows.append({"testbed": testbed, "inject_step": at, "lr_factor": factor, "seed": s, "drop_step": drop,
+        rows.append({"testbed": testbed, "inject_step": at, "lr_factor": factor, "ramp": ramp, "seed": s,
+                     "drop_step": drop,
                      "alert": first.alert if first else None, "alert_step": first.step if first else None,
                      "lead": (drop - first.step) if first and drop is not None else None,
                      "false_alarms": [a.alert for a in before]})
@@ -442,18 +453,19 @@ def table(result: dict) -> str:
                      f"{r['doctor']['change']} | {cell['doctor']} | {r['random']['change']} | {cell['random']} | "
                      f"{r['search']['change']} | {cell['search']} |")
     healthy = [r for r in result.get("cases", []) if r["class"] == "healthy"]
-    ref = {}
+    ref = {r["case"]: r["sick"] for r in healthy}
     for r in healthy:
         ref.setdefault(r["testbed"], r["sick"])
     starts = [r for r in result.get("cases", []) if r["class"] != "healthy"]
-    sick = [r for r in starts if r["testbed"] in ref and beats(ref[r["testbed"]], r["sick"])]
+    sick = [r for r in starts if (r.get("ref") or r["testbed"]) in ref and
+            beats(ref[r.get("ref") or r["testbed"]], r["sick"])]
     mild = [r["case"] for r in starts if r not in sick]
     if starts:
         def count(rs, arm):
             done = [r for r in rs if not r[arm].get("pending")]
             return f"{sum(r[arm]['cured'] for r in done)}/{len(done)}"
         lines.append("")
-        lines.append(f"Sick (the healthy start of its testbed beats it by 2 SE): {len(sick)} of {len(starts)} starts"
+        lines.append(f"Sick (its healthy start beats it by 2 SE): {len(sick)} of {len(starts)} starts"
                      + (f"; not sick at this budget: {', '.join(mild)}" if mild else "") + ". On the sick ones: "
                      f"named {sum(bool(r['named']) for r in sick)}/{len(sick)}; cured by the doctor "
                      f"{count(sick, 'doctor')}, the random knob {count(sick, 'random')}, the search "
@@ -466,7 +478,8 @@ def table(result: dict) -> str:
         lines += ["", "| testbed | injected (step, lr x) | seed | accuracy 2 SE below peak at | first alert | lead "
                   "(steps) | alerts before injection |", "|---|---|---|---|---|---|---|"]
         for c in col:
-            lines.append(f"| {c['testbed']} | {c['inject_step']}, x{c['lr_factor']:g} | {c['seed']} | "
+            how = f"x{c['lr_factor']:g} per step" if c.get("ramp") else f"x{c['lr_factor']:g}"
+            lines.append(f"| {c['testbed']} | {c['inject_step']}, {how} | {c['seed']} | "
                          f"{c['drop_step']} | {c['alert']} @ {c['alert_step']} | {c['lead']} | "
                          f"{', '.join(c['false_alarms']) or 'none'} |")
     return "\n".join(lines)

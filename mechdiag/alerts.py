@@ -34,7 +34,10 @@ KL_MIN_HISTORY = 5  # ...given at least this many...
 KL_SPIKE_MIN = 0.1  # ...and above this (nats/token): healthy runs drift up to ~0.05 from ~0, many medians high
 UPDATE_SPIKE_FACTOR = 5.0  # a step's weight change above this many times the median of the steps before it
 # (KL_WINDOW, KL_MIN_HISTORY): AdamW's steps are near lr-sized, so a jump is the lr, the optimizer or a gradient
-# gone wrong, seen in the step that did it (before the next rollout's KL or any eval can show it)
+# gone wrong, seen in the step that did it (before the next rollout's KL or any eval can show it)...
+UPDATE_RUNAWAY_FACTOR = 2.5  # ...or above this many times it after UPDATE_RUNAWAY_STEPS steps in a row that each
+UPDATE_RUNAWAY_GROWTH = 1.5  # grew by this factor over the one before: a build-up (a linear warmup grows by
+UPDATE_RUNAWAY_STEPS = 2  # (k+1)/k per step, under 1.5 from its third step on)
 WINDOW = 5  # truncation, entropy and zero_std look at the mean of this many steps ending at each step
 GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of the maximum reward...
 GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
@@ -42,7 +45,8 @@ ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zer
 
 NAMES = ("no_update", "update_spike", "kl_spike", "kl_blowup", "truncation", "entropy_collapse", "entropy_rise",
          "zero_std", "reward_accuracy_gap", "sampler_mismatch")
-CRITICAL = ("no_update", "kl_spike", "kl_blowup", "entropy_collapse")  # record.halt_on: a run that will not recover
+# record.halt_on: a run that will not recover
+CRITICAL = ("no_update", "update_spike", "kl_spike", "kl_blowup", "entropy_collapse")
 
 
 @dataclass(frozen=True)
@@ -115,17 +119,28 @@ def kl_spike(metrics: list[dict]) -> Alert | None:
 
 def update_spike(metrics: list[dict]) -> Alert | None:
     """update_norm (how far the step moved the trainable weights) above UPDATE_SPIKE_FACTOR x the median of the
-    steps before it."""
-    moved = series(metrics, "update_norm")
+    steps before it, or above UPDATE_RUNAWAY_FACTOR x it at the end of a run of growing steps (UPDATE_RUNAWAY_*);
+    steps with a zero gradient left out."""
+    # steps whose gradient was exactly 0 (every group alike) moved by weight decay alone: not a step size to
+    # compare the first real update with
+    moved = series([r for r in metrics if r.get("grad_norm") != 0], "update_norm")
     for i, (step, v) in enumerate(moved):
         before = [x for _, x in moved[max(0, i - KL_WINDOW):i]]
-        if len(before) < KL_MIN_HISTORY:
+        if len(before) < KL_MIN_HISTORY or (med := statistics.median(before)) <= 0:
             continue
-        med = statistics.median(before)
-        if med > 0 and v > UPDATE_SPIKE_FACTOR * med:
+        run = [x for _, x in moved[i - UPDATE_RUNAWAY_STEPS:i + 1]]
+        growth = [b / a for a, b in zip(run, run[1:], strict=False) if a > 0]
+        if v > UPDATE_SPIKE_FACTOR * med:
             return Alert("update_spike", step, f"the weights moved {v:.3g} at step {step} = {v / med:.1f}x the median "
                                                f"{med:.3g} of the {len(before)} steps before (threshold "
                                                f"{UPDATE_SPIKE_FACTOR:g}x): the lr or the gradient jumped")
+        if v > UPDATE_RUNAWAY_FACTOR * med and len(growth) == UPDATE_RUNAWAY_STEPS and \
+                min(growth) >= UPDATE_RUNAWAY_GROWTH:
+            return Alert("update_spike", step, f"the weights' step grew x{' then x'.join(f'{g:.2g}' for g in growth)} "
+                                               f"to {v:.3g} at step {step} = {v / med:.1f}x the median {med:.3g} of "
+                                               f"the {len(before)} steps before (thresholds x{UPDATE_RUNAWAY_GROWTH:g} "
+                                               f"per step, {UPDATE_RUNAWAY_FACTOR:g}x): the lr or the gradient runs "
+                                               "away")
     return None
 
 

@@ -109,7 +109,12 @@ ZERO_STD_TARGET = 0.25  # ...grow until the expected share of equal-reward group
 GROUP_SIZE_MAX = 32
 CLIP_FRACTION_HIGH = 0.2  # clip_tight: with num_iterations > 1, a tail policy_clip_fraction above this...
 CLIP_FRACTION_TARGET = 0.05  # ...widens epsilon until about this share of tokens would be clipped...
-EPSILON_WORKING = 0.2  # ...at most to the usual 0.2 (the study's, TRL's default)
+EPSILON_WORKING = 0.2  # ...at most to the usual 0.2 (the study's, TRL's default); an epsilon under a tenth of it
+CLIP_BINDS = 0.01  # that clips more than this share is a setting off the working range: it goes there in one round
+ROLLOUTS_USUAL = 64  # group_small: larger groups keep the prompts per step up to this many rollouts (8 x 8)
+HOT_RATIO = 0.5  # sampling_too_hot: the rollouts' success rate (head and tail) under this share of the greedy base...
+HOT_MIN_BASE = 0.1  # ...accuracy, where greedy decoding solves at least this share (a ratio of noise below it)...
+TEMPERATURE_MODEL = 1.0  # ...cools the temperature to the model's own distribution, or from there to the floor
 LORA_NARROW_FRAC = 0.25  # lora_narrow: LoRA on under this share of the model's (layer, module) sites
 CORRECTNESS_SHARE_MIN = CORRECT_MARGIN_MIN  # correctness_unpaid: correctness under this share of the maximum
 
@@ -495,12 +500,17 @@ def group_small(s: Signals):
         new_g *= 2
     if new_g == g:
         return None
-    rollouts = g * s.cfg.prompts_per_step
+    prompts = s.cfg.prompts_per_step
+    rollouts = g * prompts
+    budget = max(rollouts, ROLLOUTS_USUAL)  # a run under the usual rollouts per step grows to it
+    new_p = min(prompts, max(1, budget // new_g))
     ev = (f"frac_zero_std {zero[0]:.3g} > {FRAC_ZERO_STD_HIGH} over {zero[1]} with group_size {g}; expected at "
           f"{new_g}: {zero[0] ** (new_g / g):.2g} (<= {ZERO_STD_TARGET})")
-    return _finding(group_small, ev, [Change("group_size", g, new_g),
-                                      Change("prompts_per_step", s.cfg.prompts_per_step, max(1, rollouts // new_g))],
-                    f"larger groups, fewer prompts: the same {rollouts} rollouts per step, more groups that differ",
+    changes = [Change("group_size", g, new_g)] + ([Change("prompts_per_step", prompts, new_p)] if new_p != prompts
+                                                  else [])
+    how = (f"the same {rollouts} rollouts per step" if new_g * new_p == rollouts else
+           f"{new_g * new_p} rollouts per step instead of {rollouts} (up to the usual {ROLLOUTS_USUAL})")
+    return _finding(group_small, ev, changes, f"larger groups, more groups that differ: {how}",
                     confidence((zero[0] - FRAC_ZERO_STD_HIGH) / (1 - FRAC_ZERO_STD_HIGH), s.n_train),
                     frac_zero_std=zero[0], group_size=new_g)
 
@@ -509,20 +519,52 @@ def group_small(s: Signals):
 def clip_tight(s: Signals):
     frac = s.window("policy_clip_fraction", "tail")
     eps = s.cfg.epsilon
-    if s.cfg.num_iterations <= 1 or frac is None or frac[0] <= CLIP_FRACTION_HIGH or eps >= EPSILON_WORKING:
+    if s.cfg.num_iterations <= 1 or frac is None or eps >= EPSILON_WORKING:
+        return None
+    off_range = eps < EPSILON_WORKING / 10 and frac[0] > CLIP_BINDS
+    if frac[0] <= CLIP_FRACTION_HIGH and not off_range:
         return None
     # |ratio - 1| roughly exponential with scale eps / -ln(f) when a share f of tokens lies beyond eps: the epsilon
-    # that clips CLIP_FRACTION_TARGET of them, at least twice the current, at most the working 0.2
+    # that clips CLIP_FRACTION_TARGET of them, at least twice the current, at most the working 0.2. Off the working
+    # range the clip goes to it: most tokens sit at ratio ~1 (confident), so the share clipped says little there
     scale = eps / -math.log(min(frac[0], 0.999))
-    new = round(_clamp(scale * -math.log(CLIP_FRACTION_TARGET), 2 * eps, EPSILON_WORKING), 3)
+    new = EPSILON_WORKING if off_range else round(_clamp(scale * -math.log(CLIP_FRACTION_TARGET), 2 * eps,
+                                                         EPSILON_WORKING), 3)
     changes = [Change("epsilon", eps, new)]
     if s.cfg.epsilon_high is not None and s.cfg.epsilon_high < new:
         changes.append(Change("epsilon_high", s.cfg.epsilon_high, new))
-    ev = (f"policy_clip_fraction {frac[0]:.3g} > {CLIP_FRACTION_HIGH} over {frac[1]} at epsilon {eps:g}, "
-          f"num_iterations {s.cfg.num_iterations}")
-    return _finding(clip_tight, ev, changes, f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped",
+    ev = (f"policy_clip_fraction {frac[0]:.3g} > {CLIP_BINDS if off_range else CLIP_FRACTION_HIGH} over "
+          f"{frac[1]} at epsilon {eps:g}{f' (< {EPSILON_WORKING / 10:g})' if off_range else ''}, num_iterations "
+          f"{s.cfg.num_iterations}")
+    why = ("the working clip: the epsilon is off the working range (0.1-0.3) and binds" if off_range else
+           f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped")
+    return _finding(clip_tight, ev, changes, why,
                     confidence((frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
                     clip_fraction=frac[0])
+
+
+@rule("sampling_too_hot", "sampled completions solve far fewer problems than greedy decoding: the temperature is "
+                         "too high")
+def sampling_too_hot(s: Signals):
+    base, temp = s.base.get("accuracy"), s.value("temperature")
+    # the rollouts' own success rate (a correctness reward, a solved rate), not a share of groups
+    keys = sorted({k for d in s.train.values() for k in d if _counts_right(k) and not k.startswith("frac_")},
+                  key=lambda k: (not k.startswith("reward/"), k))
+    # mechdiag's held-out accuracy is greedy; a foreign run's eval may be sampled, so it is not compared
+    if s.provenance is not None or base is None or base < HOT_MIN_BASE or not keys or not _num(temp) or \
+            temp <= TEMPERATURE_FLOOR:
+        return None
+    head, tail = s.window(keys[0], "head"), s.window(keys[0], "tail")
+    if head is None or tail is None or max(head[0], tail[0]) >= HOT_RATIO * base:  # a run that learnt past it: fine
+        return None
+    new = TEMPERATURE_MODEL if temp > TEMPERATURE_MODEL else TEMPERATURE_FLOOR
+    ev = (f"{keys[0]} {head[0]:.3g} over {head[1]} = {head[0] / base:.2f} x the greedy base accuracy {base:.3g} "
+          f"(< {HOT_RATIO:g}x), still {tail[0]:.3g} over {tail[1]}, at temperature {temp:g}")
+    return _finding(sampling_too_hot, ev, [Change("temperature", temp, new)],
+                    "a cooler sampler: the groups' answers come from the model's own distribution, not its tail "
+                    f"({'the model itself' if new == TEMPERATURE_MODEL else 'the low end of the working range'})",
+                    confidence(1 - head[0] / (HOT_RATIO * base), s.n_train),
+                    onset=s.onset(keys[0], lambda v: v < HOT_RATIO * base), sampled=head[0], greedy=base)
 
 
 @rule("early_saturation", "reward saturates early: the data is too easy to teach anything")

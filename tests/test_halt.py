@@ -57,5 +57,5 @@ def test_unknown_halt_alert_is_bad_input():
     cfg = configlib.load(None, ["record.halt_on=[kl_spik]"])
     with pytest.raises(UserError, match="unknown alert 'kl_spik'"):
         Halt(cfg)
-    assert Halt(configlib.load(None, ["record.halt_on=[critical]"])).halt_on == {"no_update", "kl_spike",
-                                                                                 "kl_blowup", "entropy_collapse"}
+    assert Halt(configlib.load(None, ["record.halt_on=[critical]"])).halt_on == {
+        "no_update", "update_spike", "kl_spike", "kl_blowup", "entropy_collapse"}

@@ -536,6 +536,8 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "correctness_unpaid": {"cfg": cfg_with("rewards.weights={correctness: 0.1, xml_count: 1.0, format: 1.0}")},
     "group_small": {"cfg": cfg_with("group_size=2", "prompts_per_step=32"), "frac_zero_std": 0.6, **FLAT},
     "clip_tight": {"cfg": cfg_with("num_iterations=4", "epsilon=0.005"), "clip_fraction": 0.6, **FLAT},
+    "sampling_too_hot": {"cfg": cfg_with("temperature=2.0"), "components": {"correctness": 0.05},
+                         "accuracy": (0.4, 0.4), **FLAT},
     "lora_narrow": {"cfg": cfg_with("lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"), "kl": 0.001,
                     "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2, "eval_reward": (1.5, 1.5)},
 }
@@ -618,9 +620,47 @@ def test_small_groups_grow_at_the_same_rollouts(tmp_path):
 
 
 def test_a_tight_clip_widens_where_it_binds(tmp_path):
-    r = rec(tmp_path, cfg_with("num_iterations=4", "epsilon=0.005"), clip_fraction=0.6, noise=0.0, **FLAT)
-    assert changed(r) == {"epsilon": pytest.approx(0.029, abs=0.001)}
+    # in the working range's tenth and above: sized by the exponential model, 0.03 / ln(1 / 0.6) * ln(1 / 0.05)
+    r = rec(tmp_path, cfg_with("num_iterations=4", "epsilon=0.03"), clip_fraction=0.6, noise=0.0, **FLAT)
+    assert changed(r) == {"epsilon": pytest.approx(0.176, abs=0.001)}
     assert "clip_tight" not in fired(rec(tmp_path, cfg_with("epsilon=0.005"), name="one", clip_fraction=0.6, **FLAT))
+
+
+def test_small_groups_under_the_usual_rollouts_grow_to_them(tmp_path):
+    """group_size 2 x 8 prompts (16 rollouts) in the clinic: the same 16 rollouts as 16 x 1 did not cure it; the
+    groups grow and the prompts stay, up to the usual 64 rollouts per step."""
+    r = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=8"), frac_zero_std=0.6, noise=0.0, **FLAT)
+    assert changed(r) == {"group_size": 8}
+    assert "64 rollouts per step instead of 16" in next(f for f in r.findings if f.rule == "group_small").reason
+    r = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=8"), name="worse", frac_zero_std=0.8, noise=0.0,
+            **FLAT)
+    assert changed(r) == {"group_size": 16, "prompts_per_step": 4}  # 0.8^4 = 0.41 > 0.25, 0.8^8 = 0.17
+
+
+def test_an_epsilon_off_the_working_range_goes_to_it(tmp_path):
+    """epsilon 0.0002 at num_iterations 4 (clinic): most tokens sit at ratio ~1, so a few percent clipped is all it
+    shows, and the exponential model would only double it; a clip that binds at a tenth of the working range goes
+    to 0.2 in one round. Where it does not bind, or sits in the range, nothing."""
+    r = rec(tmp_path, cfg_with("num_iterations=4", "epsilon=0.0002"), clip_fraction=0.04, noise=0.0, **FLAT)
+    assert changed(r) == {"epsilon": R.EPSILON_WORKING}
+    assert "< 0.02" in r.findings[0].evidence
+    for name, eps, frac in (("unbound", "0.0002", 0.005), ("in-range", "0.05", 0.04)):
+        assert "clip_tight" not in fired(rec(tmp_path, cfg_with("num_iterations=4", f"epsilon={eps}"), name=name,
+                                             clip_fraction=frac, noise=0.0, **FLAT))
+
+
+def test_sampling_too_hot_cools_to_the_model_then_to_the_floor(tmp_path):
+    """temperature 2.0 on the embedded default (clinic): the rollouts solve 6% while greedy solves 37%. Cooled to
+    1.0 (the model's own distribution) from above it, to the working floor 0.7 from 1.0; quiet at the floor, where
+    the rollouts solve as much as greedy, and on a foreign run (whose eval may be sampled)."""
+    hot = {"components": {"correctness": 0.05}, "accuracy": (0.4, 0.4), **FLAT}
+    r = rec(tmp_path, cfg_with("temperature=2.0"), **hot)
+    assert changed(r) == {"temperature": 1.0}
+    assert "0.12 x the greedy base accuracy 0.4" in r.findings[0].evidence
+    assert changed(rec(tmp_path, cfg_with("temperature=1.0"), name="t1", **hot)) == {"temperature": 0.7}
+    assert "sampling_too_hot" not in fired(rec(tmp_path, cfg_with("temperature=0.7"), name="t07", **hot))
+    assert "sampling_too_hot" not in fired(rec(tmp_path, cfg_with("temperature=2.0"), name="ok", **{
+        **hot, "components": {"correctness": 0.35}}))
 
 
 def test_a_narrow_lora_that_held_still_is_widened_not_given_a_bigger_step(tmp_path):

@@ -393,3 +393,25 @@ def test_watch_live_trl_run(stories260k, tmp_path, cli):
     evals = run.read("eval")
     assert evals[0]["step"] == 0 and evals[0]["forget_kl"] == 0.0 and evals[1]["forget_kl"] > 0
     print(table.stdout)
+
+
+def test_update_spike_sees_a_build_up_but_not_a_warmup():
+    """A linear warmup's steps grow (k+1)/k per step: quiet. A learning rate doubling each step from step 20 is a
+    run of growing steps: update_spike at 21, the second growth, when the step is 2.5x the median before it."""
+    warmup = [{"step": s, "update_norm": 0.01 * min(s, 30) + 1e-3} for s in range(1, 41)]
+    assert A.update_spike(warmup) is None
+    ramp = [{"step": s, "update_norm": 0.2 * (2.0 ** max(0, s - 19) if s >= 20 else 1.0)} for s in range(1, 30)]
+    fired = A.update_spike(ramp)
+    assert fired is not None and fired.step == 21 and "grew x2 then x2" in fired.evidence
+    ramp[20]["update_norm"] = 0.2 * 2.0 * 1.4  # growth x1.4 at 21 breaks the run: it fires at 22
+    assert A.update_spike(ramp).step == 22
+
+
+def test_update_spike_leaves_out_steps_without_a_gradient():
+    """Groups all alike for 5 steps (grad_norm 0): weight decay alone moves the weights ~1e-3; the first real
+    update (~0.1, 100x) is not a spike (clinic: four runs whose first groups all failed)."""
+    recs = [{"step": s, "grad_norm": 0.0, "update_norm": 1e-3} for s in range(1, 6)]
+    recs += [{"step": s, "grad_norm": 0.2, "update_norm": 0.1 - 0.005 * s} for s in range(6, 13)]
+    assert A.update_spike(recs) is None
+    recs[-1]["update_norm"] = 1.0  # 10x the real steps before it
+    assert A.update_spike(recs).step == 12
