@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from mechdiag.metrics import (
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
+    ENTROPY_RISE_MIN,
     ENTROPY_RISE_RATIO,
     FRAC_ZERO_STD_HIGH,
     KL_BLOWUP,
@@ -154,14 +155,14 @@ def kl_blowup(metrics: list[dict]) -> Alert | None:
 
 
 def entropy_rise(metrics: list[dict]) -> Alert | None:
-    """Mean entropy over WINDOW steps at or above ENTROPY_RISE_RATIO x the first WINDOW steps' (the policy
-    diffusing; entropy_collapse watches the other direction)."""
+    """Mean entropy over WINDOW steps at or above ENTROPY_RISE_RATIO x the first WINDOW steps' and ENTROPY_RISE_MIN
+    nats above them (the policy diffusing; entropy_collapse watches the other direction)."""
     ent = series(metrics, "entropy")
     if len(ent) < 2 * WINDOW:
         return None
     head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
     for i, (step, m) in enumerate(_windows(ent)):
-        if i >= WINDOW and head > 0 and m >= ENTROPY_RISE_RATIO * head:
+        if i >= WINDOW and head > 0 and m >= ENTROPY_RISE_RATIO * head and m - head >= ENTROPY_RISE_MIN:
             return Alert("entropy_rise", step, f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in "
                                                f"the first {WINDOW} steps (>= {ENTROPY_RISE_RATIO:g}x)")
     return None

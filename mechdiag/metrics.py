@@ -33,7 +33,9 @@ EVAL_SIGNALS = [("accuracy", "eval accuracy"), ("eval_reward", "eval reward"), (
 FRAC_ZERO_STD_HIGH = 0.50  # share of groups with identical rewards above this: no gradient signal
 CLIPPED_HIGH = 0.20  # share of completions cut at max_completion_tokens above this
 ENTROPY_COLLAPSE_RATIO = 0.3  # entropy below this share of the run's own start has collapsed (no absolute floor)
-ENTROPY_RISE_RATIO = 1.5  # entropy above this multiple of the run's own start is rising (the policy diffusing)
+ENTROPY_RISE_RATIO = 1.5  # entropy above this multiple of the run's own start is rising (the policy diffusing)...
+ENTROPY_RISE_MIN = 0.1  # ...by at least this many nats/token: the per-token perplexity up 10% (e^0.1); a near-
+# deterministic sampler (temperature 0.1: 0.003 -> 0.007 nats) doubles its entropy without spreading at all
 KL_BLOWUP = 1.0  # per-token KL to the reference above this (nats) is a blow-up, whatever the eval says
 
 # The sampler against the trainer (docs/metrics.md, "Sampler gap"): the same policy scoring the same tokens twice,

@@ -24,6 +24,7 @@ from mechdiag.evidence import MIN_POINTS, WINDOW_FRAC, Signals
 from mechdiag.metrics import (  # the thresholds the live alerts share
     CLIPPED_HIGH,
     ENTROPY_COLLAPSE_RATIO,
+    ENTROPY_RISE_MIN,
     ENTROPY_RISE_RATIO,
     FRAC_ZERO_STD_HIGH,
     KL_BLOWUP,
@@ -716,7 +717,8 @@ def kl_blowup(s: Signals):
 @rule("entropy_rise", "entropy rises while reward or held-out accuracy does not: the policy diffuses")
 def entropy_rise(s: Signals):
     head, tail = s.window("entropy", "head"), s.window("entropy", "tail")
-    if not (head and tail) or head[0] <= 0 or tail[0] < ENTROPY_RISE_RATIO * head[0]:
+    if not (head and tail) or head[0] <= 0 or tail[0] < ENTROPY_RISE_RATIO * head[0] or \
+            tail[0] - head[0] < ENTROPY_RISE_MIN:
         return None
     costs = []
     trend = s.accuracy_trend()
@@ -1154,6 +1156,8 @@ CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", 
                                                                                   "no_update", "cannot_judge",
                                                                                   "step_too_large")),
              "group_small": ("low_diversity", "entropy_collapse"),
+             # answers drawn from the distribution's tail: their equal or spread rewards say nothing of diversity
+             "sampling_too_hot": ("low_diversity", "entropy_rise", "entropy_collapse"),
              # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps
              "correctness_unpaid": ("early_saturation", "low_diversity", "reward_misalignment", "held_still"),
              # the wider, sited treatment of the same idea (LoRA Without Regret): narrow_lora's change waits for it

@@ -683,3 +683,16 @@ def test_a_format_paying_reward_is_not_called_saturated(tmp_path):
             reward=(2.05, 2.08), frac_zero_std=0.8, reward_cv=0.02, kl=0.01)
     assert {"correctness_unpaid", "early_saturation"} <= fired(r)
     assert set(changed(r)) == {"rewards.weights"}  # not harder data: the saturation is the format's
+
+
+def test_a_near_deterministic_sampler_doubling_a_tiny_entropy_is_not_a_rise(tmp_path):
+    """temperature 0.1 in the clinic: entropy 0.0035 -> 0.0069 nats, x2 but +0.003; entropy_rise asked for half
+    the learning rate there and undid low_diversity's cure. A rise is ENTROPY_RISE_MIN nats as well as x1.5."""
+    from mechdiag import alerts
+
+    tiny = rec(tmp_path, cfg_with("temperature=0.1"), name="tiny", entropy=(0.0035, 0.007), **FLAT)
+    assert "entropy_rise" not in fired(tiny)
+    assert "entropy_rise" in fired(rec(tmp_path, name="real", entropy=(0.15, 1.2), **FLAT))
+    recs = [{"step": s, "entropy": 0.0035 * (1 + s / 10)} for s in range(1, 21)]
+    assert alerts.entropy_rise(recs) is None
+    assert alerts.entropy_rise([{**r, "entropy": r["entropy"] * 100} for r in recs]) is not None
