@@ -80,6 +80,7 @@ END_LAYERS = 2  # the study's reduced layers: first 2 and last 2
 END_RATIO = 2.0  # mean per-layer share at the ends over the middle's mean above this is "concentrated"
 END_RATIO_STRONG = 4.0  # concentrated this much fires even without a regression
 MIN_LAYERS_FOR_ENDS = 2 * END_LAYERS + 2  # need a middle of at least 2 layers
+LAYERS_KEPT_MIN = 4  # reduced_layers by attribution keeps at least this many layers (bench/selection.py --study)
 
 MODULE_MASS_COVER = 0.5  # the fewest modules that carry this share of the update mass...
 MODULE_CONCENTRATION = 1.5  # ...carry at least this many times their uniform share...
@@ -893,7 +894,7 @@ def reduced_layers(s: Signals):
     trend = s.accuracy_trend()
     regressed = trend is not None and trend[1] < trend[0] - ACC_DROP
     if causal:  # measured importance decides which layers, wherever they sit (Is One Layer Enough?: the middle)
-        keep, cover = _fewest_covering(causal, MODULE_MASS_COVER)
+        keep, cover = _fewest_covering(causal, MODULE_MASS_COVER, at_least=LAYERS_KEPT_MIN)
         if len(keep) > len(causal) // 2:
             return None
         # per-layer share of the kept layers over the rest's, as the end ratio compares ends and middle
@@ -906,8 +907,10 @@ def reduced_layers(s: Signals):
               + (f", with accuracy {trend[1]:.3g} < best {trend[0]:.3g})" if regressed else
                  f"; strong: > {END_RATIO_STRONG})"))
         return _finding(reduced_layers, ev, [Change("lora.layers", s.cfg.lora.layers, layers)],
-                        f"reduced layers where the effect is (attribution); the study's fixed treatment, {spec}, "
-                        "is the alternative when only displacement is recorded",
+                        f"reduced layers where the effect is (attribution), at least {LAYERS_KEPT_MIN}: a cost and "
+                        "stability change, not a promised gain (at equal trainable parameters no selection beat "
+                        "all-linear rank 1, and one layer learnt nothing: docs/benchmarks.md, Selection); the "
+                        f"study's fixed treatment, {spec}, is the alternative when only displacement is recorded",
                         confidence(concentration / END_RATIO - 1, s.n_train), end_ratio=concentration,
                         source="causal share")
     if current <= set(parse_layers(spec, n)):

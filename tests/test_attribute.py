@@ -166,6 +166,13 @@ def test_reduced_layers_uses_causal_share_when_recorded(saved, tmp_path):
     s.layer_mass = {i: 1 / n for i in range(n)}
     f = reduced_layers(s)
     assert f is not None and f.data["source"] == "causal share" and "attribution" in f.evidence
+    # one layer holding the effect still keeps LAYERS_KEPT_MIN (bench/selection.py --study: one layer by attribution
+    # learnt nothing at equal parameters), the next largest shares beside it
+    one = {i: (0.9 if i == 3 else 0.01 * (i + 1)) for i in range(n)}
+    s = signals(_copy_run(run, tmp_path / "one", _with_kl(base, "layer", one)))
+    s.layer_mass = {i: 1 / n for i in range(n)}
+    f = reduced_layers(s)
+    assert f is not None and f.changes[0].new == [3, 5, 6, 7] and "at least 4" in f.reason
     # causal flat overrules displacement concentrated at the ends
     s = signals(_copy_run(run, tmp_path / "flat", _with_kl(base, "layer", flat)))
     s.layer_mass = {i: end_heavy[i] / sum(end_heavy.values()) for i in range(n)}
