@@ -81,16 +81,18 @@ def context_length(config) -> int | None:
     return None
 
 
-def _config_of(name_or_path: str | Path):
+def _config_of(name_or_path: str | Path, local_only: bool = False):
     """The transformers config of a model argument (bundled, a model, adapter or run folder), from its config.json
-    alone: known before any weight is loaded. None when it cannot be read (the load reports that, in one line)."""
+    alone: known before any weight is loaded. None when it cannot be read (the load reports that, in one line).
+    local_only: a Hub name only from the local cache, never the network."""
     from transformers import AutoConfig  # noqa: PLC0415 - the config only
 
     try:
         folder = checkpoint_folder(name_or_path)
         if is_adapter(folder):
             folder = local_base(folder)
-        return AutoConfig.from_pretrained(resolve(folder if folder.exists() else name_or_path))
+        return AutoConfig.from_pretrained(resolve(folder if folder.exists() else name_or_path),
+                                          local_files_only=local_only)
     except Exception:  # noqa: BLE001 - a bad model is reported by the load that follows
         return None
 
@@ -101,9 +103,9 @@ def context_of(name_or_path: str | Path) -> int | None:
     return None if config is None else context_length(config)
 
 
-def layers_of(name_or_path: str | Path) -> int | None:
+def layers_of(name_or_path: str | Path, local_only: bool = False) -> int | None:
     """The number of transformer layers of a model argument (None when its config does not say)."""
-    config = _config_of(name_or_path)
+    config = _config_of(name_or_path, local_only)
     n = getattr(getattr(config, "text_config", config), "num_hidden_layers", None)
     return n if isinstance(n, int) else None
 

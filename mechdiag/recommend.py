@@ -1028,7 +1028,7 @@ def _lora_sites(s: Signals) -> tuple[int, int] | None:
     lora = s.cfg.lora
     if not lora.enabled or not s.known("model.name_or_path") or not set(lora.target_modules) <= set(ALL_MODULES):
         return None
-    n = layers_of(s.cfg.model.name_or_path)
+    n = layers_of(s.cfg.model.name_or_path, local_only=True)  # a diagnosis never waits on the network
     if n is None:
         return None
     return len(parse_layers(lora.layers, n)) * len(lora.target_modules), n * len(ALL_MODULES)
@@ -1037,7 +1037,8 @@ def _lora_sites(s: Signals) -> tuple[int, int] | None:
 @rule("lora_narrow", "the policy held still with LoRA on a small share of the model: widen it to every linear "
                      "module of every layer (a low rank is enough)")
 def lora_narrow(s: Signals):
-    still, sites = _still(s), _lora_sites(s)
+    still = _still(s)
+    sites = _lora_sites(s) if still is not None else None
     if still is None or sites is None or sites[0] >= LORA_NARROW_FRAC * sites[1] or s.cfg.beta > BETA_MAX:
         return None
     lora = s.cfg.lora

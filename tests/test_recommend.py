@@ -696,3 +696,22 @@ def test_a_near_deterministic_sampler_doubling_a_tiny_entropy_is_not_a_rise(tmp_
     recs = [{"step": s, "entropy": 0.0035 * (1 + s / 10)} for s in range(1, 21)]
     assert alerts.entropy_rise(recs) is None
     assert alerts.entropy_rise([{**r, "entropy": r["entropy"] * 100} for r in recs]) is not None
+
+
+def test_the_diagnosis_never_waits_on_the_network(tmp_path, monkeypatch):
+    """A run of a Hub model (a foreign run's `unsloth/gemma-3-1b-it`) asks only the local cache for its layer count:
+    offline, each reallog naming one waited ~23 s on the Hub before lora_narrow could answer."""
+    import transformers
+
+    asked = []
+
+    def from_pretrained(name, **kw):
+        asked.append((str(name), kw.get("local_files_only")))
+        raise OSError("not cached")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    held = {"kl": 0.001, "reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "frac_zero_std": 0.2, "eval_reward": (1.5, 1.5)}
+    r = rec(tmp_path, cfg_with("model.name_or_path=some-org/some-model", "lora.layers=[0]",
+                               "lora.target_modules=[q_proj]"), **held)
+    assert asked == [("some-org/some-model", True)]
+    assert "lora_narrow" not in fired(r)  # its share of the sites cannot be known: nothing claimed
