@@ -96,6 +96,16 @@ COLLAPSES = [  # (testbed, inject at step, learning-rate factor, ramp); each on 
     ("base", 6, 40.0, False), ("base", 8, 100.0, False), ("deep", 6, 40.0, False),
     ("base", 6, 2.0, True), ("deep", 6, 2.0, True),  # x2 more at every step from 6: a collapse that builds up
 ]
+# written after the rules, never used to size them: other testbed, other settings of the same classes
+HELDOUT_CASES = [
+    Case("deep_healthy", "healthy", "deep", []),
+    Case("deep_temp_high", "temperature too high", "deep", ["temperature=1.7"], {"temperature": "down"}),
+    Case("deep_healthy_iter2", "healthy", "deep", ["num_iterations=2"]),
+    Case("deep_clip_tight", "clip too tight", "deep", ["num_iterations=2", "epsilon=0.001"],
+         {"epsilon": "up", "epsilon_high": "up"}, ref="deep_healthy_iter2"),
+    Case("deep_group_small", "group too small", "deep", ["group_size=2", "prompts_per_step=16"], {"group_size": "up"}),
+]
+HELDOUT_COLLAPSES = [("deep", 9, 10.0, False), ("base", 5, 1.7, True)]
 COLLAPSE_BUDGET = ["max_steps=16", "eval_every=2", "eval_n=100"]
 
 # the random arm: one knob, one direction (x or / the factor; temperature +- 0.4)
@@ -503,6 +513,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--collapse-testbeds", nargs="*", default=None, help="testbeds of the injected collapses")
     ap.add_argument("--table", action="store_true", help="print the table of OUT/clinic.json and stop")
     ap.add_argument("--set", action="append", default=[], help="budget override for every run (KEY=VALUE)")
+    ap.add_argument("--heldout", action="store_true",
+                    help="the held-out starts and collapses (written after the rules), the doctor's arm only")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.table:
@@ -512,6 +524,8 @@ def main(argv=None) -> dict:
     global NO_TRAIN
     NO_TRAIN = args.measure
     out.mkdir(parents=True, exist_ok=True)
+    if args.heldout:
+        CASES[:], COLLAPSES[:], args.train_arms = HELDOUT_CASES, HELDOUT_COLLAPSES, ["doctor"]
     cases = [c for c in CASES if args.cases is None or c.name in args.cases]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     path = out / "clinic.json"

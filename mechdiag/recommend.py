@@ -541,7 +541,8 @@ def clip_tight(s: Signals):
     why = ("the working clip: the epsilon is off the working range (0.1-0.3) and binds" if off_range else
            f"a wider clip: about {CLIP_FRACTION_TARGET:.0%} of tokens clipped")
     return _finding(clip_tight, ev, changes, why,
-                    confidence((frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
+                    confidence((frac[0] - CLIP_BINDS) / CLIP_BINDS if off_range else
+                               (frac[0] - CLIP_FRACTION_HIGH) / (1 - CLIP_FRACTION_HIGH), s.n_train),
                     clip_fraction=frac[0])
 
 

@@ -53,6 +53,13 @@ def test_run_directory_contract(stories260k, tmp_path):
         assert len(adv) == 4 and abs(sum(adv)) < 1e-4
     assert run.checkpoint_steps() == [2]
     assert (run.final / "adapter_model.safetensors").exists()
+    # update_norm: how far step 3 moved the adapter, = ||final - checkpoint 2|| over the saved factors (float64)
+    from safetensors.torch import load_file
+
+    before, after = (load_file(d / "adapter_model.safetensors") for d in (run.checkpoint(2), run.final))
+    moved = math.sqrt(math.fsum(float((after[k].double() - before[k].double()).square().sum()) for k in after))
+    assert set(after) == set(before) and moved > 0
+    assert metrics[2]["update_norm"] == pytest.approx(moved, rel=1e-9)
     s = run.summary()
     # arith runs no model code: no sandbox was needed
     assert s["steps"] == 3 and s["base_accuracy"] == evals[0]["accuracy"] and s["sandbox"] == "none"

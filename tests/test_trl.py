@@ -108,6 +108,8 @@ def test_callback_records_run(trl_run):
                 "policy_clip_fraction", "loss", "grad_norm", "lr", "reward/_letter_a", "reward/_length"):
         assert all(key in m for m in metrics), key
     assert all(m["policy_clip_fraction"] == 0.0 for m in metrics)  # num_iterations 1: ratio exactly 1
+    # the step's weight change, measured by the callback around TRL's optimizer step (one process)
+    assert all(m["update_norm"] > 0 and math.isfinite(m["update_norm"]) for m in metrics)
     # computed from the step's completions (the parquet, GRPOConfig.reward_weights): the reward equals TRL's own
     # logged mean at every step, the eval step included (TRL then writes the eval's completions over the file);
     # reward_cv as computed by hand where the file still holds the step's
