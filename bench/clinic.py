@@ -53,6 +53,8 @@ TESTBEDS = {"base": "bundled", "deep": "bundled:deep"}
 FORMAT_HEAVY = ("rewards.weights={correctness: 0.1, xml_count: 1.0, numeric: 1.0, format: 1.0, "
                 "reasoning_nonempty: 0.5, answer_nonempty: 0.5}")
 
+LORA_NARROW_KEYS = {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}
+
 
 @dataclass
 class Case:
@@ -80,8 +82,7 @@ CASES = [
          {"epsilon": "up", "epsilon_high": "up"}, ref="healthy_iter4"),
     Case("temp_high", "temperature too high", "base", ["temperature=2.0"], {"temperature": "down"}),
     Case("lora_small", "LoRA too small / wrong place", "base",
-         ["lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"],
-         {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}),
+         ["lora.r=1", "lora.layers=[0]", "lora.target_modules=[q_proj]"], LORA_NARROW_KEYS),
     Case("reward_format", "reward pays format over correctness", "base", [FORMAT_HEAVY, "scale_rewards=none"],
          {"rewards.weights": "any"}),
     Case("loss_length", "loss type that biases length", "base", ["loss_type=dr_grpo", "max_completion_tokens=192"],
@@ -89,8 +90,7 @@ CASES = [
     Case("deep_healthy", "healthy", "deep", []),
     Case("deep_lr_high", "lr far too high", "deep", ["learning_rate=4e-2"], {"learning_rate": "down"}),
     Case("deep_lora_place", "LoRA too small / wrong place", "deep",
-         ["lora.r=1", "lora.layers=[7]", "lora.target_modules=[q_proj]"],
-         {"lora.r": "up", "lora.layers": "any", "lora.target_modules": "any"}),
+         ["lora.r=1", "lora.layers=[7]", "lora.target_modules=[q_proj]"], LORA_NARROW_KEYS),
 ]
 COLLAPSES = [  # (testbed, inject at step, learning-rate factor, ramp); each on both seeds
     ("base", 6, 40.0, False), ("base", 8, 100.0, False), ("deep", 6, 40.0, False),
@@ -106,6 +106,29 @@ HELDOUT_CASES = [
     Case("deep_group_small", "group too small", "deep", ["group_size=2", "prompts_per_step=16"], {"group_size": "up"}),
 ]
 HELDOUT_COLLAPSES = [("deep", 9, 10.0, False), ("base", 5, 1.7, True)]
+# written 2026-12-07 before any was trained: milder and other magnitudes of the same classes, on both testbeds
+MAGNITUDE_CASES = [
+    Case("healthy", "healthy", "base", []),
+    Case("healthy_iter4", "healthy", "base", ["num_iterations=4"]),
+    Case("deep_healthy", "healthy", "deep", []),
+    Case("lr_low10", "lr far too low", "base", ["learning_rate=1e-4"], {"learning_rate": "up"}),
+    Case("lr_high8", "lr far too high", "base", ["learning_rate=8e-3"], {"learning_rate": "down"}),
+    Case("beta_1", "beta far too high", "base", ["beta=1.0"], {"beta": "down"}),
+    Case("temp_03", "temperature too low", "base", ["temperature=0.3"], {"temperature": "up"}),
+    Case("budget_20", "budget too short", "base", ["max_completion_tokens=20"], {"max_completion_tokens": "up"}),
+    Case("group_3", "group too small", "base", ["group_size=3", "prompts_per_step=8"], {"group_size": "up"}),
+    Case("clip_005", "clip too tight", "base", ["num_iterations=4", "epsilon=0.005"],
+         {"epsilon": "up", "epsilon_high": "up"}, ref="healthy_iter4"),
+    Case("lora_v", "LoRA too small / wrong place", "base", ["lora.r=2", "lora.target_modules=[v_proj]"],
+         LORA_NARROW_KEYS),
+    Case("reward_format3", "reward pays format over correctness", "base",
+         ["rewards.weights={correctness: 0.3, xml_count: 1.0, numeric: 1.0, format: 1.0}"], {"rewards.weights": "any"}),
+    Case("deep_lr_low", "lr far too low", "deep", ["learning_rate=5e-5"], {"learning_rate": "up"}),
+    Case("deep_beta_high", "beta far too high", "deep", ["beta=1.0"], {"beta": "down"}),
+    Case("deep_budget_short", "budget too short", "deep", ["max_completion_tokens=16"],
+         {"max_completion_tokens": "up"}),
+    Case("deep_temp_low", "temperature too low", "deep", ["temperature=0.2"], {"temperature": "up"}),
+]
 COLLAPSE_BUDGET = ["max_steps=16", "eval_every=2", "eval_n=100"]
 
 # the random arm: one knob, one direction (x or / the factor; temperature +- 0.4)
@@ -515,6 +538,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="budget override for every run (KEY=VALUE)")
     ap.add_argument("--heldout", action="store_true",
                     help="the held-out starts and collapses (written after the rules), the doctor's arm only")
+    ap.add_argument("--magnitudes", action="store_true",
+                    help="other magnitudes of the same classes (written before they were trained), the doctor's "
+                         "arm only, no collapses")
     args = ap.parse_args(argv)
     out = Path(args.out)
     if args.table:
@@ -526,6 +552,8 @@ def main(argv=None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     if args.heldout:
         CASES[:], COLLAPSES[:], args.train_arms = HELDOUT_CASES, HELDOUT_COLLAPSES, ["doctor"]
+    if args.magnitudes:
+        CASES[:], COLLAPSES[:], args.train_arms, args.no_collapse = MAGNITUDE_CASES, [], ["doctor"], True
     cases = [c for c in CASES if args.cases is None or c.name in args.cases]
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     path = out / "clinic.json"

@@ -59,3 +59,22 @@ def test_collapse_multiplies_the_learning_rate_from_its_step(tmp_path):
     C._train((cfg.model_dump(mode="json"), tmp_path / "run", (3, 10.0)))
     lrs = [json.loads(x)["lr"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert lrs[:2] == [cfg.learning_rate] * 2 and lrs[2:] == [cfg.learning_rate * 10] * 2
+
+
+def test_every_case_set_is_well_formed():
+    """Each start loads as a config on its testbed, its class keys are config keys its start is judged by, and it is
+    sick against a healthy start of its own set and testbed (a typo here would silently drop a case from the
+    sick/named/cured counts)."""
+    for cases in (C.CASES, C.HELDOUT_CASES, C.MAGNITUDE_CASES):
+        names = [c.name for c in cases]
+        assert len(names) == len(set(names))
+        healthy = {c.name: c.testbed for c in cases if c.klass == "healthy"}
+        for c in cases:
+            data = C.case_cfg(c, 42).model_dump(mode="json")
+            for key, way in c.keys.items():
+                C._get(data, key)  # KeyError on a key the config does not have
+                assert way in ("up", "down", "any")
+            if c.klass != "healthy":
+                assert c.keys, c.name
+                ref = c.ref or next(n for n, t in healthy.items() if t == c.testbed)
+                assert healthy[ref] == c.testbed, c.name
