@@ -55,6 +55,47 @@ def test_softcapped_head_and_bias_match_autograd():
         assert torch.allclose(a, e, atol=1e-5)
 
 
+def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
+    """|a - e| / |e| (Frobenius): the error relative to the tensor's scale."""
+    return float((a.detach().double() - e.detach().double()).norm() / e.detach().double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_logprobs_entropy_and_grads_equal_the_full_logits(dtype, temperature, softcap):
+    """One chunked pass gives the log-probs, the entropy and the gradient of any mix of them (the entropy detached,
+    or alone) in hidden, weight and bias: chunks of 3 over 10 real positions (the last holds 1), 2 masked."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(97, 16, generator=g, dtype=dtype).requires_grad_()
+    bias = torch.randn(97, generator=g, dtype=dtype).requires_grad_()
+    h = torch.randn(2, 6, 16, generator=g, dtype=dtype).requires_grad_()
+    tokens = torch.randint(0, 97, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    m = mask.bool()
+    head = vocab.Head(w, bias, softcap)
+    # the reference's logits from the same 3-row matmuls: a float32 head over 3 rows and over 12 rounds differently
+    # (blocking, ~1 ulp), which moves a gradient by ~1e-6 (the float32 floor, not the formula's)
+    logits = torch.cat([head.logits(x) for x in h[m].split(3)])
+    ref_lp, ref_ent = vocab.token_logprobs(logits, tokens[m], temperature), vocab.token_entropy(logits, temperature)
+    lp, ent = vocab.selected_logprobs_entropy(h, head, tokens, mask, temperature, chunk=3)
+    assert lp.dtype == ent.dtype == torch.float32 and (lp[~m] == 0).all() and (ent[~m] == 0).all()
+    assert _rel(lp[m], ref_lp) <= 1e-6 and _rel(ent[m], ref_ent) <= 1e-6
+    a, b = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    losses = {"both": lambda lp, ent: (a * lp + b * ent).sum(),
+              "entropy detached": lambda lp, ent: (a * lp + b * ent.detach()).sum(),
+              "entropy alone": lambda lp, ent: (b * ent).sum()}
+    for name, loss in losses.items():
+        lp, ent = vocab.selected_logprobs_entropy(h, head, tokens, mask, temperature, chunk=3)
+        got = torch.autograd.grad(loss(lp[m], ent[m]), (h, w, bias))
+        want = torch.autograd.grad(loss(ref_lp, ref_ent), (h, w, bias), retain_graph=True)
+        for x, y, of in zip(got, want, ("hidden", "weight", "bias"), strict=True):
+            assert x.dtype == dtype and _rel(x, y) <= 1e-6, (name, of, _rel(x, y))
+    # the log-prob alone is selected_logprobs's: the same function, without the entropy
+    assert torch.equal(lp, vocab.selected_logprobs(h, head, tokens, mask, temperature, chunk=3))
+
+
 def test_chunked_entropy_and_kl_equal_the_full_softmax(stories260k):
     model, tok = models.load_model_and_tokenizer(str(stories260k), "float32")
     b = _batch(tok)
