@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mechdiag import models, vocab
-from mechdiag.generate import policy_hidden, policy_logits, policy_logprobs
+from mechdiag.generate import policy_entropy, policy_hidden, policy_logits, policy_logprobs, policy_logprobs_entropy
 
 
 def _batch(tok, n=3, t=7, seed=0):
@@ -94,6 +94,33 @@ def test_fused_logprobs_entropy_and_grads_equal_the_full_logits(dtype, temperatu
             assert x.dtype == dtype and _rel(x, y) <= 1e-6, (name, of, _rel(x, y))
     # the log-prob alone is selected_logprobs's: the same function, without the entropy
     assert torch.equal(lp, vocab.selected_logprobs(h, head, tokens, mask, temperature, chunk=3))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_logprobs_entropy_equal_the_full_logits(stories260k, temperature):
+    """The update pass's entropy path on the real model: chunked where vocab.Head models the head, the full logits
+    under an adapter on lm_head; policy_entropy (no gradient) the same values."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = models.load_model_and_tokenizer(str(stories260k), "float32")
+    b = _batch(tok)
+    m = b[3].bool()
+    params = [p for p in model.parameters() if p.requires_grad]
+    a = torch.randn(b[2].shape, generator=torch.Generator().manual_seed(4))
+    logits = policy_logits(model, *b)
+    want = vocab.token_logprobs(logits, b[2], temperature), vocab.token_entropy(logits, temperature)
+    g_want = torch.autograd.grad(((want[0] + a * want[1]) * b[3]).sum(), params)
+    lp, ent = policy_logprobs_entropy(model, *b, temperature=temperature)
+    for x, y in zip((lp, ent), want, strict=True):
+        assert _rel(x[m], y[m]) <= 1e-6 and (x[~m] == 0).all()
+    for x, y in zip(torch.autograd.grad((lp + a * ent).sum(), params), g_want, strict=True):
+        assert _rel(x, y) <= 1e-5  # the float32 model's own forward and backward, beyond the head
+    assert _rel(policy_entropy(model, *b, temperature=temperature)[m], ent[m].detach()) <= 1e-6
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["lm_head"]))
+    assert vocab.head_of(peft) is None
+    lp, ent = policy_logprobs_entropy(peft, *b, temperature=temperature)
+    assert _rel(lp[m], want[0][m]) <= 1e-6 and _rel(ent[m], want[1][m]) <= 1e-6 and (ent[~m] == 0).all()
+    assert torch.equal(policy_entropy(peft, *b, temperature=temperature), ent.detach())  # the same formula
 
 
 def test_chunked_entropy_and_kl_equal_the_full_softmax(stories260k):
