@@ -83,15 +83,17 @@ def test_fused_logprobs_entropy_and_grads_equal_the_full_logits(dtype, temperatu
     assert lp.dtype == ent.dtype == torch.float32 and (lp[~m] == 0).all() and (ent[~m] == 0).all()
     assert _rel(lp[m], ref_lp) <= 1e-6 and _rel(ent[m], ref_ent) <= 1e-6
     a, b = torch.randn(10, generator=g), torch.randn(10, generator=g)
-    losses = {"both": lambda lp, ent: (a * lp + b * ent).sum(),
-              "entropy detached": lambda lp, ent: (a * lp + b * ent.detach()).sum(),
-              "entropy alone": lambda lp, ent: (b * ent).sum()}
-    for name, loss in losses.items():
+    # the entropy's gradient alone, -p (log p + H), cancels where the softmax is broad (a softcap of 3): there the
+    # float32 reference is itself ~6e-7 off the float64 one, and the two agree to ~1e-6, the float32 floor
+    losses = {"both": (lambda lp, ent: (a * lp + b * ent).sum(), 1e-6),
+              "entropy detached": (lambda lp, ent: (a * lp + b * ent.detach()).sum(), 1e-6),
+              "entropy alone": (lambda lp, ent: (b * ent).sum(), 3e-6)}
+    for name, (loss, tol) in losses.items():
         lp, ent = vocab.selected_logprobs_entropy(h, head, tokens, mask, temperature, chunk=3)
         got = torch.autograd.grad(loss(lp[m], ent[m]), (h, w, bias))
         want = torch.autograd.grad(loss(ref_lp, ref_ent), (h, w, bias), retain_graph=True)
         for x, y, of in zip(got, want, ("hidden", "weight", "bias"), strict=True):
-            assert x.dtype == dtype and _rel(x, y) <= 1e-6, (name, of, _rel(x, y))
+            assert x.dtype == dtype and _rel(x, y) <= tol, (name, of, _rel(x, y))
     # the log-prob alone is selected_logprobs's: the same function, without the entropy
     assert torch.equal(lp, vocab.selected_logprobs(h, head, tokens, mask, temperature, chunk=3))
 
