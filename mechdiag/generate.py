@@ -236,6 +236,33 @@ def policy_logprobs(model, prompt_ids, prompt_mask, completion_ids, completion_m
     return vocab.selected_logprobs(hidden, head, completion_ids, completion_mask, temperature)
 
 
+def policy_logprobs_entropy(model, prompt_ids, prompt_mask, completion_ids, completion_mask,
+                            temperature: float = 1.0, prompt_of: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """policy_logprobs and the (B, T) entropy (nats) of the same distribution, 0 at padding, both differentiable,
+    from one chunked pass over the head (vocab.selected_logprobs_entropy)."""
+    head = vocab.head_of(model)
+    if head is None:
+        logits = policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+        return (vocab.token_logprobs(logits, completion_ids, temperature) * completion_mask,
+                vocab.token_entropy(logits, temperature) * completion_mask)
+    hidden = policy_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+    return vocab.selected_logprobs_entropy(hidden, head, completion_ids, completion_mask, temperature)
+
+
+def policy_entropy(model, prompt_ids, prompt_mask, completion_ids, completion_mask, temperature: float = 1.0,
+                   prompt_of: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) entropy of the completion positions' distributions, 0 at padding, without gradient (the head a chunk
+    of positions at a time where vocab.Head models it)."""
+    with torch.no_grad():
+        head = vocab.head_of(model)
+        if head is None:
+            logits = policy_logits(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+            return vocab.token_entropy(logits, temperature) * completion_mask
+        hidden = policy_hidden(model, prompt_ids, prompt_mask, completion_ids, completion_mask, prompt_of)
+        return vocab.selected_entropy(hidden, head, completion_mask, temperature)
+
+
 def _decoder(model):
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     return base.get_decoder()

@@ -275,6 +275,30 @@ def test_zero_advantage_rows_count_in_the_entropy_quantile_only(stories260k, tmp
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
 
 
+@pytest.mark.parametrize("options", [("entropy_coef=0.05", "top_entropy_quantile=0.5"), ("entropy_coef=0.05",)])
+def test_entropy_bonus_pass_equals_the_full_logits(stories260k, tmp_path, options):
+    """The entropy bonus's update pass (log-probs and entropy from one chunked pass over the head, the entropy's
+    gradient included) gives the loss and gradient of the full logits."""
+    from mechdiag.train.rollout import collect, policy_logits
+
+    cfg = C.load(None, small(stories260k, "max_steps=1", "loss_type=dapo", "group_size=2", "prompts_per_step=4",
+                             "task.name=tests.toy:Half", *options))
+    tr = Trainer(cfg, tmp_path / "run")
+    roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
+    params = [p for p in tr.model.parameters() if p.requires_grad]
+    loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
+    fast = torch.autograd.grad(loss, params)
+    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask,
+                           prompt_of=torch.tensor(roll.group_ids))
+    logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature) * roll.completion_mask
+    full, _ = objective.grpo_loss(logp, roll.old_logp, roll.ref_logp, roll.advantages, roll.completion_mask,
+                                  tr.objective, entropy=objective.token_entropy(logits, cfg.temperature))
+    slow = torch.autograd.grad(full, params)
+    assert loss.item() == pytest.approx(full.item(), rel=1e-5)
+    for a, b in zip(fast, slow, strict=True):
+        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+
+
 def test_equal_reward_groups_are_skipped_with_beta_zero(stories260k, tmp_path):
     """Issue 14: a group of eight rewards 1.85 (weight 3.7 x 0.5) had float32 advantages ~1e-3, never 0, so the
     beta = 0 shortcut never left those rows out. Now they are exactly 0 and the update pass skips them."""

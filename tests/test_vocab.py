@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from mechdiag import models, vocab
-from mechdiag.generate import policy_hidden, policy_logits, policy_logprobs
+from mechdiag.generate import policy_entropy, policy_hidden, policy_logits, policy_logprobs, policy_logprobs_entropy
 
 
 def _batch(tok, n=3, t=7, seed=0):
@@ -53,6 +53,76 @@ def test_softcapped_head_and_bias_match_autograd():
     for a, e in zip(torch.autograd.grad((got * weights).sum(), (h, w, bias)),
                     torch.autograd.grad((ref * weights).sum(), (h, w, bias)), strict=True):
         assert torch.allclose(a, e, atol=1e-5)
+
+
+def _rel(a: torch.Tensor, e: torch.Tensor) -> float:
+    """|a - e| / |e| (Frobenius): the error relative to the tensor's scale."""
+    return float((a.detach().double() - e.detach().double()).norm() / e.detach().double().norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_fused_logprobs_entropy_and_grads_equal_the_full_logits(dtype, temperature, softcap):
+    """One chunked pass gives the log-probs, the entropy and the gradient of any mix of them (the entropy detached,
+    or alone) in hidden, weight and bias: chunks of 3 over 10 real positions (the last holds 1), 2 masked."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(97, 16, generator=g, dtype=dtype).requires_grad_()
+    bias = torch.randn(97, generator=g, dtype=dtype).requires_grad_()
+    h = torch.randn(2, 6, 16, generator=g, dtype=dtype).requires_grad_()
+    tokens = torch.randint(0, 97, (2, 6), generator=g)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, 4:] = 0
+    m = mask.bool()
+    head = vocab.Head(w, bias, softcap)
+    # the reference's logits from the same 3-row matmuls: a float32 head over 3 rows and over 12 rounds differently
+    # (blocking, ~1 ulp), which moves a gradient by ~1e-6 (the float32 floor, not the formula's)
+    logits = torch.cat([head.logits(x) for x in h[m].split(3)])
+    ref_lp, ref_ent = vocab.token_logprobs(logits, tokens[m], temperature), vocab.token_entropy(logits, temperature)
+    lp, ent = vocab.selected_logprobs_entropy(h, head, tokens, mask, temperature, chunk=3)
+    assert lp.dtype == ent.dtype == torch.float32 and (lp[~m] == 0).all() and (ent[~m] == 0).all()
+    assert _rel(lp[m], ref_lp) <= 1e-6 and _rel(ent[m], ref_ent) <= 1e-6
+    a, b = torch.randn(10, generator=g), torch.randn(10, generator=g)
+    # the entropy's gradient alone, -p (log p + H), cancels where the softmax is broad (a softcap of 3): there the
+    # float32 reference is itself ~6e-7 off the float64 one, and the two agree to ~1e-6, the float32 floor
+    losses = {"both": (lambda lp, ent: (a * lp + b * ent).sum(), 1e-6),
+              "entropy detached": (lambda lp, ent: (a * lp + b * ent.detach()).sum(), 1e-6),
+              "entropy alone": (lambda lp, ent: (b * ent).sum(), 3e-6)}
+    for name, (loss, tol) in losses.items():
+        lp, ent = vocab.selected_logprobs_entropy(h, head, tokens, mask, temperature, chunk=3)
+        got = torch.autograd.grad(loss(lp[m], ent[m]), (h, w, bias))
+        want = torch.autograd.grad(loss(ref_lp, ref_ent), (h, w, bias), retain_graph=True)
+        for x, y, of in zip(got, want, ("hidden", "weight", "bias"), strict=True):
+            assert x.dtype == dtype and _rel(x, y) <= tol, (name, of, _rel(x, y))
+    # the log-prob alone is selected_logprobs's: the same function, without the entropy
+    assert torch.equal(lp, vocab.selected_logprobs(h, head, tokens, mask, temperature, chunk=3))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_policy_logprobs_entropy_equal_the_full_logits(stories260k, temperature):
+    """The update pass's entropy path on the real model: chunked where vocab.Head models the head, the full logits
+    under an adapter on lm_head; policy_entropy (no gradient) the same values."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = models.load_model_and_tokenizer(str(stories260k), "float32")
+    b = _batch(tok)
+    m = b[3].bool()
+    params = [p for p in model.parameters() if p.requires_grad]
+    a = torch.randn(b[2].shape, generator=torch.Generator().manual_seed(4))
+    logits = policy_logits(model, *b)
+    want = vocab.token_logprobs(logits, b[2], temperature), vocab.token_entropy(logits, temperature)
+    g_want = torch.autograd.grad(((want[0] + a * want[1]) * b[3]).sum(), params)
+    lp, ent = policy_logprobs_entropy(model, *b, temperature=temperature)
+    for x, y in zip((lp, ent), want, strict=True):
+        assert _rel(x[m], y[m]) <= 1e-6 and (x[~m] == 0).all()
+    for x, y in zip(torch.autograd.grad((lp + a * ent).sum(), params), g_want, strict=True):
+        assert _rel(x, y) <= 1e-5  # the float32 model's own forward and backward, beyond the head
+    assert _rel(policy_entropy(model, *b, temperature=temperature)[m], ent[m].detach()) <= 1e-6
+    peft = get_peft_model(model, LoraConfig(r=2, target_modules=["lm_head"]))
+    assert vocab.head_of(peft) is None
+    lp, ent = policy_logprobs_entropy(peft, *b, temperature=temperature)
+    assert _rel(lp[m], want[0][m]) <= 1e-6 and _rel(ent[m], want[1][m]) <= 1e-6 and (ent[~m] == 0).all()
+    assert torch.equal(policy_entropy(peft, *b, temperature=temperature), ent.detach())  # the same formula
 
 
 def test_chunked_entropy_and_kl_equal_the_full_softmax(stories260k):

@@ -30,7 +30,7 @@ from mechdiag import recorder as R
 from mechdiag import trackers as T
 from mechdiag.config import LR_SCHEDULERS, Config, load_object
 from mechdiag.errors import UserError, first_line
-from mechdiag.generate import step_seed
+from mechdiag.generate import policy_entropy, policy_logprobs_entropy, step_seed
 from mechdiag.probes.forget import ForgetProbe
 from mechdiag.recorder import StepRecord, Update
 from mechdiag.run import RunDir, held
@@ -38,7 +38,7 @@ from mechdiag.train import hooks as H
 from mechdiag.train import memory
 from mechdiag.train import objective as obj
 from mechdiag.train.lora import apply_lora, merge_into
-from mechdiag.train.rollout import Rollout, collect, policy_logits, policy_logprobs
+from mechdiag.train.rollout import Rollout, collect, policy_logprobs
 
 REFERENCE_WEIGHTS = "reference.safetensors"  # a checkpoint's synced reference (sync_ref_model)
 
@@ -452,13 +452,11 @@ class Trainer:
         shared = not cfg.gradient_checkpointing and not (cfg.lora.enabled and cfg.lora.dropout > 0)
         prompt_of = torch.tensor(mb.group_ids) if shared else None
         entropy = None
-        if o.entropy_needed:  # the full logits: the entropy and its gradient need every entry
-            logits = policy_logits(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
-                                   prompt_of)
-            logp = obj.token_logprobs(logits, mb.completion_ids, cfg.temperature) * mb.completion_mask
-            bonus = o.entropy_coef != 0.0 or o.use_adaptive_entropy  # else the quantile reads it, no gradient
-            entropy = obj.token_entropy(logits if bonus else logits.detach(), cfg.temperature)
-            del logits
+        if o.entropy_needed:  # log-probs and entropy from one chunked pass over the head
+            logp, entropy = policy_logprobs_entropy(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids,
+                                                    mb.completion_mask, cfg.temperature, prompt_of=prompt_of)
+            if not (o.entropy_coef != 0.0 or o.use_adaptive_entropy):  # the quantile alone reads it: no gradient
+                entropy = entropy.detach()
         else:
             logp = policy_logprobs(self.model, mb.prompt_ids, mb.prompt_mask, mb.completion_ids, mb.completion_mask,
                                    cfg.temperature, prompt_of=prompt_of)
@@ -468,11 +466,9 @@ class Trainer:
         pool = None  # the quantile's values: every row's tokens, those left out computed without gradient
         if pool_only and bool(zero.any()):
             rest = roll.select(rows[zero])
-            with torch.no_grad():
-                ent = obj.token_entropy(policy_logits(self.model, rest.prompt_ids, rest.prompt_mask,
-                                                      rest.completion_ids, rest.completion_mask,
-                                                      torch.tensor(rest.group_ids) if shared else None),
-                                        cfg.temperature)
+            ent = policy_entropy(self.model, rest.prompt_ids, rest.prompt_mask, rest.completion_ids,
+                                 rest.completion_mask, cfg.temperature,
+                                 torch.tensor(rest.group_ids) if shared else None)
             pool = torch.cat([entropy.detach()[mask.bool()], ent[loss_mask(cfg, rest).bool()]])
         loss, st = obj.grpo_loss(logp, mb.old_logp, mb.ref_logp, mb.advantages, mask, o, share, entropy=entropy,
                                  entropy_pool=pool)
