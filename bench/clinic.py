@@ -369,7 +369,8 @@ def run_cases(cases: list[Case], out: Path, n_jobs: int, log, seeds=SEEDS, docto
         cfg0 = case_cfg(c, seeds[0])
         knob = random_knob(c, cfg0)
         sick_acc = arm_stats([out / c.name / f"sick-{s}" for s in arm_seeds])
-        search = search_proposal(c, cfg0, sick_acc["accuracy"], arm_seeds)
+        # TPE's space holds the usual values only (group 2-16 in powers of 2): proposed only when trained
+        search = search_proposal(c, cfg0, sick_acc["accuracy"], arm_seeds) if "search" in train_arms else {}
         arms[c.name] = {"rec": rec, "knob": knob, "search": search}
         plans = [("random", set_keys(cfg0, knob)), ("search", set_keys(cfg0, search))]
         if rec.changes and doctor:

@@ -31,13 +31,16 @@ EVAL_TASKS = ["arith/test", "arith/ood_steps"]
 # and the held-out splits evaluated after. The bundled default needs none of it.
 MODEL_RECIPES = {
     # SmolLM2-135M ignores the system prompt's format (0 of 40 greedy answers tagged); one worked example and the
-    # answer started with <reasoning> make it answer in the format, wrong often enough for GRPO to have work
+    # answer started with <reasoning> make it answer in the format, wrong often enough for GRPO to have work.
+    # update_rows 8: one group per pass, its prompt run once (the memory model's default split it to 1 row a pass,
+    # 71 s of update against 41 s); 2 CPU cores make about 20 steps in 30 minutes, so the lr is LoRA's 2e-4
     "smollm2-135m-instruct": [
         "model.name_or_path=smollm2-135m-instruct", "task.options={difficulty: 1, shots: 1, prefill: <reasoning>}",
         "group_size=8", "prompts_per_step=4", "max_completion_tokens=64", "max_prompt_tokens=256",
-        "learning_rate=0.0001", "lora.r=16", "lora.alpha=32", "temperature=1.0", "beta=0.0", "max_time_s=1800"],
+        "learning_rate=0.0002", "lora.r=16", "lora.alpha=32", "temperature=1.0", "beta=0.0", "update_rows=8",
+        "max_time_s=1800"],
 }
-MODEL_STEPS = {"smollm2-135m-instruct": 30}
+MODEL_STEPS = {"smollm2-135m-instruct": 20}
 
 
 def demo_overrides(max_steps: int, eval_n: int = 200) -> list[str]:

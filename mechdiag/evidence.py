@@ -4,6 +4,7 @@ the sampled completions, and how the run holds each config key (a foreign run's 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mechdiag.config import Config
@@ -231,6 +232,16 @@ class Signals:
             return "base"
         steps, _ = self.series("accuracy", "eval")
         return f"first eval (step {steps[0]})" if steps else "start"
+
+    def gain_noise(self, a: float, b: float) -> float:
+        """Two standard errors of the difference of two held-out accuracies a and b (binomial at their mean, each
+        over the eval's problems of every pooled run): a gain under it cannot be told from the eval's sampling noise.
+        0 where the problem count is not known (a foreign run)."""
+        n = (self.cfg.eval_n or 0) * len(self.runs) if self.provenance is None else 0
+        if n <= 0:
+            return 0.0
+        p = min(max((a + b) / 2, 1 / n), 1 - 1 / n)
+        return 2 * math.sqrt(2 * p * (1 - p) / n)
 
     def accuracy_trend(self) -> tuple[float, float, float] | None:
         """(best so far including base, final, base) eval accuracy, or None without two points."""

@@ -53,7 +53,6 @@ EPSILON_HIGH_TARGET = 0.3  # the study's asymmetric upper clip (0.2 -> 0.3)
 KL_HIGH = 0.10  # tail mean per-token KL to the reference above this (nats) is high
 KL_RISE_RATIO = 1.5  # tail mean over the mean of the second quarter above this is "rising"...
 KL_RISE_MIN = 0.02  # ...when the tail mean is also above this (ignore noise near zero)
-KL_VERY_HIGH = 0.5  # above this also halve the learning rate
 ACC_DROP = 0.02  # eval accuracy this far below its best (base included) is "falling"
 BETA_FACTOR = 3.0  # the study's 0.003 -> 0.01
 BETA_FROM_ZERO = 0.005  # beta when it was 0 (Table 7's math/code value)
@@ -671,9 +670,14 @@ def kl_drift(s: Signals):
         ev = "; ".join(parts) + f"; {acc_ev}"
         margin = max(tail[0] / KL_HIGH - 1 if high else 0, (best - final) / max(ACC_DROP, 1e-9) - 1)
     changes = [c for c in [_raise_beta(s.cfg)] if c]
-    if kl is not None and (kl > KL_VERY_HIGH or not changes):
-        changes.append(Change("learning_rate", s.cfg.learning_rate, s.cfg.learning_rate * LR_FACTOR))
-    reason = "a stronger KL anchor keeps the policy near the base (study: 4B on MCQ, beta 0.003 -> 0.01)"
+    if kl is not None and (kl > KL_HIGH or not changes):
+        # a KL above the working range is a step too large: KL grows with the square of the step (step_too_large's
+        # sizing); at least halved, so a rising KL with beta at its cap still gets a smaller step
+        cut = _clamp(math.sqrt(kl / KL_WORKING), 1 / LR_FACTOR, LR_CUT_MAX)
+        changes.append(Change("learning_rate", s.cfg.learning_rate, _sig(s.cfg.learning_rate / cut)))
+        ev += f"; sqrt(kl / {KL_WORKING}) = {math.sqrt(kl / KL_WORKING):.3g}"
+    reason = "a stronger KL anchor keeps the policy near the base (study: 4B on MCQ, beta 0.003 -> 0.01)" + (
+        ", and a smaller step, sized by how far the KL sits above a working run's" if len(changes) > 1 else "")
     return _finding(kl_drift, ev, changes, reason, confidence(margin, s.n_train), kl_tail=kl,
                     onset=s.onset("kl", lambda v: v > KL_HIGH) if kl is not None else None,
                     accuracy_final=final, accuracy_best=best)
@@ -1011,13 +1015,15 @@ def _still(s: Signals) -> tuple[str, float, float, float] | None:
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
     ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
-    flat = final - base <= ACC_FLAT and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
+    gain_max = max(ACC_FLAT, s.gain_noise(base, final))  # a gain the eval's own noise could make is no gain
+    flat = final - base <= gain_max and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
                                           EVAL_REWARD_FLAT * s.reward_span)
     anchored = s.cfg.beta > BETA_MAX
     if not (flat or anchored):
         return None
     ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; eval accuracy {base:.3g} -> {final:.3g}"
-          + (f" (gain <= {ACC_FLAT})" if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
+          + (f" (gain <= {gain_max:.3g}" + (", 2 SE of the eval's noise" if gain_max > ACC_FLAT else "") + ")"
+             if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
     return ev, kl[0], base, final
 
@@ -1160,7 +1166,8 @@ CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", 
              "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
                                                                                   "no_update", "cannot_judge",
                                                                                   "step_too_large")),
-             "group_small": ("low_diversity", "entropy_collapse"),
+             # groups too small to rank their completions: a still policy follows from it, a bigger step does not help
+             "group_small": ("low_diversity", "entropy_collapse", "held_still"),
              # answers drawn from the distribution's tail: their equal or spread rewards say nothing of diversity
              "sampling_too_hot": ("low_diversity", "entropy_rise", "entropy_collapse"),
              # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps

@@ -1,6 +1,7 @@
 """Rules on synthetic run directories built to show one symptom each; healthy runs give no change."""
 
 import json
+import math
 import re
 
 import pytest
@@ -92,10 +93,18 @@ def test_low_diversity_with_nothing_left_to_raise_is_advice_only(tmp_path, cli):
     assert proc.returncode == 0 and "advice only" in proc.stdout
 
 
-def test_kl_high_with_accuracy_falling_raises_beta(tmp_path):
+def _step_cut(r, lr):
+    """kl_drift's learning rate: lr / sqrt(kl tail / KL_WORKING), at least halved."""
+    kl = r.findings[0].data["kl_tail"]
+    return pytest.approx(R._sig(lr / max(2.0, math.sqrt(kl / R.KL_WORKING))))
+
+
+def test_kl_high_with_accuracy_falling_raises_beta_and_sizes_the_step(tmp_path):
     r = rec(tmp_path, reward=(1.5, 1.6), kl=(0.0, 0.2, 0.3), accuracy=(0.4, 0.3))
     assert fired(r) == {"kl_drift"}
-    assert changed(r) == {"beta": pytest.approx(0.015)}
+    lr = r.base_cfg.learning_rate
+    assert changed(r) == {"beta": pytest.approx(0.015), "learning_rate": _step_cut(r, lr)}
+    assert changed(r)["learning_rate"] < lr / 4  # kl ~0.25: 25x a working run's, a step 5x too large
     assert "kl 0.2" in r.findings[0].evidence or "kl 0.3" in r.findings[0].evidence
     assert "eval accuracy 0.3" in r.findings[0].evidence
 
@@ -110,9 +119,10 @@ def test_high_kl_with_accuracy_rising_is_fine(tmp_path):
     assert rec(tmp_path, reward=(1.5, 1.6), kl=(0.0, 0.3), accuracy=(0.3, 0.5)).findings == []
 
 
-def test_very_high_kl_also_lowers_learning_rate(tmp_path):
+def test_very_high_kl_cuts_the_learning_rate_further(tmp_path):
     r = rec(tmp_path, reward=(1.5, 1.6), kl=(0.2, 0.9), accuracy=(0.4, 0.2))
-    assert changed(r) == {"beta": pytest.approx(0.015), "learning_rate": pytest.approx(1e-3)}
+    assert changed(r) == {"beta": pytest.approx(0.015), "learning_rate": _step_cut(r, r.base_cfg.learning_rate)}
+    assert "sqrt(kl / 0.01)" in r.findings[0].evidence
 
 
 def test_beta_zero_without_kl_record_and_falling_accuracy(tmp_path):
@@ -593,6 +603,18 @@ def test_held_still_sizes_the_learning_rate_from_how_far_kl_sits_under_a_working
     r = rec(tmp_path, cfg_with("beta=0", "learning_rate=5e-4"), name="near", kl=0.005, reward=(1.5, 1.5),
             accuracy=(0.4, 0.4), frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
     assert changed(r) == {"learning_rate": pytest.approx(1.5e-3)}  # sqrt(2) = 1.4, at least LR_FREE_MIN = 3
+
+
+def test_a_gain_the_evals_noise_could_make_is_no_gain(tmp_path):
+    """LoRA r 2 on v_proj alone (clinic --magnitudes): KL 10x under a working run's and +2 points on 200 held-out
+    problems, inside the eval's 2 SE (7 points): held still. The same gain measured on 20,000 problems is real."""
+    kw = dict(kl=0.0015, reward=(1.5, 1.5), accuracy=(0.365, 0.39), frac_zero_std=0.2, eval_reward=(1.5, 1.52),
+              noise=0.0)
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=1e-3", "eval_n=200"), name="small", **kw)
+    factor = max(R.LR_FREE_MIN, math.sqrt(R.KL_WORKING / 0.0015))
+    assert "held_still" in fired(r) and changed(r) == {"learning_rate": pytest.approx(R._sig(1e-3 * factor))}
+    assert "2 SE of the eval's noise" in r.findings[0].evidence
+    assert "held_still" not in fired(rec(tmp_path, cfg_with("beta=0", "eval_n=20000"), name="big", **kw))
 
 
 def test_beta_beyond_its_range_is_freed_even_while_accuracy_creeps_up(tmp_path):
