@@ -254,21 +254,30 @@ def test_dapo_update_is_the_token_mean_of_the_whole_rollout(stories260k, tmp_pat
 def test_zero_advantage_rows_count_in_the_entropy_quantile_only(stories260k, tmp_path):
     """top_entropy_quantile with beta = 0: rows with A = 0 leave the backward pass but their tokens still set the
     quantile's threshold (a forward without gradient); the loss and gradient are those of every row together."""
-    from mechdiag.train.rollout import collect, policy_logits
+    from mechdiag.train.rollout import collect
 
     cfg = C.load(None, small(stories260k, "max_steps=1", "beta=0", "loss_type=dapo", "group_size=2",
                              "prompts_per_step=4", "task.name=tests.toy:Half", "top_entropy_quantile=0.3"))
     tr = Trainer(cfg, tmp_path / "run")
     roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
     assert 0 < int((roll.advantages == 0).sum()) < len(roll)
+    _assert_pass_equals_full_logits(tr, roll, old_ref=False)
+
+
+def _assert_pass_equals_full_logits(tr, roll, old_ref: bool) -> None:
+    """The trainer's update pass over every row gives the loss and gradient of grpo_loss on the full logits."""
+    from mechdiag.train.rollout import policy_logits
+
     params = [p for p in tr.model.parameters() if p.requires_grad]
     loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
     fast = torch.autograd.grad(loss, params)
     logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask,
                            prompt_of=torch.tensor(roll.group_ids))
-    logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature) * roll.completion_mask
-    full, _ = objective.grpo_loss(logp, None, None, roll.advantages, roll.completion_mask, tr.objective,
-                                  entropy=objective.token_entropy(logits, cfg.temperature))
+    t = tr.cfg.temperature
+    logp = objective.token_logprobs(logits, roll.completion_ids, t) * roll.completion_mask
+    full, _ = objective.grpo_loss(logp, roll.old_logp if old_ref else None, roll.ref_logp if old_ref else None,
+                                  roll.advantages, roll.completion_mask, tr.objective,
+                                  entropy=objective.token_entropy(logits, t))
     slow = torch.autograd.grad(full, params)
     assert loss.item() == pytest.approx(full.item(), rel=1e-5)
     for a, b in zip(fast, slow, strict=True):
@@ -279,24 +288,13 @@ def test_zero_advantage_rows_count_in_the_entropy_quantile_only(stories260k, tmp
 def test_entropy_bonus_pass_equals_the_full_logits(stories260k, tmp_path, options):
     """The entropy bonus's update pass (log-probs and entropy from one chunked pass over the head, the entropy's
     gradient included) gives the loss and gradient of the full logits."""
-    from mechdiag.train.rollout import collect, policy_logits
+    from mechdiag.train.rollout import collect
 
     cfg = C.load(None, small(stories260k, "max_steps=1", "loss_type=dapo", "group_size=2", "prompts_per_step=4",
                              "task.name=tests.toy:Half", *options))
     tr = Trainer(cfg, tmp_path / "run")
     roll = collect(tr.model, tr.tokenizer, tr.task, tr.batch(1), cfg, torch.Generator().manual_seed(0))
-    params = [p for p in tr.model.parameters() if p.requires_grad]
-    loss, _ = tr._micro_loss(roll, torch.arange(len(roll)))
-    fast = torch.autograd.grad(loss, params)
-    logits = policy_logits(tr.model, roll.prompt_ids, roll.prompt_mask, roll.completion_ids, roll.completion_mask,
-                           prompt_of=torch.tensor(roll.group_ids))
-    logp = objective.token_logprobs(logits, roll.completion_ids, cfg.temperature) * roll.completion_mask
-    full, _ = objective.grpo_loss(logp, roll.old_logp, roll.ref_logp, roll.advantages, roll.completion_mask,
-                                  tr.objective, entropy=objective.token_entropy(logits, cfg.temperature))
-    slow = torch.autograd.grad(full, params)
-    assert loss.item() == pytest.approx(full.item(), rel=1e-5)
-    for a, b in zip(fast, slow, strict=True):
-        assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max())
+    _assert_pass_equals_full_logits(tr, roll, old_ref=True)
 
 
 def test_equal_reward_groups_are_skipped_with_beta_zero(stories260k, tmp_path):
