@@ -183,8 +183,9 @@ def with_stops(src: Path, folder: Path, mean_tokens: float, prompts: int = 4, pr
 def common(args, model_dir: Path) -> list[str]:
     return [f"model.name_or_path={model_dir}", f"model.dtype={args.dtype}", f"device={args.device}",
             "max_steps=1", f"group_size={args.group}", f"prompts_per_step={args.prompts}",
-            f"max_completion_tokens={args.completion}", "max_prompt_tokens=96", "beta=0.04", "eval_n=4",
-            "record.shift_n=4", "record.samples_every=1", "save_every=0", "max_time_s=null", f"threads={args.threads}"]
+            f"max_completion_tokens={args.completion}", f"max_prompt_tokens={args.prompt_tokens}", "beta=0.04",
+            "eval_n=4", "record.shift_n=4", "record.samples_every=1", "save_every=0", "max_time_s=null",
+            f"threads={args.threads}"]
 
 
 def child(case: str, overrides: list[str], out: Path) -> dict:
@@ -340,9 +341,13 @@ def main():
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=1)
     ap.add_argument("--completion", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=96, help="max_prompt_tokens (a chat template needs more)")
     ap.add_argument("--real-vocab", action="store_true", help="Qwen2.5-0.5B's 151,936-entry vocabulary (tied)")
     ap.add_argument("--stops", type=float, default=None,
                     help="run on a copy whose completions stop: mean EOS wait in tokens (with_stops)")
+    ap.add_argument("--model", default=None,
+                    help="a real model in place of the built 0.5B shape: a name (smollm2-135m-instruct, gemma3-270m), "
+                         "a .gguf file or a folder; its converted folder is used as it is")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--grid", action="store_true", help="completion 256/512 x G 8/16, rounds, medians")
@@ -382,7 +387,12 @@ def main():
         print(RESULT + json.dumps(child(args.child, args.set, args.out)), flush=True)
         return
     with tempfile.TemporaryDirectory() as d:
-        model_dir = build(args.model_dir or Path(d) / "qwen05b-shape", real_vocab=args.real_vocab)
+        if args.model:
+            from mechdiag import models
+
+            model_dir = models.checkpoint_folder(args.model)
+        else:
+            model_dir = build(args.model_dir or Path(d) / "qwen05b-shape", real_vocab=args.real_vocab)
         weights = (model_dir / "model.safetensors").stat().st_size
         n_params = weights // 4
         load = os.getloadavg()[0]
@@ -395,13 +405,17 @@ def main():
             rows.append(r)
             print(f"{case}: {r['s_per_step']:.1f} s/step, peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB = "
                   f"{r['peak_rss_bytes'] / weights:.2f}x weights", file=sys.stderr, flush=True)
-    print(f"0.5B-shaped model: {n_params / 1e6:.0f}M parameters, float32 weights {weights / 2**30:.2f} GiB; "
+    print(f"{args.model or '0.5B-shaped model'}: {n_params / 1e6:.0f}M parameters, float32 weights "
+          f"{weights / 2**30:.2f} GiB; "
           f"G={args.group}, prompts/step={args.prompts}, max completion {args.completion}, dtype {args.dtype}, "
           f"threads {args.threads}, load avg at start {load:.1f}")
-    print(f"{'case':<16} {'s/step':>7} {'wall s':>7} {'peak RSS GiB':>13} {'x weights':>10} {'disp rows':>10}")
+    print(f"{'case':<16} {'s/step':>7} {'wall s':>7} {'peak RSS GiB':>13} {'x weights':>10} {'predicted GiB':>14} "
+          f"{'disp rows':>10} {'length':>7}")
     for r in rows:
+        pred = (r["summary"].get("memory") or {}).get("predicted_peak_bytes")  # the native trainer's memory model
         print(f"{r['case']:<16} {r['s_per_step']:7.1f} {r['wall_s']:7.1f} {r['peak_rss_bytes'] / 2**30:13.2f} "
-              f"{r['peak_rss_bytes'] / weights:10.2f} {r['displacement_rows']:10d}")
+              f"{r['peak_rss_bytes'] / weights:10.2f} {pred / 2**30 if pred else float('nan'):14.2f} "
+              f"{r['displacement_rows']:10d} {r['completion_length']:7.1f}")
 
 
 if __name__ == "__main__":
