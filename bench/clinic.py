@@ -516,6 +516,11 @@ def table(result: dict) -> str:
             lines.append(f"| {c['testbed']} | {c['inject_step']}, {how} | {c['seed']} | "
                          f"{c['drop_step']} | {c['alert']} @ {c['alert_step']} | {c['lead']} | "
                          f"{', '.join(c['false_alarms']) or 'none'} |")
+        # a step's alerts fire from its record, before that step's eval: lead 0 is an alert before the drop shows
+        led = [c for c in col if c["lead"] is not None and c["lead"] >= 0 and not c["false_alarms"]]
+        lines += ["", f"The first alert comes before the eval that shows the drop, with no alert before the "
+                      f"injection, on {len(led)}/{len(col)} collapses (lead >= 1 step on "
+                      f"{sum(c['lead'] >= 1 for c in led)})."]
     return "\n".join(lines)
 
 
