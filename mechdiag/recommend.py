@@ -101,6 +101,9 @@ HELD_ZERO_STD_MAX = 0.9  # ...while fewer than this share of the groups score al
 
 # sick starts (docs/recommendations.md, "Sized from the evidence"; bench/clinic.py measures each)
 KL_WORKING = 0.01  # the per-token KL a short run that learns reaches (embedded default: 0.005-0.01 by step 12)
+WORKING_STEPS = 12  # ...after this many steps; a step of Adam moves ~lr in a steady direction, so a working run's
+# KL grows with the square of its steps (20 steps: 0.033 measured, (20/12)^2 x 0.01 = 0.028)...
+KL_WORKING_MAX = 0.04  # ...and levels off as the schedule decays and the policy settles (40 steps: 0.048)
 LR_FREE_MIN, LR_FREE_MAX = 3.0, 100.0  # held_still's learning-rate factor sqrt(KL_WORKING / kl), within these
 COLLAPSE_FRAC = 0.5  # step_too_large: final held-out accuracy under this share of its best (base included)...
 KL_COLLAPSE = 1.0  # ...with the tail KL above this (nats/token): the policy left its base, it did not drift
@@ -1060,6 +1063,13 @@ def lora_narrow(s: Signals):
                     sites_total=sites[1])
 
 
+def _kl_working(s: Signals) -> float:
+    """A working run's per-token KL at this run's length: KL_WORKING at WORKING_STEPS, growing with the square of
+    the steps (a steady drift of ~lr a step), between KL_WORKING and KL_WORKING_MAX."""
+    steps = max(s.train, default=WORKING_STEPS)
+    return _clamp(KL_WORKING * (steps / WORKING_STEPS) ** 2, KL_WORKING, KL_WORKING_MAX)
+
+
 @rule("held_still", "KL near zero and eval flat while the groups still differ (or beta beyond its range): the KL "
                     "penalty or a tiny step size holds the policy where it began")
 def held_still(s: Signals):
@@ -1071,10 +1081,11 @@ def held_still(s: Signals):
         change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
     else:
-        # KL grows with the square of the step while small: sqrt(KL_WORKING / kl) brings it to a working run's
-        factor = _clamp(math.sqrt(KL_WORKING / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
+        # KL grows with the square of the step while small: sqrt(working / kl) brings it to a working run's
+        working = _kl_working(s)
+        factor = _clamp(math.sqrt(working / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
         change = Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))
-        ev += f"; sqrt({KL_WORKING} / kl) = {math.sqrt(KL_WORKING / max(kl, 1e-12)):.3g}"
+        ev += f"; sqrt({working:.3g} / kl) = {math.sqrt(working / max(kl, 1e-12)):.3g}"
         reason = (f"a larger step: the learning rate x {factor:.3g}, sized by how far the KL sits under a working "
                   "run's")
     return _finding(held_still, ev, [change], reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,

@@ -596,13 +596,27 @@ def test_every_trl_option_can_be_prescribed():
 def test_held_still_sizes_the_learning_rate_from_how_far_kl_sits_under_a_working_run(tmp_path):
     """lr 50x too low on the embedded default left KL at ~5e-6 (clinic): x10 did not cure it; the factor is
     sqrt(KL_WORKING / kl), bounded."""
-    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=2e-5"), kl=4e-6, reward=(1.5, 1.5), accuracy=(0.4, 0.4),
-            frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
+    still = dict(reward=(1.5, 1.5), accuracy=(0.4, 0.4), frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0,
+                 steps=12)  # the clinic's length: a working run's KL is KL_WORKING
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=2e-5"), kl=4e-6, **still)
     assert changed(r) == {"learning_rate": pytest.approx(1e-3)}  # sqrt(0.01 / 4e-6) = 50
     assert "sqrt(0.01 / kl) = 50" in r.findings[0].evidence
-    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=5e-4"), name="near", kl=0.005, reward=(1.5, 1.5),
-            accuracy=(0.4, 0.4), frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=5e-4"), name="near", kl=0.005, **still)
     assert changed(r) == {"learning_rate": pytest.approx(1.5e-3)}  # sqrt(2) = 1.4, at least LR_FREE_MIN = 3
+
+
+def test_a_longer_run_is_held_still_against_a_longer_working_run(tmp_path):
+    """A working run's KL grows with its steps (12 steps: 0.01; 20: 0.033; 40: 0.048 on the embedded default): the
+    same KL after 20 steps sits further under a working run's, so the step grows more; after 40 it levels off."""
+    still = dict(reward=(1.5, 1.5), accuracy=(0.4, 0.4), frac_zero_std=0.2, eval_reward=(1.5, 1.5), noise=0.0)
+    got = {n: changed(rec(tmp_path, cfg_with("beta=0", "learning_rate=1e-5"), name=f"s{n}", kl=1e-6, steps=n,
+                          **still))["learning_rate"] for n in (12, 20, 40, 80)}
+    assert got[12] == pytest.approx(1e-3)  # sqrt(0.01 / 1e-6) = 100, the most one round gives
+    got = {n: changed(rec(tmp_path, cfg_with("beta=0", "learning_rate=1e-5"), name=f"t{n}", kl=1e-5, steps=n,
+                          **still))["learning_rate"] for n in (12, 20, 40, 80)}
+    assert got[12] == pytest.approx(R._sig(1e-5 * math.sqrt(0.01 / 1e-5)))
+    assert got[20] == pytest.approx(R._sig(1e-5 * math.sqrt(0.01 * (20 / 12) ** 2 / 1e-5)))
+    assert got[40] == got[80] == pytest.approx(R._sig(1e-5 * math.sqrt(R.KL_WORKING_MAX / 1e-5)))
 
 
 def test_a_gain_the_evals_noise_could_make_is_no_gain(tmp_path):
@@ -610,11 +624,11 @@ def test_a_gain_the_evals_noise_could_make_is_no_gain(tmp_path):
     problems, inside the eval's 2 SE (7 points): held still. The same gain measured on 20,000 problems is real."""
     kw = dict(kl=0.0015, reward=(1.5, 1.5), accuracy=(0.365, 0.39), frac_zero_std=0.2, eval_reward=(1.5, 1.52),
               noise=0.0)
-    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=1e-3", "eval_n=200"), name="small", **kw)
+    r = rec(tmp_path, cfg_with("beta=0", "learning_rate=1e-3", "eval_n=200"), name="small", steps=12, **kw)
     factor = max(R.LR_FREE_MIN, math.sqrt(R.KL_WORKING / 0.0015))
     assert "held_still" in fired(r) and changed(r) == {"learning_rate": pytest.approx(R._sig(1e-3 * factor))}
     assert "2 SE of the eval's noise" in r.findings[0].evidence
-    assert "held_still" not in fired(rec(tmp_path, cfg_with("beta=0", "eval_n=20000"), name="big", **kw))
+    assert "held_still" not in fired(rec(tmp_path, cfg_with("beta=0", "eval_n=20000"), name="big", steps=12, **kw))
 
 
 def test_beta_beyond_its_range_is_freed_even_while_accuracy_creeps_up(tmp_path):
