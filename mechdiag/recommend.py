@@ -491,19 +491,30 @@ def correctness_unpaid(s: Signals):
                     confidence(1 - share / CORRECTNESS_SHARE_MIN, s.n_train), correctness_share=share)
 
 
-@rule("group_small", "many groups score all alike and the group is small: more completions per prompt, the same "
-                     "rollouts per step")
-def group_small(s: Signals):
+def _group_growth(s: Signals) -> tuple[int, float, tuple] | None:
+    """(group size, share of groups that differ at it over the share now, frac_zero_std window) when many groups
+    score all alike and the group is small. A group is all alike with probability ~ q^G for a per-prompt outcome
+    q: the share seen at G predicts the share at G' as zero^(G'/G); the smallest power of two that brings it under
+    ZERO_STD_TARGET."""
     g, zero = s.cfg.group_size, s.window("frac_zero_std", "tail")
     if g >= GROUP_SIZE_USUAL or zero is None or zero[0] <= FRAC_ZERO_STD_HIGH or _saturated(s):
         return None
-    # a group is all alike with probability ~ q^G for a per-prompt outcome q: the share seen at G predicts the
-    # share at G' as zero^(G'/G); the smallest power of two that brings it under ZERO_STD_TARGET
     new_g = g
     while new_g < GROUP_SIZE_MAX and zero[0] ** (new_g / g) > ZERO_STD_TARGET:
         new_g *= 2
     if new_g == g:
         return None
+    return new_g, (1 - zero[0] ** (new_g / g)) / (1 - zero[0]), zero
+
+
+@rule("group_small", "many groups score all alike and the group is small: more completions per prompt, the same "
+                     "rollouts per step")
+def group_small(s: Signals):
+    growth = _group_growth(s)
+    if growth is None:
+        return None
+    new_g, _, zero = growth
+    g = s.cfg.group_size
     prompts = s.cfg.prompts_per_step
     rollouts = g * prompts
     budget = max(rollouts, ROLLOUTS_USUAL)  # a run under the usual rollouts per step grows to it
@@ -1077,6 +1088,15 @@ def held_still(s: Signals):
     if still is None:
         return None
     ev, kl, base, final = still
+    growth = _group_growth(s)
+    if growth is not None and s.cfg.beta <= BETA_MAX and growth[1] ** 2 * kl >= _kl_working(s):
+        # KL grows with the square of the step, the step with the share of groups that differ: larger groups
+        # alone bring the KL to a working run's, so group_small's change is the cure and this one waits for it
+        ev += (f"; group_size {s.cfg.group_size} -> {growth[0]} gives {growth[1]:.3g}x the groups that differ, "
+               f"kl x {growth[1] ** 2:.3g} >= {_kl_working(s):.3g}")
+        return _finding(held_still, ev, [], "larger groups explain it (group_small): re-check after them",
+                        confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl, accuracy_base=base,
+                        accuracy_final=final)
     if s.cfg.beta > 0:
         change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
@@ -1177,8 +1197,9 @@ CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", 
              "step_too_large": tuple(name for name, _, _ in RULES if name not in ("no_signal", "too_few_records",
                                                                                   "no_update", "cannot_judge",
                                                                                   "step_too_large")),
-             # groups too small to rank their completions: a still policy follows from it, a bigger step does not help
-             "group_small": ("low_diversity", "entropy_collapse", "held_still"),
+             # groups too small to rank their completions: their equal rewards say nothing of diversity (held_still
+             # weighs itself whether larger groups explain a still policy)
+             "group_small": ("low_diversity", "entropy_collapse"),
              # answers drawn from the distribution's tail: their equal or spread rewards say nothing of diversity
              "sampling_too_hot": ("low_diversity", "entropy_rise", "entropy_collapse"),
              # a reward that pays the format saturates on the format: neither harder data nor a bigger step helps
