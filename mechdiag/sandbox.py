@@ -102,29 +102,42 @@ def _compiled() -> bool:
     return bool(compileall.compile_dir(PROGRAMS, quiet=2, force=False))
 
 
-def _limits(timeout_s: float, memory_mb: int, max_procs: int, max_file_mb: int) -> list[tuple[int, int, int]]:
+NOFILE = 64  # descriptors a run's process may hold
+
+
+def _limits(timeout_s: float, memory_mb: int, max_procs: int, max_file_mb: int,
+            fds: tuple[int, ...] = ()) -> list[tuple[int, int, int]]:
+    """The rlimits of a run's processes. The descriptor cap is NOFILE, or one past the highest descriptor the
+    child is passed where the host has handed out more (a busy host, runs side by side)."""
     cpu = int(math.ceil(timeout_s))
+    nofile = max([NOFILE, *(fd + 1 for fd in fds)])
     mem = int(memory_mb) * 1024 * 1024
     fsize = int(max_file_mb) * 1024 * 1024
     return [(resource.RLIMIT_CPU, cpu, cpu + 1), (resource.RLIMIT_AS, mem, mem),
             (resource.RLIMIT_NPROC, max_procs, max_procs), (resource.RLIMIT_FSIZE, fsize, fsize),
-            (resource.RLIMIT_NOFILE, 64, 64), (resource.RLIMIT_CORE, 0, 0)]
+            (resource.RLIMIT_NOFILE, nofile, nofile), (resource.RLIMIT_CORE, 0, 0)]
 
 
 def _make_preexec(limits, cpu=None, then=None):
     """The child's setup between fork and exec: rlimits, its one core (`cpu`), then `then` (the landlock mode's
-    confinement)."""
+    confinement), then the descriptor cap: until exec the child holds every descriptor of the host, and `then`
+    opens some of its own."""
     setrlimit, getrlimit, setaffinity = resource.setrlimit, resource.getrlimit, getattr(os, "sched_setaffinity", None)
+    nofile = resource.RLIMIT_NOFILE
+
+    def apply(which, soft, hard):
+        try:
+            setrlimit(which, (soft, hard))
+        except (ValueError, OSError):  # hard limit already lower here, or a limit this OS lacks
+            try:
+                setrlimit(which, (min(soft, getrlimit(which)[1]), getrlimit(which)[1]))
+            except (ValueError, OSError):
+                pass
 
     def preexec():  # runs in the child between fork and exec: C calls only, nothing imported here
         for which, soft, hard in limits:
-            try:
-                setrlimit(which, (soft, hard))
-            except (ValueError, OSError):  # hard limit already lower here, or a limit this OS lacks
-                try:
-                    setrlimit(which, (min(soft, getrlimit(which)[1]), getrlimit(which)[1]))
-                except (ValueError, OSError):
-                    pass
+            if which != nofile:
+                apply(which, soft, hard)
         if cpu is not None and setaffinity is not None:
             try:
                 setaffinity(0, (cpu,))
@@ -132,6 +145,9 @@ def _make_preexec(limits, cpu=None, then=None):
                 pass
         if then is not None:
             then()
+        for which, soft, hard in limits:
+            if which == nofile:
+                apply(which, soft, hard)
 
     return preexec
 
@@ -455,7 +471,6 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     t0 = time.monotonic()
     if iso == "guard-only" and _guard_only_refusal() is not None:
         return SandboxResult(False, "error", 0.0, _guard_only_refusal(), isolation=iso)
-    limits = _limits(timeout_s, memory_mb, max_procs, max_file_mb)
     req_r, req_w = os.pipe()
     resp_r, resp_w = os.pipe()
     res_r, res_w = os.pipe()
@@ -506,6 +521,7 @@ def _run(code, tests, timeout_s, memory_mb, max_procs, max_file_mb, max_output, 
     procs: list[subprocess.Popen] = []
     extra = tuple(fd for fd in (filter_fd, judge_filter) if fd is not None)
     child_fds = (req_r, req_w, resp_r, resp_w, res_w, out_w, flag_w) + extra
+    limits = _limits(timeout_s, memory_mb, max_procs, max_file_mb, child_fds)
     try:
         try:
             cand = subprocess.Popen(
