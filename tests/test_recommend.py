@@ -655,6 +655,24 @@ def test_small_groups_grow_at_the_same_rollouts(tmp_path):
     assert "low_diversity" in fired(r) and "temperature" not in changed(r)
 
 
+def test_a_still_policy_with_small_groups_waits_for_them_only_when_they_explain_it(tmp_path):
+    """group_size 2, 60% of groups alike: groups of 8 give (1 - 0.6^4) / (1 - 0.6) = 2.2x the groups that differ,
+    KL x 4.7. KL 0.009 x 4.7 reaches a working 40-step run's 0.04: larger groups are the cure, held_still changes
+    nothing. A KL far under it, or a beta beyond any working range: the config's own cause, changed beside them."""
+    still = {"reward": (1.5, 1.5), "accuracy": (0.4, 0.4), "eval_reward": (1.5, 1.5), "frac_zero_std": 0.6,
+             "noise": 0.0}
+    near = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=32", "beta=0"), name="near", kl=0.009, **still)
+    held = next(f for f in near.findings if f.rule == "held_still")
+    assert held.changes == [] and "group_small" in held.reason and "kl x 4.7" in held.evidence
+    assert changed(near) == {"group_size": 8, "prompts_per_step": 8}
+    far = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=32", "beta=0", "learning_rate=1e-5"), name="far",
+              kl=0.0002, **still)
+    assert changed(far)["group_size"] == 8 and changed(far)["learning_rate"] > 1e-5
+    anchored = rec(tmp_path, cfg_with("group_size=2", "prompts_per_step=32", "beta=2"), name="anchored", kl=0.008,
+                   **still)
+    assert changed(anchored)["group_size"] == 8 and changed(anchored)["beta"] == 0.01
+
+
 def test_a_tight_clip_widens_where_it_binds(tmp_path):
     # in the working range's tenth and above: sized by the exponential model, 0.03 / ln(1 / 0.6) * ln(1 / 0.05)
     r = rec(tmp_path, cfg_with("num_iterations=4", "epsilon=0.03"), clip_fraction=0.6, noise=0.0, **FLAT)
