@@ -74,6 +74,9 @@ class LoraConfig(_Strict):
 
 class RewardConfig(_Strict):
     weights: dict[str, float] | None = None  # None: the task's study weights (tasks.resolve_rewards fills them in)
+    # random: the control run a held-out gain is judged beside (Spurious rewards, arXiv 2506.10947): the reward
+    # is a fair coin per completion (tasks.rewards.coin), the task's components weigh 0 and are still logged
+    control: Literal["none", "random"] = "none"
     reasoning_tag: str = "reasoning"
     answer_tag: str = "answer"
 

@@ -31,13 +31,17 @@ EVAL_TASKS = ["arith/test", "arith/ood_steps"]
 # and the held-out splits evaluated after. The bundled default needs none of it.
 MODEL_RECIPES = {
     # SmolLM2-135M ignores the system prompt's format (0 of 40 greedy answers tagged); one worked example and the
-    # answer started with <reasoning> make it answer in the format, wrong often enough for GRPO to have work.
-    # update_rows 8: one group per pass, its prompt run once (the memory model's default split it to 1 row a pass,
-    # 71 s of update against 41 s); 2 CPU cores make about 20 steps in 30 minutes, so the lr is LoRA's 2e-4
+    # answer started with <reasoning> make it answer in the format. One operation a problem (arith's steps [1, 1]):
+    # it starts at 0.27-0.29 held-out, the right answer is one short line (32 tokens), and groups often hold a
+    # right and a wrong one; at 1-2 operations it starts at 0.13 and 20 steps taught it the format, not the sums.
+    # Temperature 0.8: samples near the greedy answer the eval reads. update_rows 8: one group per pass, its prompt
+    # run once (the memory model's default split it to 1 row a pass, 71 s of update against 41 s); 2 CPU cores
+    # make 20 steps in about 15 minutes, so the lr is LoRA's 2e-4
     "smollm2-135m-instruct": [
-        "model.name_or_path=smollm2-135m-instruct", "task.options={difficulty: 1, shots: 1, prefill: <reasoning>}",
-        "group_size=8", "prompts_per_step=4", "max_completion_tokens=64", "max_prompt_tokens=256",
-        "learning_rate=0.0002", "lora.r=16", "lora.alpha=32", "temperature=1.0", "beta=0.0", "update_rows=8",
+        "model.name_or_path=smollm2-135m-instruct",
+        "task.options={difficulty: 1, steps: [1, 1], shots: 1, prefill: <reasoning>}",
+        "group_size=8", "prompts_per_step=4", "max_completion_tokens=32", "max_prompt_tokens=256",
+        "learning_rate=0.0002", "lora.r=16", "lora.alpha=32", "temperature=0.8", "beta=0.0", "update_rows=8",
         "max_time_s=1800"],
 }
 MODEL_STEPS = {"smollm2-135m-instruct": 20}

@@ -1356,6 +1356,10 @@ def control_note(s: Signals) -> list[str]:
     trend = s.accuracy_trend()
     if trend is None or trend[1] - trend[2] <= CONTROL_GAIN:
         return []
+    if s.known("rewards.control") and s.cfg.rewards.control == "random":
+        return [f"held-out accuracy {s.start_label} {trend[2]:.3g} -> {trend[1]:.3g} under a random reward: this "
+                "much of a run's gain needs no reward signal (Spurious rewards, arXiv 2506.10947)"]
+    how = "`--set rewards.control=random`; " if s.provenance is None else ""  # a mechdiag run: our own switch
     return [f"held-out accuracy {s.start_label} {trend[2]:.3g} -> {trend[1]:.3g}: to trust this gain, train a "
-            "control run with a random reward at the same budget and seed (Spurious rewards, arXiv 2506.10947: "
-            "a Qwen base gains from random rewards alone)"]
+            f"control run with a random reward at the same budget and seed ({how}Spurious rewards, arXiv "
+            "2506.10947: a Qwen base gains from random rewards alone)"]

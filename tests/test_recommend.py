@@ -769,3 +769,13 @@ def test_the_diagnosis_never_waits_on_the_network(tmp_path, monkeypatch):
                                "lora.target_modules=[q_proj]"), **held)
     assert asked == [("some-org/some-model", True)]
     assert "lora_narrow" not in fired(r)  # its share of the sites cannot be known: nothing claimed
+
+
+def test_a_gain_is_offered_its_control_and_the_control_run_says_what_it_is(tmp_path):
+    """A held-out gain beyond CONTROL_GAIN gets the Spurious-rewards note with our own switch to train the control;
+    the control run itself (rewards.control: random) is read as the gain a reward with no signal gives."""
+    gain = rec(tmp_path, name="gain", accuracy=(0.3, 0.5), **FLAT)
+    assert any("`--set rewards.control=random`" in n for n in gain.notes)
+    control = rec(tmp_path, cfg_with("rewards.control=random"), name="control", accuracy=(0.3, 0.5), **FLAT)
+    assert any("under a random reward" in n for n in control.notes)
+    assert not rec(tmp_path, name="flat", accuracy=(0.4, 0.41), **FLAT).notes

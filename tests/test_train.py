@@ -434,3 +434,34 @@ def test_step_record_carries_the_controller_and_the_sampler_gap(stories260k, tmp
     m = step_metrics(record)
     assert m["entropy_coef"] == pytest.approx(0.0175)
     assert set(SAMPLER_KEYS) - {"sampler_masked_fraction"} <= set(m) and m["sampler_logp_diff"] < 1e-4
+
+
+def test_random_reward_control_pays_the_coin_alone_and_logs_the_task(stories260k, tmp_path):
+    """rewards.control: random (the Spurious-rewards control): each completion's reward is its coin, a fixed
+    function of (seed, example, text) with even odds, blind to correctness; the task's components are still
+    scored and logged at weight 0, and config.yaml says so. The same through TRL's reward functions."""
+    from mechdiag.integrations.trl import task_reward_funcs
+    from mechdiag.tasks import resolve_rewards
+    from mechdiag.tasks.rewards import coin
+    from mechdiag.train.rollout import collect
+
+    cfg = resolve_rewards(C.load(None, small(stories260k, "max_steps=1", "group_size=8", "prompts_per_step=4",
+                                             "rewards.control=random", "temperature=2.0")))
+    w = cfg.rewards.weights
+    assert w["random"] == 1.0 and w["correctness"] == 0.0 and set(w.values()) == {0.0, 1.0}
+    tr = Trainer(cfg, tmp_path / "run")
+    examples = tr.batch(1)
+    roll = collect(tr.model, tr.tokenizer, tr.task, examples, cfg, torch.Generator().manual_seed(0))
+    coins = [coin(cfg.seed, roll.example_ids[i], t) for i, t in enumerate(roll.texts)]
+    assert roll.rewards.tolist() == coins and roll.components["random"].tolist() == coins
+    assert "correctness" in roll.components and 0 < sum(coins) < len(coins)
+    # the coin is fair and ignores the text's content: over many texts, about half pay
+    many = [coin(7, "e", f"<answer>{i}</answer>") for i in range(4000)]
+    assert abs(sum(many) / len(many) - 0.5) < 0.03
+    funcs, weights = task_reward_funcs(tr.task, examples, cfg.rewards.weights, cfg.seed)
+    by_name = dict(zip([f.__name__ for f in funcs], weights, strict=True))
+    assert by_name["random"] == 1.0 and by_name["correctness"] == 0.0 and set(by_name.values()) == {0.0, 1.0}
+    got = next(f for f in funcs if f.__name__ == "random")(completions=roll.texts, example_id=roll.example_ids)
+    assert got == coins
+    with pytest.raises(Exception, match="control"):
+        C.load(None, ["rewards.control=sometimes"])

@@ -44,7 +44,7 @@ from mechdiag.outcomes import CORRECTNESS, group_stats
 from mechdiag.probes.forget import ForgetProbe, forget_prompts
 from mechdiag.run import CALLBACK_DIR, RunDir, held
 from mechdiag.tasks import get_task
-from mechdiag.tasks.rewards import weighted_total
+from mechdiag.tasks.rewards import RANDOM, coin, weighted_total
 from mechdiag.train.lora import peft_config, peft_refusals
 from mechdiag.train.trainer import StepChange, run_config
 
@@ -159,12 +159,14 @@ def correctness_index(funcs, correctness) -> int | None:
 
 
 # ---- a mechdiag task as TRL reward functions ----------------------------------------------------------------
-def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, list[float]]:
+def task_reward_funcs(task, examples, weights: dict[str, float], control_seed: int | None = None
+                      ) -> tuple[list, list[float]]:
     """(reward functions, weights): one TRL reward function per reward component of `task`, named after it (so
     TRL logs rewards/<component>/mean), scoring `completions` against the example named by the dataset column
-    example_id. The components of one completion are computed once and shared by the functions."""
+    example_id. The components of one completion are computed once and shared by the functions. control_seed:
+    a random-reward control run's seed (rewards.control: random): the coin is one more function."""
     by_id = {ex.id: ex for ex in examples}
-    names = list(task.components("", examples[0]))
+    names = list(task.components("", examples[0])) + ([RANDOM] if control_seed is not None else [])
     cache: dict = {"batch": None, "rows": {}}
 
     def components(completions, example_id) -> list[dict]:
@@ -178,6 +180,8 @@ def task_reward_funcs(task, examples, weights: dict[str, float]) -> tuple[list, 
                     raise UserError(f"reward: unknown example_id {eid!r} (the dataset must come from the task)")
                 text = c if isinstance(c, str) else c[-1]["content"]  # conversational: the last message
                 rows[j] = task.components(text, by_id[eid])
+                if control_seed is not None:
+                    rows[j][RANDOM] = coin(control_seed, eid, text)
             out.append(rows[j])
         return out
 
@@ -591,7 +595,8 @@ def build_trainer(cfg, out_dir, callbacks=None, **overrides):
     model, tok = load_model_and_tokenizer(cfg.model.name_or_path, cfg.model.dtype, tokenizer=tok)
     peft_cfg = peft_lora_config(model, cfg.lora) if cfg.lora.enabled else None  # bad modules/layers fail here
     data = Dataset.from_list([{"prompt": p, "example_id": ex.id} for p, ex in zip(prompts, train_ex, strict=True)])
-    funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights)
+    funcs, weights = task_reward_funcs(task, train_ex, cfg.rewards.weights,
+                                       cfg.seed if cfg.rewards.control == "random" else None)
     cv = GroupCV(funcs, weights, group_size=cfg.group_size)
     args = grpo_args(cfg, Path(out_dir) / "trl", reward_weights=weights, **overrides)
     run = RunDir(out_dir, create=True)

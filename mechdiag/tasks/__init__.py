@@ -7,6 +7,7 @@ import difflib
 from mechdiag.config import Config, load_object
 from mechdiag.errors import UserError
 from mechdiag.tasks.base import Example, Task
+from mechdiag.tasks.rewards import RANDOM
 
 REGISTRY: dict[str, str] = {  # name -> "module:Class"
     "arith": "mechdiag.tasks.arith:Arith",
@@ -52,10 +53,13 @@ def reward_weights(cfg: Config) -> dict[str, float]:
     """The weights a run of cfg uses: rewards.weights when set, else the study's weights of its task; components
     of mixed-in tasks of another domain come along (the main task's weight wins where both score one)."""
     if cfg.rewards.weights is not None:
-        return dict(cfg.rewards.weights)
-    out: dict[str, float] = {}
-    for cls in reversed(_task_classes(cfg)):
-        out.update(cls.reward_weights())
+        out = dict(cfg.rewards.weights)
+    else:
+        out = {}
+        for cls in reversed(_task_classes(cfg)):
+            out.update(cls.reward_weights())
+    if cfg.rewards.control == "random":  # the control pays the coin alone; the task's components are logged
+        out = {k: 0.0 for k in out if k != RANDOM} | {RANDOM: 1.0}
     return out
 
 
@@ -65,6 +69,8 @@ def check_reward_weights(cfg: Config) -> None:
     known: dict[str, None] = {}
     for cls in _task_classes(cfg):
         known.update(dict.fromkeys(cls.reward_weights()))
+    if cfg.rewards.control == "random":
+        known[RANDOM] = None
     for name in cfg.rewards.weights or {}:
         if name not in known:
             near = difflib.get_close_matches(name, known, n=1)

@@ -6,6 +6,7 @@ Every component returns a value in [0, 1]; config.rewards.weights scales them. E
 
 from __future__ import annotations
 
+import hashlib
 import re
 from fractions import Fraction
 
@@ -19,6 +20,16 @@ REWARD_WEIGHTS = {
     "mcq": {"correctness": 2.0, "valid_option": 0.5, "xml_count": 0.5, "format": 0.5},
     "code": {"correctness": 1.0, "complexity": 1.0, "xml_count": 0.5, "syntax": 0.5, "reasoning_nonempty": 0.1},
 }
+
+
+RANDOM = "random"  # the control run's one paid component (rewards.control: random)
+
+
+def coin(seed: int, example_id: str, completion: str) -> float:
+    """The control's reward: 0 or 1 with even odds, a fixed function of the run's seed, the example and the
+    completion (the same text earns the same coin, as from any reward function), blind to what it says."""
+    digest = hashlib.sha256(f"{seed}\0{example_id}\0{completion}".encode("utf-8", "replace")).digest()
+    return float(digest[0] & 1)
 
 
 def weighted_total(components: dict, weights: dict[str, float], missing: float = 0.0):

@@ -20,7 +20,7 @@ from mechdiag.generate import (
     sample_tokens,
 )
 from mechdiag.models import reference_context
-from mechdiag.tasks.rewards import weighted_total
+from mechdiag.tasks.rewards import RANDOM, coin, weighted_total
 from mechdiag.train import objective as obj
 
 
@@ -156,7 +156,9 @@ def scored(tokenizer, task, examples, prompts: list[str], cfg, p_ids, p_mask, c_
     comps: dict[str, list[float]] = {}
     totals = []
     # all completions of the step in one parallel batch (a code task runs its sandboxes side by side)
-    for c in task.components_many(texts, [examples[i // g] for i in range(len(texts))]):
+    for i, c in enumerate(task.components_many(texts, [examples[i // g] for i in range(len(texts))])):
+        if cfg.rewards.control == "random":
+            c = {**c, RANDOM: coin(cfg.seed, examples[i // g].id, texts[i])}
         for k, v in c.items():
             comps.setdefault(k, []).append(float(v))
         totals.append(weighted_total(c, cfg.rewards.weights))
