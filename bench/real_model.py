@@ -6,6 +6,7 @@ eval, steps done and wall time; the claim holds when every seed starts inside --
 --min-gain points. Run it under `nice -n 10` on a shared machine.
 
     python bench/real_model.py --out bench/_work/real                      # smollm2-135m-instruct, seeds 42 3407
+    python bench/real_model.py --out bench/_work/real --control            # and each beside a random reward
     python bench/real_model.py --probe 40 --set task.options='{difficulty: 1}'   # the base's held-out accuracy only
     python bench/real_model.py --steps 2 --seeds 42 --set eval_n=8 --out bench/_work/real-tiny   # the plumbing
 """
@@ -25,12 +26,12 @@ from mechdiag import config as configlib  # noqa: E402
 from mechdiag.demo import MODEL_RECIPES, MODEL_STEPS  # noqa: E402
 
 
-def make_cfg(args, seed: int) -> configlib.Config:
+def make_cfg(args, seed: int, control: bool = False) -> configlib.Config:
     steps = args.steps or MODEL_STEPS[args.model]
     return configlib.load(None, [*MODEL_RECIPES[args.model], f"max_steps={steps}", f"seed={seed}",
                                  f"eval_every={max(1, steps // args.evals)}", f"eval_n={args.eval_n}",
                                  "save_every=0", f"max_time_s={args.minutes * 60}", "record.final_geometry=false",
-                                 *args.set])
+                                 *args.set, *(["rewards.control=random"] if control else [])])
 
 
 def probe(args) -> dict:
@@ -54,16 +55,17 @@ def probe(args) -> dict:
     return out
 
 
-def run_seed(args, seed: int) -> dict:
+def run_seed(args, seed: int, control: bool = False) -> dict:
+    """One seed's run (control: the same with a random reward, rewards.control=random), trained unless done."""
     from mechdiag.run import RunDir
     from mechdiag.train.trainer import train
 
-    out = Path(args.out) / f"seed{seed}"
+    out = Path(args.out) / f"{'control-' if control else ''}seed{seed}"
     if not (out / "summary.json").exists():  # resumable: a finished seed is kept
         import shutil
 
         shutil.rmtree(out, ignore_errors=True)
-        train(make_cfg(args, seed), out)
+        train(make_cfg(args, seed, control), out)
     rd = RunDir(out)
     s = rd.summary()
     curve = [(r["step"], r["accuracy"]) for r in rd.read("eval") if "accuracy" in r]
@@ -84,6 +86,8 @@ def main() -> None:
     ap.add_argument("--probe", type=int, help="only the base's held-out accuracy on this many problems")
     ap.add_argument("--start-band", type=float, nargs=2, default=[0.10, 0.60])
     ap.add_argument("--min-gain", type=float, default=10.0, help="points every seed must gain")
+    ap.add_argument("--control", action="store_true",
+                    help="also train each seed with a random reward (the Spurious-rewards control)")
     ap.add_argument("--out", default="bench/_work/real")
     args = ap.parse_args()
     if args.probe:
@@ -98,6 +102,12 @@ def main() -> None:
               f"{r['gain_points']:+.1f} |")
     for r in rows:
         print(f"seed {r['seed']} curve: " + "  ".join(f"{s}:{a:.3f}" for s, a in r["curve"]))
+    controls = [run_seed(args, seed, control=True) for seed in args.seeds] if args.control else []
+    for r, c in zip(rows, controls, strict=False):
+        r["control"] = c
+        print(f"seed {r['seed']} random-reward control: {c['base']:.3f} -> {c['final']:.3f} "
+              f"({c['gain_points']:+.1f} points; the reward's own gain {r['gain_points'] - c['gain_points']:+.1f}); "
+              "curve " + "  ".join(f"{s}:{a:.3f}" for s, a in c["curve"]))
     print(f"claim (start in [{lo}, {hi}], gain >= {args.min_gain} points on every seed): "
           f"{'holds' if holds else 'does not hold'}")
     atomic.write_json(Path(args.out) / "real_model.json", {"model": args.model, "rows": rows, "holds": holds})
