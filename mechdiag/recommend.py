@@ -1088,27 +1088,24 @@ def held_still(s: Signals):
     if still is None:
         return None
     ev, kl, base, final = still
-    growth = _group_growth(s)
-    if growth is not None and s.cfg.beta <= BETA_MAX and growth[1] ** 2 * kl >= _kl_working(s):
+    growth, working = _group_growth(s), _kl_working(s)
+    if growth is not None and s.cfg.beta <= BETA_MAX and growth[1] ** 2 * kl >= working:
         # KL grows with the square of the step, the step with the share of groups that differ: larger groups
         # alone bring the KL to a working run's, so group_small's change is the cure and this one waits for it
         ev += (f"; group_size {s.cfg.group_size} -> {growth[0]} gives {growth[1]:.3g}x the groups that differ, "
-               f"kl x {growth[1] ** 2:.3g} >= {_kl_working(s):.3g}")
-        return _finding(held_still, ev, [], "larger groups explain it (group_small): re-check after them",
-                        confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl, accuracy_base=base,
-                        accuracy_final=final)
-    if s.cfg.beta > 0:
-        change = Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))
+               f"kl x {growth[1] ** 2:.3g} >= {working:.3g}")
+        changes, reason = [], "larger groups explain it (group_small): re-check after them"
+    elif s.cfg.beta > 0:
+        changes = [Change("beta", s.cfg.beta, round(min(s.cfg.beta / BETA_FREE_DIV, BETA_FREE_MAX), 6))]
         reason = "a weaker KL anchor lets the advantage move the policy (beta holds it at the reference)"
     else:
         # KL grows with the square of the step while small: sqrt(working / kl) brings it to a working run's
-        working = _kl_working(s)
         factor = _clamp(math.sqrt(working / max(kl, 1e-12)), LR_FREE_MIN, LR_FREE_MAX)
-        change = Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))
+        changes = [Change("learning_rate", s.cfg.learning_rate, _sig(min(1.0, s.cfg.learning_rate * factor)))]
         ev += f"; sqrt({working:.3g} / kl) = {math.sqrt(working / max(kl, 1e-12)):.3g}"
         reason = (f"a larger step: the learning rate x {factor:.3g}, sized by how far the KL sits under a working "
                   "run's")
-    return _finding(held_still, ev, [change], reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,
+    return _finding(held_still, ev, changes, reason, confidence(1 - kl / KL_STILL, s.n_train), kl_tail=kl,
                     accuracy_base=base, accuracy_final=final)
 
 

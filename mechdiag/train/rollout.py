@@ -156,9 +156,10 @@ def scored(tokenizer, task, examples, prompts: list[str], cfg, p_ids, p_mask, c_
     comps: dict[str, list[float]] = {}
     totals = []
     # all completions of the step in one parallel batch (a code task runs its sandboxes side by side)
-    for i, c in enumerate(task.components_many(texts, [examples[i // g] for i in range(len(texts))])):
+    of = [examples[i // g] for i in range(len(texts))]  # each completion's example
+    for text, ex, c in zip(texts, of, task.components_many(texts, of), strict=True):
         if cfg.rewards.control == "random":
-            c = {**c, RANDOM: coin(cfg.seed, examples[i // g].id, texts[i])}
+            c = {**c, RANDOM: coin(cfg.seed, ex.id, text)}
         for k, v in c.items():
             comps.setdefault(k, []).append(float(v))
         totals.append(weighted_total(c, cfg.rewards.weights))
