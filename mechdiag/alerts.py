@@ -39,7 +39,7 @@ UPDATE_SPIKE_FACTOR = 5.0  # a step's weight change above this many times the me
 UPDATE_RUNAWAY_FACTOR = 2.5  # ...or above this many times it after UPDATE_RUNAWAY_STEPS steps in a row that each
 UPDATE_RUNAWAY_GROWTH = 1.5  # grew by this factor over the one before: a build-up (a linear warmup grows by
 UPDATE_RUNAWAY_STEPS = 2  # (k+1)/k per step, under 1.5 from its third step on)
-WINDOW = 5  # truncation, entropy and zero_std look at the mean of this many steps ending at each step
+WINDOW = 5  # truncation, entropy, KL and zero_std look at the mean over this many steps ending at each step
 GAP_REWARD_RISE = 0.10  # reward_accuracy_gap: train reward up by this share of the maximum reward...
 GAP_ACC_FLAT = 0.01  # ...while eval accuracy is at most this far above the base (flat or falling)
 ZERO = 1e-12  # reward and loss at or below this (absolute) count as exactly zero
@@ -60,8 +60,17 @@ class Alert:
         return asdict(self)
 
 
-def _windows(points: list[tuple[int, float]], n: int = WINDOW):
-    """(step, mean of the n values ending at that step) from the n-th value on."""
+def _span(points: list[tuple[int, float]]) -> int:
+    """How many records cover WINDOW steps: WINDOW where every step is logged, fewer where the log is sparser
+    (logging_steps 10: one record already spans ten steps)."""
+    gaps = sorted(b[0] - a[0] for a, b in zip(points, points[1:], strict=False) if b[0] > a[0])
+    gap = gaps[len(gaps) // 2] if gaps else 1
+    return max(1, min(WINDOW, round(WINDOW / gap)))
+
+
+def _windows(points: list[tuple[int, float]], n: int | None = None):
+    """(step, mean of the n values ending at that step) from the n-th value on; n: the records of WINDOW steps."""
+    n = _span(points) if n is None else n
     for i in range(n - 1, len(points)):
         yield points[i][0], math.fsum(v for _, v in points[i - n + 1:i + 1]) / n
 
@@ -147,9 +156,10 @@ def update_spike(metrics: list[dict]) -> Alert | None:
 
 def kl_blowup(metrics: list[dict]) -> Alert | None:
     """Mean KL over WINDOW steps above KL_BLOWUP: far from the reference, with or without a held-out stream."""
-    for step, m in _windows(series(metrics, "kl")):
+    kl = series(metrics, "kl")
+    for step, m in _windows(kl):
         if m > KL_BLOWUP:
-            return Alert("kl_blowup", step, f"kl {m:.3g} (mean of {WINDOW} steps to {step}) > {KL_BLOWUP:g} "
+            return Alert("kl_blowup", step, f"kl {m:.3g} (mean of {_span(kl)} records to {step}) > {KL_BLOWUP:g} "
                                             "nats/token: the policy samples far from its reference")
     return None
 
@@ -158,13 +168,14 @@ def entropy_rise(metrics: list[dict]) -> Alert | None:
     """Mean entropy over WINDOW steps at or above ENTROPY_RISE_RATIO x the first WINDOW steps' and ENTROPY_RISE_MIN
     nats above them (the policy diffusing; entropy_collapse watches the other direction)."""
     ent = series(metrics, "entropy")
-    if len(ent) < 2 * WINDOW:
+    n = _span(ent)
+    if len(ent) < 2 * n:
         return None
-    head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
-    for i, (step, m) in enumerate(_windows(ent)):
-        if i >= WINDOW and head > 0 and m >= ENTROPY_RISE_RATIO * head and m - head >= ENTROPY_RISE_MIN:
-            return Alert("entropy_rise", step, f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in "
-                                               f"the first {WINDOW} steps (>= {ENTROPY_RISE_RATIO:g}x)")
+    head = math.fsum(v for _, v in ent[:n]) / n
+    for i, (step, m) in enumerate(_windows(ent, n)):
+        if i >= n and head > 0 and m >= ENTROPY_RISE_RATIO * head and m - head >= ENTROPY_RISE_MIN:
+            return Alert("entropy_rise", step, f"entropy {m:.3g} (mean of {n} records to {step}) vs {head:.3g} in "
+                                               f"the first {n} (>= {ENTROPY_RISE_RATIO:g}x)")
     return None
 
 
@@ -182,36 +193,39 @@ def truncation(metrics: list[dict]) -> Alert | None:
                        f"ended average {r['terminated_length']:.3g}" if "completion_length_max" in r and
                        "terminated_length" in r else "")
             return Alert("truncation", step, f"{m:.0%} of completions cut at max_completion_tokens (mean of "
-                                             f"{WINDOW} steps to {step}; > {CLIPPED_HIGH:.0%}): their rewards are "
+                                             f"{_span(clipped)} records to {step}; > {CLIPPED_HIGH:.0%}): their "
+                                             "rewards are "
                                              f"often zero{lengths}")
     return None
 
 
 def entropy_collapse(metrics: list[dict]) -> Alert | None:
     ent = series(metrics, "entropy")
-    if len(ent) < 2 * WINDOW:
+    n = _span(ent)
+    if len(ent) < 2 * n:
         return None
-    head = math.fsum(v for _, v in ent[:WINDOW]) / WINDOW
-    for i, (step, m) in enumerate(_windows(ent)):
-        if i < WINDOW:  # the head itself is not a collapse from the head
+    head = math.fsum(v for _, v in ent[:n]) / n
+    for i, (step, m) in enumerate(_windows(ent, n)):
+        if i < n:  # the head itself is not a collapse from the head
             continue
         if m < ENTROPY_COLLAPSE_RATIO * head:
             return Alert("entropy_collapse", step,
-                         f"entropy {m:.3g} (mean of {WINDOW} steps to {step}) vs {head:.3g} in the first {WINDOW} "
-                         f"steps (< {ENTROPY_COLLAPSE_RATIO:g}x)")
+                         f"entropy {m:.3g} (mean of {n} records to {step}) vs {head:.3g} in the first {n} "
+                         f"(< {ENTROPY_COLLAPSE_RATIO:g}x)")
     return None
 
 
 def zero_std(metrics: list[dict]) -> Alert | None:
     by_step = {r["step"]: r for r in metrics if isinstance(r.get("step"), int)}
-    for step, m in _windows(series(metrics, "frac_zero_std")):
+    zs = series(metrics, "frac_zero_std")
+    for step, m in _windows(zs):
         if m > FRAC_ZERO_STD_HIGH:
             r = by_step[step]
             split = ""
             if "frac_groups_all_correct" in r and "frac_groups_all_wrong" in r:
                 split = (f"; at step {step} all correct {r['frac_groups_all_correct']:.0%}, all wrong "
                          f"{r['frac_groups_all_wrong']:.0%}")
-            return Alert("zero_std", step, f"{m:.0%} of groups have identical rewards (mean of {WINDOW} steps to "
+            return Alert("zero_std", step, f"{m:.0%} of groups have identical rewards (mean of {_span(zs)} records to "
                                            f"{step}; > {FRAC_ZERO_STD_HIGH:.0%}): no gradient signal{split}")
     return None
 
@@ -245,14 +259,14 @@ def sampler_mismatch(metrics: list[dict]) -> Alert | None:
     key, gap = sampler_gap_series(metrics)
     if not gap:
         return None
-    head = None
-    for i, (step, m) in enumerate(_windows(gap)):
+    head, n = None, _span(gap)
+    for i, (step, m) in enumerate(_windows(gap, n)):
         head = m if i == 0 else head
         if m > SAMPLER_GAP_HIGH:
-            return Alert("sampler_mismatch", step, f"{key} {m:.3g} (mean of {WINDOW} steps to {step}; > "
+            return Alert("sampler_mismatch", step, f"{key} {m:.3g} (mean of {n} records to {step}; > "
                                                    f"{SAMPLER_GAP_HIGH:g}): the sampler is off the trained policy")
-        if i >= WINDOW and m > SAMPLER_GAP_HIGH / 10 and m > SAMPLER_GAP_GROWTH * head:
-            return Alert("sampler_mismatch", step, f"{key} {head:.3g} -> {m:.3g} (means of {WINDOW} steps, to step "
+        if i >= n and m > SAMPLER_GAP_HIGH / 10 and m > SAMPLER_GAP_GROWTH * head:
+            return Alert("sampler_mismatch", step, f"{key} {head:.3g} -> {m:.3g} (means of {n} records, to step "
                                                    f"{step}; > {SAMPLER_GAP_GROWTH:g}x the start): the sampler "
                                                    "drifts from the trained policy")
     return None

@@ -5,6 +5,7 @@ the sampled completions, and how the run holds each config key (a foreign run's 
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from mechdiag.config import Config
@@ -58,6 +59,17 @@ class Signals:
     provenance: dict | None = None  # a foreign run's account of its config (run.Run.provenance); None: all read
     modules: list[str] = field(default_factory=list)  # every module the displacement names, fused parts included
     raw: list[list[dict]] = field(default_factory=list)  # each run's train records as written (NaN kept as null)
+    min_points: int = MIN_POINTS  # the fewest records a head/tail window is read from (few_points lowers it)
+
+    @contextmanager
+    def few_points(self, n: int):
+        """Windows read from as few as `n` records inside the block (recommend.diagnose's level rules on a short
+        run: the head is the first record, the tail the last)."""
+        before, self.min_points = self.min_points, n
+        try:
+            yield self
+        finally:
+            self.min_points = before
 
     @classmethod
     def from_runs(cls, runs: list[Run]) -> Signals:
@@ -95,7 +107,7 @@ class Signals:
     def window(self, key: str, which: str) -> tuple[float, str] | None:
         """Mean of `key` over the head or tail window of the train records, with its step range."""
         steps, vals = self.series(key)
-        if len(vals) < MIN_POINTS:
+        if len(vals) < self.min_points:
             return None
         k = max(1, round(len(vals) * WINDOW_FRAC))
         sl = slice(0, k) if which == "head" else slice(len(vals) - k, len(vals)) if which == "tail" else \

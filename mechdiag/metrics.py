@@ -49,6 +49,24 @@ SAMPLER_GAP_HIGH = 1e-3  # mean |log pi_train - log pi_sampler| (nats/token) abo
 SAMPLER_GAP_GROWTH = 3.0  # ...or, above a tenth of it, this many times the run's own start: the gap is growing
 
 
+CAP_REPEATS = 2  # a batch mean exactly at the run's maximum this many times: those batches were cut whole
+
+
+def whole_batches_at_cap(metrics: list[dict]) -> tuple[int, list[int]] | None:
+    """(the cap, the steps where every completion ran to it) from the mean completion length alone: a mean that
+    is a whole number of tokens equal to the run's longest mean at CAP_REPEATS steps or more (batches of different
+    completions do not land on one value by chance); None otherwise."""
+    lengths = [(int(m["step"]), float(m["completion_length"])) for m in metrics
+               if is_number(m.get("completion_length")) and is_number(m.get("step"))]
+    if not lengths:
+        return None
+    top = max(v for _, v in lengths)
+    at = [s for s, v in lengths if v == top]
+    if len(at) < CAP_REPEATS or top != int(top) or top <= 0:
+        return None
+    return int(top), at
+
+
 def max_reward(weights: dict[str, float]) -> float:
     """The best total reward: components are in [0, 1] before weighting (tasks/base.py), so the sum of the
     positive weights."""

@@ -31,6 +31,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     SAMPLER_GAP_GROWTH,
     SAMPLER_GAP_HIGH,
     sampler_gap_series,
+    whole_batches_at_cap,
 )
 from mechdiag.metrics import is_number as _num
 from mechdiag.parts import family_name
@@ -74,6 +75,7 @@ LENGTH_NEAR_BUDGET = 0.80  # or: tail mean completion length above this share of
 CLIPPED_SOME = 0.01  # ...after head or tail cut some completions: the policy settled just under the cap
 COMPLETION_FACTOR = 1.5
 COMPLETION_TOKENS_MAX = 1024
+WHOLE_CUT_SHARE = 0.1  # truncation without a clipped stream: at least this share of the batches cut whole
 
 END_LAYERS = 2  # the study's reduced layers: first 2 and last 2
 END_RATIO = 2.0  # mean per-layer share at the ends over the middle's mean above this is "concentrated"
@@ -128,7 +130,9 @@ SATURATION_EARLY = 0.3  # ...reached within this share of the steps is "early"
 DIFFICULTY_MAX = 4  # arith's hardest level
 
 NO_UPDATE_NAN_SHARE = 0.5  # grad_norm or loss NaN on at least this share of the logged steps: no update reached...
+CLIPPED_NEARLY_ALL = 0.9  # no_update: grad_norm 0 where more than this share was cut (all masked, nothing learns)
 NO_UPDATE_KL_EPS = 0.0  # ...or kl exactly this at every logged step (the policy never left its reference)
+NO_UPDATE_KL_MOVED = 1e-4  # a KL that grows over the steps of grad_norm 0 shows updates (a logger's 0, not the run's)
 KL_BLOWUP_RISE = 10.0  # kl_blowup: tail KL above KL_BLOWUP, or above KL_HIGH and this many times the head's, no eval
 REWARD_STALL = 0.05  # entropy_rise: reward gained at most this share of its span (or held-out accuracy fell)
 LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
@@ -137,7 +141,9 @@ REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a com
 REPEAT_SHARE = 0.5  # ...above this (or an empty completion)...
 DEGENERATE_SAMPLES = 0.3  # ...in at least this share of the latest sampled completions
 DEGENERATE_MIN_WORDS = 12  # completions shorter than this are not judged for repetition
-SUCCESS_KEYS = ("accuracy", "correct", "solved", "success", "win", "pass")  # a stream that counts answers right
+# a stream that counts answers right (check_answer / check_numbers: Unsloth's GRPO notebooks' correctness rewards)
+SUCCESS_KEYS = ("accuracy", "correct", "solved", "success", "win", "pass", "check_answer", "check_numbers",
+                "exact_match", "answer_match")
 
 
 # ---- findings ---------------------------------------------------------------------------------------------
@@ -267,7 +273,14 @@ def _saturated(s: Signals) -> tuple[float, str] | None:
     return None
 
 
-@rule("too_few_records", "too few train records to judge the run: no other rule is run")
+# With fewer than MIN_RECORDS train records only these rules run: each judges a level that holds at any record
+# (NaN or zero gradients, completions cut at the budget, a blown KL, text that degenerated), not a trend
+LEVEL_RULES = ("no_update", "cannot_judge", "no_signal", "component_never_pays", "truncation", "kl_blowup",
+               "length_collapse", "degenerate_text")
+FEW_MIN_POINTS = 2  # ...reading head and tail windows from as few as this many records
+
+
+@rule("too_few_records", "too few train records to judge trends: only the rules that read levels are run")
 def too_few_records(s: Signals):
     if s.n_train >= MIN_RECORDS:
         return None
@@ -312,21 +325,28 @@ def _counts_right(key: str) -> bool:
     return any(w in key.rsplit("/", 1)[-1].lower() for w in SUCCESS_KEYS)
 
 
-def _success(s: Signals) -> tuple[list[float], str]:
-    """The values of the streams that count answers right (held-out accuracy, a correctness reward, a solved or
-    win rate, base eval included) and the name of the first, or ([], "")."""
-    vals, names = [], []
+def _success(s: Signals) -> tuple[list[list[float]], str]:
+    """The values of each stream that counts answers right (held-out accuracy, a correctness reward, a solved or
+    win rate; the base eval as one more), and the name of the first, or ([], "")."""
+    streams, names = [], []
     for stream, src in (("eval", s.eval), ("train", s.train)):
         keys = sorted({k for d in src.values() for k in d if _counts_right(k)})
         for k in keys:
-            vals += s.series(k, stream)[1]
+            streams.append(s.series(k, stream)[1])
             names.append(k)
     if "accuracy" in s.base:
-        vals.append(s.base["accuracy"])
-    return vals, (names[0] if names else "accuracy")
+        streams.append([s.base["accuracy"]])
+    return [v for v in streams if v], (names[0] if names else "accuracy")
 
 
-@rule("no_update", "the weights never moved: grad_norm or loss NaN at most steps, or KL exactly 0 at every step")
+def _never_right(streams: list[list[float]]) -> bool:
+    """No answer was ever right: every success stream is one value at or below 0 throughout (a batch mean of a
+    signed reward, -2.6 one step and -2.0 the next, can hide a right answer among penalties; a constant cannot)."""
+    return bool(streams) and all(max(v) <= NO_SIGNAL_EPS and max(v) - min(v) <= NO_SIGNAL_EPS for v in streams)
+
+
+@rule("no_update", "the weights never moved: grad_norm NaN or exactly 0 at most steps (loss NaN), or KL exactly 0 "
+      "at every step")
 def no_update(s: Signals):
     hits, onset = [], None
     for key in ("grad_norm", "loss"):
@@ -334,6 +354,28 @@ def no_update(s: Signals):
         if logged and len(bad) >= NO_UPDATE_NAN_SHARE * len(logged):
             hits.append(f"{key} NaN/inf at {len(bad)} of {len(logged)} logged steps ({bad[0]}..{bad[-1]})")
             onset = bad[0] if onset is None else min(onset, bad[0])
+    # grad_norm exactly 0 where the groups differ: the loss reached no weight (every token masked, e.g. truncated
+    # completions left out of the loss while nearly all were cut, or a frozen model)
+    z_steps, zero_std_at = s.series("frac_zero_std")
+    all_alike = {st for st, v in zip(z_steps, zero_std_at, strict=True) if v >= 1 - NO_SIGNAL_EPS}
+    g_steps, grads = s.series("grad_norm")
+    zero_grad = [st for st, g in zip(g_steps, grads, strict=True) if g == 0.0 and st not in all_alike]
+    kl_at = dict(zip(*s.series("kl"), strict=True))
+    kl_zero = [kl_at[st] for st in zero_grad if st in kl_at]
+    moved = len(kl_zero) >= 2 and kl_zero[-1] > max(NO_UPDATE_KL_MOVED, 1.5 * kl_zero[0])  # a 0 logged, not made
+    masked = False  # the zero gradients come from completions all cut at the budget and left out of the loss
+    if g_steps and len(zero_grad) >= NO_UPDATE_NAN_SHARE * len(g_steps) and len(zero_grad) >= 2 and not moved:
+        hit = (f"grad_norm exactly 0 at {len(zero_grad)} of {len(g_steps)} logged steps "
+               f"({zero_grad[0]}..{zero_grad[-1]})")
+        cut = dict(zip(*s.series("completion_clipped_ratio"), strict=True))
+        cut_there = [cut[st] for st in zero_grad if st in cut]
+        masked = bool(cut_there) and min(cut_there) > CLIPPED_NEARLY_ALL
+        if masked:
+            hit += (f", where at least {min(cut_there):.0%} of completions were cut at the budget: with truncated "
+                    "completions left out of the loss (mask_truncated_completions, DAPO's overlong filter) no token "
+                    "is left to learn from")
+        hits.append(hit)
+        onset = zero_grad[0] if onset is None else min(onset, zero_grad[0])
     steps, kl = s.series("kl")
     _, zero_std = s.series("frac_zero_std")
     _, rstd = s.series("reward_std")
@@ -346,9 +388,18 @@ def no_update(s: Signals):
         onset = steps[0] if onset is None else min(onset, steps[0])
     if not hits or (len(hits) == 1 and hits[0].startswith("loss")):
         return None
-    reason = ("no update reached the weights: a NaN gradient is skipped or zeroed (check fp16 overflow, the "
-              "learning-rate warm-up from 0, bf16 support, a reward that returns NaN); fix the cause before tuning")
-    return _finding(no_update, "; ".join(hits), [], reason, 0.95, onset=onset, signs=len(hits))
+    changes = []
+    if masked and len(hits) == 1:  # the cause is the budget: completions that end inside it have tokens to learn
+        change = _raise_budget(s)
+        changes = [change] if change else []
+        reason = ("no update reached the weights: nearly every completion ran into the completion budget and was "
+                  "masked out of the loss; a longer budget (or a prompt or length penalty that ends completions "
+                  "sooner) leaves tokens to learn from")
+    else:
+        reason = ("no update reached the weights: a NaN gradient is skipped or zeroed (check fp16 overflow, the "
+                  "learning-rate warm-up from 0, bf16 support, a reward that returns NaN, a frozen model); fix the "
+                  "cause before tuning")
+    return _finding(no_update, "; ".join(hits), changes, reason, 0.95, onset=onset, signs=len(hits))
 
 
 @rule("cannot_judge", "a stream the diagnosis needs is missing: what it would show cannot be judged")
@@ -383,15 +434,15 @@ def no_signal(s: Signals):
         _, top = s.series("reward_max_batch")
         zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS and \
             not (top and max(top) > max(reward) + NO_SIGNAL_EPS)
-    zero_correct = bool(correct) and max(correct) <= NO_SIGNAL_EPS
+    zero_correct = _never_right(correct)
     if not (zero_reward or zero_correct):
         return None
     if zero_reward:
         what = (f"reward constant at {reward[0]:.4g}" if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS
                 else "every group's rewards all equal")
     else:
-        what = f"no correct answer ({success} 0)"
-    ev = f"{what} on all {len(reward) or len(correct)} records"
+        what = f"no correct answer ({success} {correct[0][0]:.4g} throughout)"
+    ev = f"{what} on all {len(reward) or len(correct[0])} records"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
     pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
     pool = [x for x in pool if x.get("split", "train") == "train"] or pool
@@ -404,7 +455,7 @@ def no_signal(s: Signals):
     cut = sum(clipped) / len(clipped) if clipped else \
         (sum(bool(x.get("truncated")) for x in pool) / len(pool) if pool and "truncated" in pool[0] else 0.0)
     if fmt is None:  # no samples recorded: the format components say whether the tags were ever written
-        tags = [v for k in ("reward/xml_count", "reward/format") for v in s.series(k)[1]]
+        tags = [v for k in _format_components(s) for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
     budget = s.value("max_completion_tokens")
@@ -433,13 +484,24 @@ def no_signal(s: Signals):
                   "(rewards.reasoning_tag / answer_tag)")
     else:
         cause = "task too hard"
-        ev += (f"; {fmt:.0%} of sampled completions are well-formed but none is correct" if fmt is not None
+        ev += (f"; {fmt:.0%} of sampled completions are well-formed but none is correct" if pool and fmt is not None
+               else f"; the format components reach {fmt:.3g} but no completion is correct" if fmt is not None
                else "; no completion is correct")
         change = _easier_data(s.cfg)
         changes = [change] if change else []
         reason = ("task too hard: easier data gives some groups a correct member to learn from" if change else
                   "task too hard: mix easier problems into task.mixture, or start from a stronger base")
+        if zero_correct and fmt is not None and fmt > 0 and correct[0][0] < 0:
+            reason += ("; or the correctness check cannot pay: it is the same value on every record while the "
+                       "format components vary, so test it on a known-right completion (mechdiag check-reward)")
     return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
+
+
+def _format_components(s: Signals) -> list[str]:
+    """The reward components that pay the format (mechdiag's xml_count / format; a foreign run's functions named
+    for it: TRL's format_reward, Unsloth's match_format_exactly, the xmlcount of the R1 recipes)."""
+    keys = {k for d in s.train.values() for k in d if k.startswith("reward/")}
+    return sorted(k for k in keys if "format" in k[7:].lower() or "xml" in k[7:].lower())
 
 
 def _clamp(x: float, lo: float, hi: float) -> float:
@@ -811,6 +873,32 @@ def degenerate_text(s: Signals):
                     onset=onset, degenerate=len(bad), judged=len(late))
 
 
+@rule("component_never_pays", "a reward component is the same value (0 or a penalty) on every record: it never "
+      "tells completions apart")
+def component_never_pays(s: Signals):
+    _, total = s.series("reward")
+    if not total or max(total) - min(total) <= NO_SIGNAL_EPS:  # nothing varies at all: no_signal's case
+        return None
+    dead = []
+    for key in sorted({k for d in s.train.values() for k in d if k.startswith("reward/")}):
+        if _counts_right(key):  # a correctness stream that never pays is no_signal's "no correct answer"
+            continue
+        steps, vals = s.series(key)
+        _, stds = s.series("reward_std/" + key[7:])
+        flat = max(vals) - min(vals) <= NO_SIGNAL_EPS if vals else False
+        # enough records to call it constant, or its within-batch spread logged as 0 at every one
+        seen = len(vals) >= MIN_POINTS or (len(vals) >= 2 and stds and max(stds) <= NO_SIGNAL_EPS)
+        if flat and seen and vals[0] <= NO_SIGNAL_EPS:
+            dead.append((key, vals[0], len(vals)))
+    if not dead:
+        return None
+    ev = "; ".join(f"{k} {v:.4g} on all {n} records" for k, v, n in dead)
+    return _finding(component_never_pays, ev + f" while the total reward varies ({min(total):.3g}..{max(total):.3g})",
+                    [], "a component that never varies adds the same to every completion, so it moves no advantage: "
+                    "if it should pay (or penalise) something, test it on completions that should score differently "
+                    "(mechdiag check-reward)", 0.9, n_dead=len(dead))
+
+
 @rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")
 def reward_misalignment(s: Signals):
     head, tail, trend = s.window("reward", "head"), s.window("reward", "tail"), s.accuracy_trend()
@@ -849,7 +937,7 @@ def truncation(s: Signals):
     tail, length = s.window("completion_clipped_ratio", "tail"), s.window("completion_length", "tail")
     head, head_len = s.window("completion_clipped_ratio", "head"), s.window("completion_length", "head")
     if not tail:
-        return None
+        return _whole_batches_cut(s)
     cur = s.cfg.max_completion_tokens
     fill = length[0] / cur if length else 0.0
     shrink = 1 - length[0] / head_len[0] if length and head_len and head_len[0] > 0 else 0.0
@@ -875,6 +963,26 @@ def truncation(s: Signals):
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
                     onset=s.onset("completion_clipped_ratio", lambda v: v > CLIPPED_SOME),
                     length_fill=fill, length_shrink=shrink)
+
+
+def _whole_batches_cut(s: Signals):
+    """truncation where no clipped share is logged (TRL before completions/clipped_ratio): batches whose mean
+    completion length sits exactly at the run's maximum ran every completion to the cap, so at least that share of
+    the batches was cut whole (partly cut batches add to it)."""
+    cap = whole_batches_at_cap([{"step": st, **d} for st, d in s.train.items()])
+    if cap is None or len(cap[1]) < WHOLE_CUT_SHARE * s.n_train:
+        return None
+    share = len(cap[1]) / s.n_train
+    ev = (f"completion_length exactly {cap[0]} (its maximum) at {len(cap[1])} of {s.n_train} records (steps "
+          f"{', '.join(map(str, cap[1][:6]))}{', ...' if len(cap[1]) > 6 else ''}): every completion of those "
+          f"batches ran to the same length, a completion cap of {cap[0]}; the run logs no clipped share")
+    known = s.value("max_completion_tokens")
+    change = _raise_budget(s) if known == cap[0] or s.provenance is None else None
+    reason = "longer budget so reasoning and answer fit" if change else \
+        "budget at its cap: penalise length or fix the tag format (verbose traces)"
+    return _finding(truncation, ev, [change] if change else [], reason,
+                    confidence(share / WHOLE_CUT_SHARE - 1, s.n_train), onset=cap[1][0], whole_batches_cut=share,
+                    cap=cap[0])
 
 
 def _end_ratio(per_layer: dict[int, float], n_layers: int) -> float | None:
@@ -1214,9 +1322,15 @@ def diagnose(signals: Signals) -> list[Finding]:
     finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
     few records nothing else is judged."""
     few = too_few_records(signals)
-    if few is not None:
-        return [few]
-    found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
+    if few is not None:  # levels that hold at any point can still be read; trends cannot
+        with signals.few_points(FEW_MIN_POINTS):
+            found = [(name, f) for name, _, fn in RULES if name in LEVEL_RULES and (f := fn(signals)) is not None]
+        if found:
+            few.reason = ("the findings below rest on these few records (trends are not judged); train longer "
+                          "before judging the rest")
+        found = [("too_few_records", few), *found]
+    else:
+        found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
     deferred = {r: name for name, f in found if f.changes or name in ("no_signal", "no_update")
                 for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}

@@ -167,3 +167,99 @@ def test_attention_only_lora_is_told_to_widen(tmp_path):
     LoraConfig(r=64, lora_alpha=128, target_modules=["q_proj", "v_proj"]).save_pretrained(out / "checkpoint-40")
     f = _findings(read_any_run(out))["narrow_lora"]
     assert "attention only" in f.evidence and "LoRA Without Regret" in f.reason
+
+
+# ---- classes found on published runs no rule was written from (bench/_work/unseen, 2026-12-07) ----------------
+def _hf_state(folder, rows: list[dict]):
+    """A trainer_state.json as HF's Trainer writes it (log_history, one dict per logged step)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "trainer_state.json").write_text(json.dumps({
+        "global_step": rows[-1]["step"], "max_steps": rows[-1]["step"], "logging_steps": 1, "log_history": rows}))
+    return read_any_run(folder)
+
+
+def _bar(step: int, total: int) -> str:
+    return f"{100 * step // total:3d}%|##        | {step}/{total} [01:{step:02d}<44:45, 81.39s/it]"
+
+
+def test_a_console_log_takes_each_dicts_step_from_the_training_bar_and_a_short_run_is_read_for_levels(tmp_path, cli):
+    """A TRL console log printing every 10th step of 43, stopped at 36: the step is the training bar's position when
+    the dict was printed (not index x another bar's total over the records); three records still show grad_norm 0
+    with every completion cut (masked truncation leaves nothing to learn), which a reader sees at once."""
+    dicts = [{"loss": -0.04, "grad_norm": 0.30, "learning_rate": 7.9e-06, "completions/mean_length": 142.7,
+              "completions/max_length": 243.5, "completions/clipped_ratio": 0.30, "rewards/acc/mean": 0.58,
+              "rewards/penalty/mean": -1.0, "rewards/penalty/std": 0.0, "reward": 1.88, "reward_std": 1.27,
+              "frac_reward_zero_std": 0.4, "entropy": 1.03, "epoch": 0.23},
+             {"loss": -0.008, "grad_norm": 0.0, "learning_rate": 5.6e-06, "completions/mean_length": 253.8,
+              "completions/max_length": 256.0, "completions/clipped_ratio": 0.966, "rewards/acc/mean": 0.37,
+              "rewards/penalty/mean": -1.0, "rewards/penalty/std": 0.0, "reward": 0.49, "reward_std": 1.17,
+              "frac_reward_zero_std": 0.58, "entropy": 0.113, "epoch": 0.47},
+             {"loss": 0.0, "grad_norm": 0.0, "learning_rate": 3.3e-06, "completions/mean_length": 255.8,
+              "completions/max_length": 256.0, "completions/clipped_ratio": 0.995, "rewards/acc/mean": 0.48,
+              "rewards/penalty/mean": -1.0, "rewards/penalty/std": 0.0, "reward": 0.93, "reward_std": 1.18,
+              "frac_reward_zero_std": 0.58, "entropy": 0.0085, "epoch": 0.70}]
+    lines = ["Map: " + _bar(1400, 1400)]  # another bar, with a larger total, before training starts
+    for step in range(1, 37):
+        lines.append(_bar(step, 43))
+        if step % 10 == 0:
+            lines.append(" " * 40 + repr(dicts[step // 10 - 1]))
+    log = tmp_path / "run_terminal.md"
+    log.write_text("\r".join(lines) + "\n")
+    run = read_any_run(log)
+    assert [m["step"] for m in run.metrics] == [10, 20, 30]
+    found = _findings(run)
+    assert {"too_few_records", "no_update", "component_never_pays"} <= set(found)
+    assert "cut at the budget" in found["no_update"].evidence and "reward/penalty" in \
+        found["component_never_pays"].evidence
+    proc = cli("watch", "--once", "--format", "json", str(log))
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    alerts = {a["alert"]: a["step"] for a in lines if "alert" in a}
+    assert alerts.get("truncation") == 10 and alerts.get("entropy_collapse") == 20
+
+
+def test_a_constant_correctness_penalty_is_no_correct_answer_and_whole_batches_at_one_length_are_cut(tmp_path):
+    """Unsloth's check_answer at -1 on all 100 records (the format components vary) is "no correct answer", not
+    healthy; batches whose mean length is exactly the run's longest, at 14 steps, ran every completion to the cap."""
+    rows = []
+    for step in range(1, 101):
+        length = 768.0 if step % 7 == 0 else 300.0 + (step * 37) % 400
+        fmt = 0.75 if step % 3 == 0 else 0.0
+        rows.append({"step": step, "loss": 0.0, "grad_norm": 0.2, "learning_rate": 5e-6, "kl": 0.001 * step / 50,
+                     "completion_length": length, "rewards/check_answer": -1.0,
+                     "rewards/match_format_exactly": fmt, "reward": -1.0 + fmt, "reward_std": 0.8})
+    found = _findings(_hf_state(tmp_path / "unsloth", rows))
+    assert "no_signal" in found and "-1 throughout" in found["no_signal"].evidence
+    assert "cannot pay" in found["no_signal"].reason
+    assert "truncation" in found and "exactly 768" in found["truncation"].evidence
+    # a signed correctness reward whose batch mean moves (-2.6, -2.0, ...) can hide right answers: not no_signal
+    for i, r in enumerate(rows):
+        r["rewards/check_answer"] = -2.0 - 0.625 * (i % 3)
+    assert "no_signal" not in _findings(_hf_state(tmp_path / "signed", rows))
+
+
+def test_a_custom_table_is_read_by_what_its_columns_mean(tmp_path):
+    """An author's own CSV of a verl run: reward_mean, validation_accuracy, zero_std_group_ratio, and both kl
+    (PPO's old-vs-new, signed) and kl_loss (the KL to the reference): the reference KL is kl_loss."""
+    head = "global_step,reward_mean,reward_std,validation_accuracy,kl,kl_loss,entropy,response_length_mean," \
+           "zero_std_group_ratio,grad_norm"
+    rows = [head]
+    for step in range(1, 21):
+        acc = {10: "0.4307", 20: "0.4493"}.get(step, "")
+        rows.append(f"{step},{-0.34 + 0.002 * step:.4f},0.6,{acc},{(-1) ** step * 3e-5},{1.2e-4 * step:.6f},0.33,"
+                    f"{1768 + 17 * step},{0.4 + 0.01 * (step % 5)},0.15")
+    path = tmp_path / "training_metrics.csv"
+    path.write_text("\n".join(rows) + "\n")
+    run = read_any_run(path)
+    assert run.metrics[-1]["reward"] == pytest.approx(-0.30) and run.metrics[-1]["kl"] == pytest.approx(0.0024)
+    assert [e["accuracy"] for e in run.eval if "accuracy" in e] == [0.4307, 0.4493]
+    assert run.metrics[-1]["frac_zero_std"] == pytest.approx(0.4) and "completion_length" in run.metrics[-1]
+    assert "cannot_judge" not in _findings(run)
+
+
+def test_grad_norm_logged_as_0_while_the_kl_grows_is_a_loggers_0_not_no_update(tmp_path):
+    rows = [{"step": s, "loss": 0.01, "grad_norm": 0.0, "learning_rate": 1e-6, "kl": 0.002 * s, "reward": 0.3 + 0.01 * s,
+             "reward_std": 0.3, "completion_length": 120.0 + s} for s in range(1, 31)]
+    assert "no_update" not in _findings(_hf_state(tmp_path / "zero3", rows))
+    for r in rows:
+        r["kl"] = 0.0003
+    assert "no_update" in _findings(_hf_state(tmp_path / "frozen", rows))

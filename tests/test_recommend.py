@@ -502,8 +502,13 @@ def test_too_few_records_is_never_healthy(tmp_path, cli):
     assert "too few records to judge (2 < 8" in r.findings[0].evidence
     proc = cli("recommend", str(tmp_path / "run"))
     assert proc.returncode == 0 and "healthy" not in proc.stdout and "too few records to judge (2 < 8" in proc.stdout
-    # a symptom in a short run is not judged either
-    assert fired(rec(tmp_path, name="short_cut", steps=5, clipped=0.9)) == {"too_few_records"}
+    # a short run: a level that holds at any record (90% cut at the budget) is read, a trend (groups alike over the
+    # run's last quarter) is not
+    cut = rec(tmp_path, name="short_cut", steps=5, clipped=0.9)
+    assert fired(cut) == {"too_few_records", "truncation"} and "max_completion_tokens" in changed(cut)
+    assert "rest on these few records" in cut.findings[0].reason
+    assert fired(rec(tmp_path, name="short_alike", steps=5, reward_cv=0.04, frac_zero_std=0.7, **FLAT)) == \
+        {"too_few_records"}
     assert "too_few_records" not in fired(rec(tmp_path, name="enough", steps=8))
 
 
@@ -521,6 +526,7 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
 
 RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defaults are the healthy run
     "too_few_records": {"steps": 2},
+    "component_never_pays": {"components": {"xml_count": (0.0, 0.0)}},
     "no_signal": {"samples": NO_TAGS, **ZERO},
     "early_saturation": {"reward": (3.45, 3.6), "frac_zero_std": 0.8, "reward_cv": 0.02, "kl": 0.01},
     "low_diversity": {"reward_cv": 0.04, "frac_zero_std": 0.7, **FLAT},

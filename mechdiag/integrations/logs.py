@@ -395,21 +395,47 @@ def is_printed_log(path: Path) -> bool:
     return False
 
 
+def _bar_steps(recs: list[dict], bars: list[tuple[int, int, int]]) -> tuple[list[int] | None, str]:
+    """Each record's step from the training progress bar (its position when the record was printed), or None where
+    a record has no bar before it, or two train records share a position (a bar not redrawn every step)."""
+    if not recs or not bars:
+        return None, ""
+    updates: dict[int, int] = {}
+    for total, _, _ in bars:
+        updates[total] = updates.get(total, 0) + 1
+    train = max(updates, key=lambda t: (updates[t], t))
+    last, steps, j, prev = None, [], 0, 0
+    for i, d in enumerate(recs):  # the bar's last position printed before record i
+        while j < len(bars) and bars[j][2] <= i:
+            if bars[j][0] == train:
+                last = bars[j][1]
+            j += 1
+        evaluation = any(k.startswith("eval_") for k in d)
+        # a bar not redrawn at every step (tqdm off a terminal) repeats: two train records at one position
+        if last is None or last < 1 or last < prev or (not evaluation and last == prev):
+            return None, ""
+        steps.append(last)
+        prev = last if not evaluation else prev
+    return steps, f"step = the training progress bar's position (of {train}) when each dict was printed"
+
+
 def printed_launches(path: Path) -> list[dict]:
     """The launches in a console log of printed log dicts: [{"records": [(step, data)], "interval": k, "why": ...}].
 
     A launch ends at the summary dict HF prints when train() returns (train_runtime), at a trainer's start banner
-    after records, or where the epoch goes back. The dicts carry no step: the step is the record's index times the
-    logging interval, which is the progress bar's total over the records printed when that ratio is a whole number
-    (within 2%), else 1 (the step is then the record index, said so)."""
+    after records, or where the epoch goes back. The dicts carry no step. HF prints each just after the training
+    progress bar reached its step, so a record's step is that bar's position when it was printed (the training bar:
+    the total with the most updates; other bars, datasets.map or evals, move less). Without one for every record,
+    the step is the record's index times the logging interval: the bar's total over the records printed when that
+    ratio is a whole number (within 2%), else 1 (the step is then the record index, said so)."""
     text = read_text(path).replace("\r", "\n")
-    launches, cur, totals = [], [], []
+    launches, cur, bars = [], [], []  # bars: (total, position) in file order, with the record count before each
 
     def close():
         if cur:
-            launches.append({"records": list(cur), "totals": list(totals)})
+            launches.append({"records": list(cur), "bars": list(bars)})
         cur.clear()
-        totals.clear()
+        bars.clear()
 
     last_epoch = None
     for line in text.split("\n"):
@@ -417,12 +443,14 @@ def printed_launches(path: Path) -> list[dict]:
         if _LAUNCH.search(line) and cur:
             close()
             last_epoch = None
-        for m in _TQDM.finditer(line):
-            totals.append(int(m.group(2)))
-        if not _is_printed_line(line):
-            continue
-        for m in _PRINTED.finditer(line):
-            d = printed_dict(m.group(0))
+        printed = [(m.start(), m.group(0)) for m in _PRINTED.finditer(line)] if _is_printed_line(line) else []
+        events = sorted([(m.start(), "bar", m) for m in _TQDM.finditer(line)] +
+                        [(at, "dict", body) for at, body in printed], key=lambda e: e[0])
+        for _, what, item in events:
+            if what == "bar":
+                bars.append((int(item.group(2)), int(item.group(1)), len(cur)))
+                continue
+            d = printed_dict(item)
             if not d:
                 continue
             if SUMMARY_KEY in d:
@@ -441,18 +469,21 @@ def printed_launches(path: Path) -> list[dict]:
     out = []
     for la in launches:
         recs = la["records"]
-        n_train = sum(1 for d in recs if not any(k.startswith("eval_") for k in d))
-        total = max(la["totals"], default=0)
-        ratio = total / n_train if n_train else 0
-        k = round(ratio) if ratio >= 1.5 and abs(ratio - round(ratio)) <= 0.02 * ratio else 1
-        why = (f"step = record index x {k} (progress bar total {total} / {n_train} printed records)" if k > 1 else
-               "step = record index (the printed dicts carry no step)")
-        steps, i = [], 0
-        for d in recs:
-            if not any(kk.startswith("eval_") for kk in d):
-                i += 1
-            steps.append(max(i, 1) * k)
-        out.append({"records": list(zip(steps, recs, strict=True)), "interval": k, "why": why})
+        steps, why = _bar_steps(recs, la["bars"])
+        k = 0
+        if steps is None:
+            n_train = sum(1 for d in recs if not any(kk.startswith("eval_") for kk in d))
+            total = max((t for t, _, _ in la["bars"]), default=0)
+            ratio = total / n_train if n_train else 0
+            k = round(ratio) if ratio >= 1.5 and abs(ratio - round(ratio)) <= 0.02 * ratio else 1
+            why = (f"step = record index x {k} (progress bar total {total} / {n_train} printed records)" if k > 1
+                   else "step = record index (the printed dicts carry no step)")
+            steps, i = [], 0
+            for d in recs:
+                if not any(kk.startswith("eval_") for kk in d):
+                    i += 1
+                steps.append(max(i, 1) * k)
+        out.append({"records": list(zip(steps, recs, strict=True)), "interval": k or None, "why": why})
     if not out:
         raise UserError(f"{path} holds no printed log dicts (`{{'loss': ..., 'reward': ...}}`)")
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from mechdiag.integrations.trl_args import trl_snippet
-from mechdiag.metrics import is_number
+from mechdiag.metrics import is_number, whole_batches_at_cap
 
 READ, INFERRED = "read", "inferred"
 CLIPPED_SEEN = 1e-9  # a clipped share above this at a step: the length cap was hit there
@@ -71,6 +71,9 @@ def infer_from_logs(prov: Provenance, metrics: list[dict], length_name: str, lr_
         evidence = f"{length_name} reached {top:g} on {len(at)} step(s)" + (
             f", with completions cut at {len(cut)} of them" if cut else "")
         prov.infer("max_completion_tokens", int(top), evidence, "=" if cut else ">=")
+    elif (cap := whole_batches_at_cap(metrics)) is not None:
+        prov.infer("max_completion_tokens", cap[0], f"the mean completion_length was exactly {cap[0]} (its maximum) "
+                   f"at {len(cap[1])} steps: every completion of those batches ran to the same length, the cap")
     lrs = _series(metrics, "lr")
     if lrs and max(v for _, v in lrs) > 0:
         step, top = max(lrs, key=lambda sv: sv[1])

@@ -17,22 +17,31 @@ from mechdiag.metrics import is_number
 from mechdiag.run import RunDir
 
 # OpenRLHF (its W&B/TensorBoard train/* keys, openrlhf/trainer/ppo_utils) and custom loops: one alias table
+# (the first key a row holds wins: a KL to the reference before a bare "kl", which some loops use for PPO's
+# old-vs-new KL, and verl's kl_loss is the unscaled KL to the reference)
 TABLE_TRAIN_KEYS = {
-    "reward": ("train/reward", "reward", "train_reward", "train/reward_mean", "rewards/mean"),
-    "reward_std": ("train/reward_std", "reward_std", "train_reward_std"),
-    "kl": ("train/kl", "kl", "train_kl"),
-    "entropy": ("train/policy_entropy", "train/entropy_loss", "entropy", "train_entropy"),
+    "reward": ("train/reward", "reward", "train_reward", "train/reward_mean", "rewards/mean", "reward_mean",
+               "mean_reward", "avg_reward", "score_mean"),
+    "reward_std": ("train/reward_std", "reward_std", "train_reward_std", "std_reward"),
+    "kl": ("train/kl", "ref_kl", "kl_ref", "kl_to_ref", "kl_loss", "kl", "train_kl"),
+    "entropy": ("train/policy_entropy", "train/entropy_loss", "entropy", "train_entropy", "entropy_mean"),
     "loss": ("train/policy_loss", "pg_loss", "loss", "train_loss", "policy_loss"),
     "grad_norm": ("train/actor_grad_norm", "train/raw_grad_norm", "grad_norm"),
     "lr": ("train/actor_lr", "train/policy_lr", "lr", "learning_rate"),
-    "completion_length": ("train/response_length", "completion_tokens", "completion_length", "response_length"),
-    "completion_clipped_ratio": ("train/response_clip_ratio", "train/truncated", "clipped_ratio"),
+    "completion_length": ("train/response_length", "completion_tokens", "completion_length", "response_length",
+                          "response_length_mean", "completion_length_mean", "mean_completion_length"),
+    "completion_clipped_ratio": ("train/response_clip_ratio", "train/truncated", "clipped_ratio", "truncation_rate",
+                                 "truncated_fraction", "completions/clipped_ratio"),
+    "frac_zero_std": ("frac_reward_zero_std", "zero_std_group_ratio", "zero_std_ratio", "frac_zero_std"),
+    "frac_groups_all_correct": ("all_correct_group_ratio", "frac_groups_all_correct"),
+    "frac_groups_all_wrong": ("all_wrong_group_ratio", "frac_groups_all_wrong"),
     "policy_clip_fraction": ("train/ppo_clip_ratio", "clip_fraction"),
     "value_loss": ("train/critic_loss",),
     "kl_coef": ("train/kl_coef", "kl_coef"),
 }
-TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward", "eval/reward_mean"),
-                   "accuracy": ("eval_accuracy", "eval/accuracy", "eval/pass1"),
+TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward", "eval/reward_mean", "val_reward", "validation_reward"),
+                   "accuracy": ("eval_accuracy", "eval/accuracy", "eval/pass1", "validation_accuracy",
+                                "val_accuracy", "val/accuracy", "test_accuracy"),
                    "completion_length": ("eval_completion_tokens", "eval/response_length",
                                          "eval/response_length_mean"),
                    "completion_clipped_ratio": ("eval/truncated_rate",)}
