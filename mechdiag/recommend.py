@@ -767,7 +767,8 @@ def kl_blowup(s: Signals):
     trend = s.accuracy_trend()
     rise = tail[0] / max(head[0], 1e-12)
     blown = tail[0] > KL_BLOWUP
-    unwatched = trend is None and tail[0] > KL_HIGH and rise >= KL_BLOWUP_RISE
+    # the rise is a trend: not read on a short run (every KL starts near 0, so any ratio to its first record is large)
+    unwatched = trend is None and tail[0] > KL_HIGH and rise >= KL_BLOWUP_RISE and s.min_points >= MIN_POINTS
     if not (blown or unwatched):
         return None
     if trend is not None and trend[1] > trend[0] - ACC_DROP and not blown:
@@ -889,14 +890,14 @@ def component_never_pays(s: Signals):
         # enough records to call it constant, or its within-batch spread logged as 0 at every one
         seen = len(vals) >= MIN_POINTS or (len(vals) >= 2 and stds and max(stds) <= NO_SIGNAL_EPS)
         if flat and seen and vals[0] <= NO_SIGNAL_EPS:
-            dead.append((key, vals[0], len(vals)))
+            dead.append((key, vals[0], len(vals), steps[0]))
     if not dead:
         return None
-    ev = "; ".join(f"{k} {v:.4g} on all {n} records" for k, v, n in dead)
+    ev = "; ".join(f"{k} {v:.4g} on all {n} records" for k, v, n, _ in dead)
     return _finding(component_never_pays, ev + f" while the total reward varies ({min(total):.3g}..{max(total):.3g})",
                     [], "a component that never varies adds the same to every completion, so it moves no advantage: "
                     "if it should pay (or penalise) something, test it on completions that should score differently "
-                    "(mechdiag check-reward)", 0.9, n_dead=len(dead))
+                    "(mechdiag check-reward)", 0.9, onset=min(d[3] for d in dead), n_dead=len(dead))
 
 
 @rule("reward_misalignment", "reward rises while eval accuracy is flat or falling: the reward pays for form")
