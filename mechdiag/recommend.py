@@ -133,6 +133,7 @@ NO_UPDATE_NAN_SHARE = 0.5  # grad_norm or loss NaN on at least this share of the
 CLIPPED_NEARLY_ALL = 0.9  # no_update: grad_norm 0 where more than this share was cut (all masked, nothing learns)
 NO_UPDATE_KL_EPS = 0.0  # ...or kl exactly this at every logged step (the policy never left its reference)
 NO_UPDATE_KL_MOVED = 1e-4  # a KL that grows over the steps of grad_norm 0 shows updates (a logger's 0, not the run's)
+GRAD_BURST = 100.0  # kl_blowup: a grad_norm this many times the run's median beside it is named with it
 KL_BLOWUP_RISE = 10.0  # kl_blowup: tail KL above KL_BLOWUP, or above KL_HIGH and this many times the head's, no eval
 REWARD_STALL = 0.05  # entropy_rise: reward gained at most this share of its span (or held-out accuracy fell)
 LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
@@ -435,14 +436,18 @@ def no_signal(s: Signals):
         zero_reward = len(reward) >= MIN_POINTS and max(reward) - min(reward) <= NO_SIGNAL_EPS and \
             not (top and max(top) > max(reward) + NO_SIGNAL_EPS)
     zero_correct = _never_right(correct)
-    if not (zero_reward or zero_correct):
+    died = None if zero_reward or zero_correct else _signal_died(s)
+    if not (zero_reward or zero_correct or died):
         return None
-    if zero_reward:
+    if died:
+        what = (f"every group's rewards alike from step {died[0]} to the end ({died[1]} of {s.n_train} records; "
+                f"{died[2]})")
+    elif zero_reward:
         what = (f"reward constant at {reward[0]:.4g}" if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS
                 else "every group's rewards all equal")
     else:
         what = f"no correct answer ({success} {correct[0][0]:.4g} throughout)"
-    ev = f"{what} on all {len(reward) or len(correct[0])} records"
+    ev = what if died else f"{what} on all {len(reward) or len(correct[0])} records"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
     pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
     pool = [x for x in pool if x.get("split", "train") == "train"] or pool
@@ -460,7 +465,20 @@ def no_signal(s: Signals):
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
     budget = s.value("max_completion_tokens")
     too_small = budget is not None and budget < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
-    if cut > CLIPPED_HIGH and (too_small or not never_started):
+    peak = _kl_peak(s)
+    before = died[0] if died else min(s.train, default=0)
+    if peak is not None and peak[1] <= before:  # the policy broke first; what it writes since scores alike
+        cause = "the policy blew up"
+        ev += (f"; kl peaked at {peak[0]:.3g} at step {peak[1]} ({peak[2]} records above {KL_BLOWUP:g} nats/token) "
+               "before the signal was gone")
+        factor = _clamp(math.sqrt(peak[0] / KL_WORKING), LR_CUT_MIN, LR_CUT_MAX)
+        lr = s.value("learning_rate")
+        lr = s.cfg.learning_rate if lr is None else lr
+        changes = [Change("learning_rate", lr, _sig(lr / factor))]
+        reason = (f"the policy blew up (KL past {KL_BLOWUP:g} nat per token) and what it writes since scores alike "
+                  f"(cut at the budget, degenerate or empty): a smaller step, the learning rate / {factor:.3g} sized "
+                  "by how far the KL went; a longer budget or a hotter sampler cannot help a broken policy")
+    elif cut > CLIPPED_HIGH and (too_small or not never_started):
         cause = "budget too short"
         ev += (f"; {cut:.0%} of completions cut at the completion budget"
                + (f" ({_field(s, 'max_completion_tokens')} {budget})" if budget is not None else "")
@@ -495,6 +513,36 @@ def no_signal(s: Signals):
             reason += ("; or the correctness check cannot pay: it is the same value on every record while the "
                        "format components vary, so test it on a known-right completion (mechdiag check-reward)")
     return _finding(no_signal, ev, changes, reason, 0.95, cause=cause, format_share=fmt, clipped_share=cut)
+
+
+def _signal_died(s: Signals) -> tuple[int, int, str] | None:
+    """(the step from which, the records, how) every group's rewards were alike to the end of the run, when that
+    stretch holds at least half the records (and MIN_POINTS): a signal that was there and went, not a start."""
+    for key, alike in (("frac_zero_std", lambda v: v >= 1 - NO_SIGNAL_EPS),
+                       ("reward_std", lambda v: v <= NO_SIGNAL_EPS)):
+        steps, vals = s.series(key)
+        if len(vals) < MIN_POINTS:
+            continue
+        k = len(vals)
+        while k > 0 and alike(vals[k - 1]):
+            k -= 1
+        n = len(vals) - k
+        if n >= max(MIN_POINTS, len(vals) / 2):
+            how = "frac_zero_std 1" if key == "frac_zero_std" else "reward_std 0"
+            return steps[k], n, how
+        return None  # the first stream logged decides
+    return None
+
+
+def _kl_peak(s: Signals) -> tuple[float, int, int] | None:
+    """(the highest KL, its step, how many records were above KL_BLOWUP) when at least two were (one on a short run):
+    a policy that went past a nat per token at some point, whether or not it came back."""
+    steps, kl = s.series("kl")
+    above = [v for v in kl if v > KL_BLOWUP]
+    if len(above) < (1 if s.min_points < MIN_POINTS else 2):
+        return None
+    top = max(range(len(kl)), key=kl.__getitem__)
+    return kl[top], steps[top], len(above)
 
 
 def _format_components(s: Signals) -> list[str]:
@@ -701,9 +749,10 @@ def low_diversity(s: Signals):
                                           "; the reward's scale is not shown (batch means only)")
     stds = {k: w[0] for k in {k for d in s.train.values() for k in d if k.startswith("reward_std/")}
             if (w := s.window(k, "tail"))}
-    if stds:  # which reward function still spreads the group's rewards
+    if stds:  # which reward function still spreads the group's rewards (none, where every spread is 0)
         top = max(stds, key=stds.get)
-        ev += f"; the signal left is in {top.split('/', 1)[1]} (std {stds[top]:.3g}, tail)"
+        ev += (f"; the signal left is in {top.split('/', 1)[1]} (std {stds[top]:.3g}, tail)"
+               if stds[top] > NO_SIGNAL_EPS else "; no reward function spreads the group's rewards (std 0, tail)")
     reason = {"epsilon_high": "more sample diversity: a higher upper clip lets rare good completions gain "
                               "probability (study: 7B on MCQ, eps_high 0.2 -> 0.3)",
               "task.options": "easier data: almost every completion fails, so groups score the same",
@@ -769,14 +818,24 @@ def kl_blowup(s: Signals):
     blown = tail[0] > KL_BLOWUP
     # the rise is a trend: not read on a short run (every KL starts near 0, so any ratio to its first record is large)
     unwatched = trend is None and tail[0] > KL_HIGH and rise >= KL_BLOWUP_RISE and s.min_points >= MIN_POINTS
-    if not (blown or unwatched):
+    peak = None if blown or unwatched else _kl_peak(s)  # past a nat at some point, back below it by the tail
+    if not (blown or unwatched or peak):
         return None
-    if trend is not None and trend[1] > trend[0] - ACC_DROP and not blown:
+    if trend is not None and trend[1] > trend[0] - ACC_DROP and not (blown or peak):
         return None
-    onset = s.onset("kl", lambda v: v > KL_HIGH)
+    onset = peak[1] if peak else s.onset("kl", lambda v: v > KL_HIGH)
     ev = (f"kl {head[0]:.3g} ({head[1]}) -> {tail[0]:.3g} ({tail[1]}), x{rise:.3g}"
           + (f"; above {KL_BLOWUP} nats/token" if blown else "")
+          + (f"; kl peaked at {peak[0]:.3g} at step {peak[1]} ({peak[2]} records above {KL_BLOWUP:g} nats/token)"
+             if peak else "")
           + ("; no held-out stream: nothing says whether the drift costs accuracy" if trend is None else ""))
+    g_steps, grads = s.series("grad_norm")
+    if len(grads) >= MIN_POINTS:  # a gradient far above the run's own median at the same time: the step blew up
+        med = sorted(grads)[len(grads) // 2]
+        top = max(range(len(grads)), key=grads.__getitem__)
+        if med > 0 and grads[top] >= GRAD_BURST * med:
+            ev += f"; grad_norm peaked at {grads[top]:.3g} at step {g_steps[top]}, {grads[top] / med:.3g}x its median"
+    blown = blown or peak is not None
     # a value the run does not show still names the direction: own_terms turns it into advice without a value
     beta = s.value("beta")
     beta = s.cfg.beta if beta is None else beta
@@ -790,10 +849,12 @@ def kl_blowup(s: Signals):
     lr = s.value("learning_rate")
     lr = s.cfg.learning_rate if lr is None else lr
     if not changes or blown:
-        changes.append(Change("learning_rate", lr, lr * max(LR_FACTOR, min(1.0, KL_HIGH / tail[0]) ** 0.5)))
+        worst = max(tail[0], peak[0] if peak else 0.0)
+        changes.append(Change("learning_rate", lr, lr * max(LR_FACTOR, min(1.0, KL_HIGH / worst) ** 0.5)))
     reason = ("the policy drifts far from its reference: a stronger KL anchor and a smaller step hold it; add a "
               "held-out eval (eval_strategy) to see what the drift costs")
-    conf = confidence(max(tail[0] / KL_BLOWUP - 1, rise / KL_BLOWUP_RISE - 1), s.n_train)
+    conf = confidence(max(max(tail[0], peak[0] if peak else 0.0) / KL_BLOWUP - 1, rise / KL_BLOWUP_RISE - 1),
+                      s.n_train)
     return _finding(kl_blowup, ev, changes, reason, conf, onset=onset, kl_head=head[0], kl_tail=tail[0])
 
 

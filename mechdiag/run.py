@@ -205,6 +205,9 @@ def callback_run(path: str | os.PathLike) -> Path | None:
 def resolve_run(path) -> RunDir:
     """The run directory named by a user: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
     p = Path(path)
+    if p.is_file():
+        raise UserError(f"{p}: not a log mechdiag reads (TRL trainer_state.json or printed log dicts, a verl JSONL or "
+                        "console log, an OpenRLHF/custom metrics JSONL/CSV, W&B CSV, TensorBoard) nor a run directory")
     if not p.is_dir():
         raise UserError(f"run directory not found: {p}")
     got = p if is_run_dir(p) else callback_run(p)

@@ -263,3 +263,48 @@ def test_grad_norm_logged_as_0_while_the_kl_grows_is_a_loggers_0_not_no_update(t
     for r in rows:
         r["kl"] = 0.0003
     assert "no_update" in _findings(_hf_state(tmp_path / "frozen", rows))
+
+
+def test_a_terminal_capture_with_hard_wrapped_dicts_is_read(tmp_path, cli):
+    """tmux / screen captures wrap each printed dict at the terminal's width, inside keys and numbers: the dict is
+    joined back, not refused (and watch on a file it cannot read says so, not "run directory not found")."""
+    width, lines = 120, []
+    for step in range(1, 5):
+        d = {"loss": 0.05, "grad_norm": 5.0 + step, "learning_rate": 5e-07, "completions/mean_length": 212.6875,
+             "completions/clipped_ratio": 0.0, "rewards/correctness_reward_func/mean": 0.125 * (step == 3),
+             "rewards/strict_format_reward_func/mean": 0.0, "reward": 0.1579999998211860 * step, "reward_std": 0.3,
+             "kl": 0.0002 * step, "epoch": 0.05 * step}
+        text = f"  {5 * step}%|##   | {step}/20 [05:56<1:52:59, 356.80s/it]" + repr(d)
+        lines += [text[i:i + width] for i in range(0, len(text), width)]
+    log = tmp_path / "train_excerpt.log"
+    log.write_text("\n".join(lines) + "\n")
+    run = read_any_run(log)
+    assert [m["step"] for m in run.metrics] == [1, 2, 3, 4]
+    assert run.metrics[0]["reward"] == pytest.approx(0.1579999998211860)
+    assert "component_never_pays" in _findings(run)  # strict format 0 on all 4 records while the reward varies
+    junk = tmp_path / "notes.txt"
+    junk.write_text("nothing here\n")
+    proc = cli("watch", "--once", str(junk))
+    assert proc.returncode == 2 and "not a log mechdiag reads" in proc.stderr
+
+
+def test_a_signal_that_died_after_a_blow_up_names_the_blow_up_not_the_sampler(tmp_path):
+    """KL 10,000 nats/token at the first record, then every completion cut and every group alike to the end (a
+    published Unsloth run): no_signal from the step the signal went, caused by the blow-up, with a smaller step;
+    kl_blowup names the peak and the gradient beside it though the KL came back down."""
+    rows = []
+    for i, step in enumerate(range(10, 410, 10)):
+        kl = 10832.9 / (3 ** i) if i < 12 else 0.04
+        rows.append({"step": step, "loss": 1083.3 if i == 0 else 0.004,
+                     "grad_norm": 421404.0 if i == 0 else 0.3 + i % 3,
+                     "learning_rate": 5e-6, "kl": kl, "reward": 0.0242 if i == 0 else 0.0,
+                     "reward_std": 0.0015 if i == 0 else 0.0, "frac_reward_zero_std": 0.975 if i == 0 else 1.0,
+                     "completions/clipped_ratio": 1.0, "completions/mean_length": 128.0,
+                     "completions/max_length": 128.0, "rewards/fbeta_reward/mean": 0.0242 if i == 0 else 0.0,
+                     "rewards/fbeta_reward/std": 0.0015 if i == 0 else 0.0})
+    found = _findings(_hf_state(tmp_path / "fbeta", rows))
+    assert "from step 20 to the end" in found["no_signal"].evidence
+    assert found["no_signal"].data["cause"] == "the policy blew up" and "smaller step" in found["no_signal"].reason
+    assert "kl peaked at 1.08e+04 at step 10" in found["kl_blowup"].evidence
+    assert "grad_norm peaked at 4.21e+05" in found["kl_blowup"].evidence
+    assert "no reward function spreads" in found["low_diversity"].evidence

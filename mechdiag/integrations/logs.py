@@ -345,6 +345,7 @@ _PRINTED = re.compile(r"\{'[^{}\n]*\}")
 _BARE = re.compile(r"(?<=[:\[,(\s])(-?)(nan|inf|infinity)(?=\s*[,}\])])", re.IGNORECASE)
 _TQDM = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
 # a trainer starting again in the same file: Unsloth's banner, HF's "***** Running training *****"
+_TOTAL_STEPS = re.compile(r"Total steps = ([\d,]+)")
 _LAUNCH = re.compile(r"\*{5} Running training \*{5}|==\(\(====\)\)==\s+Unsloth - 2x faster|Total steps = \d+")
 SUMMARY_KEY = "train_runtime"  # the dict HF prints when train() returns: the end of one launch
 
@@ -371,6 +372,30 @@ def printed_dict(text: str) -> dict | None:
     return out or None
 
 
+WRAP_MAX = 1 << 16  # a printed dict hard-wrapped by a terminal is joined back over at most this many characters
+
+
+def unwrapped(lines):
+    """The lines with each printed dict that a terminal capture (tmux, screen) hard-wrapped at its width joined back
+    (without a separator: the wrap cuts inside keys and numbers): a line that opens a dict it does not close takes
+    the next lines until the braces balance."""
+    buf = None
+    for line in lines:
+        if buf is not None:
+            buf += line
+            if buf.count("{") <= buf.count("}") or len(buf) > WRAP_MAX:
+                yield buf
+                buf = None
+            continue
+        at = line.rfind("{'")
+        if at >= 0 and line.count("{", at) > line.count("}", at):
+            buf = line
+        else:
+            yield line
+    if buf is not None:
+        yield buf
+
+
 def _is_printed_line(line: str) -> bool:
     return "{'" in line and _PRINTED.search(line) is not None
 
@@ -384,7 +409,7 @@ def is_printed_log(path: Path) -> bool:
     if not head or "\x00" in head[:8192]:
         return False
     try:
-        for line in _lines(path, CONSOLE_SNIFF):
+        for line in unwrapped(_lines(path, CONSOLE_SNIFF)):
             if _is_printed_line(line):
                 for m in _PRINTED.finditer(line):
                     d = printed_dict(m.group(0))
@@ -395,15 +420,20 @@ def is_printed_log(path: Path) -> bool:
     return False
 
 
+def _train_total(bars: list[tuple[int, int, int]]) -> int | None:
+    """The training progress bar's total: the one redrawn most often (a dataset map or an eval bar moves less)."""
+    updates: dict[int, int] = {}
+    for total, _, _ in bars:
+        updates[total] = updates.get(total, 0) + 1
+    return max(updates, key=lambda t: (updates[t], t)) if updates else None
+
+
 def _bar_steps(recs: list[dict], bars: list[tuple[int, int, int]]) -> tuple[list[int] | None, str]:
     """Each record's step from the training progress bar (its position when the record was printed), or None where
     a record has no bar before it, or two train records share a position (a bar not redrawn every step)."""
     if not recs or not bars:
         return None, ""
-    updates: dict[int, int] = {}
-    for total, _, _ in bars:
-        updates[total] = updates.get(total, 0) + 1
-    train = max(updates, key=lambda t: (updates[t], t))
+    train = _train_total(bars)
     last, steps, j, prev = None, [], 0, 0
     for i, d in enumerate(recs):  # the bar's last position printed before record i
         while j < len(bars) and bars[j][2] <= i:
@@ -426,23 +456,28 @@ def printed_launches(path: Path) -> list[dict]:
     after records, or where the epoch goes back. The dicts carry no step. HF prints each just after the training
     progress bar reached its step, so a record's step is that bar's position when it was printed (the training bar:
     the total with the most updates; other bars, datasets.map or evals, move less). Without one for every record,
-    the step is the record's index times the logging interval: the bar's total over the records printed when that
-    ratio is a whole number (within 2%), else 1 (the step is then the record index, said so)."""
+    the step is the record's index times the logging interval: the bar's total (or the banner's "Total steps") over
+    the records printed when that ratio is a whole number (within 2%) and the run reached its end (the summary dict,
+    or the bar at its total), else 1 (the step is then the record index, said so)."""
     text = read_text(path).replace("\r", "\n")
     launches, cur, bars = [], [], []  # bars: (total, position) in file order, with the record count before each
+    declared = []  # a banner's "Total steps = N" (Unsloth), for a log whose progress bars were not kept
 
-    def close():
+    def close(finished: bool = False):
         if cur:
-            launches.append({"records": list(cur), "bars": list(bars)})
+            launches.append({"records": list(cur), "bars": list(bars), "declared": list(declared),
+                             "finished": finished})
         cur.clear()
         bars.clear()
+        declared.clear()
 
     last_epoch = None
-    for line in text.split("\n"):
+    for line in unwrapped(text.split("\n")):
         line = _ANSI.sub("", line)
         if _LAUNCH.search(line) and cur:
             close()
             last_epoch = None
+        declared += [int(m.group(1).replace(",", "")) for m in _TOTAL_STEPS.finditer(line)]
         printed = [(m.start(), m.group(0)) for m in _PRINTED.finditer(line)] if _is_printed_line(line) else []
         events = sorted([(m.start(), "bar", m) for m in _TQDM.finditer(line)] +
                         [(at, "dict", body) for at, body in printed], key=lambda e: e[0])
@@ -454,7 +489,7 @@ def printed_launches(path: Path) -> list[dict]:
             if not d:
                 continue
             if SUMMARY_KEY in d:
-                close()
+                close(finished=True)
                 last_epoch = None
                 continue
             if not any(k in d for k in ("loss", "reward", "grad_norm", "kl")) and not any(
@@ -473,8 +508,10 @@ def printed_launches(path: Path) -> list[dict]:
         k = 0
         if steps is None:
             n_train = sum(1 for d in recs if not any(kk.startswith("eval_") for kk in d))
-            total = max((t for t, _, _ in la["bars"]), default=0)
-            ratio = total / n_train if n_train else 0
+            total = _train_total(la["bars"]) or max(la["declared"], default=0)
+            # the records span the whole run only if it ran to its end: the summary dict, or the bar at its total
+            ended = la["finished"] or any(t == total and pos == total for t, pos, _ in la["bars"])
+            ratio = total / n_train if n_train and ended else 0
             k = round(ratio) if ratio >= 1.5 and abs(ratio - round(ratio)) <= 0.02 * ratio else 1
             why = (f"step = record index x {k} (progress bar total {total} / {n_train} printed records)" if k > 1
                    else "step = record index (the printed dicts carry no step)")
