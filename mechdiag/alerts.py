@@ -193,9 +193,8 @@ def truncation(metrics: list[dict]) -> Alert | None:
                        f"ended average {r['terminated_length']:.3g}" if "completion_length_max" in r and
                        "terminated_length" in r else "")
             return Alert("truncation", step, f"{m:.0%} of completions cut at max_completion_tokens (mean of "
-                                             f"{_span(clipped)} records to {step}; > {CLIPPED_HIGH:.0%}): their "
-                                             "rewards are "
-                                             f"often zero{lengths}")
+                                             f"{_span(clipped)} records to {step}; > {CLIPPED_HIGH:.0%}): an answer "
+                                             f"cut off scores as wrong{lengths}")
     return None
 
 

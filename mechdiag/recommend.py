@@ -91,6 +91,7 @@ CONTROL_GAIN = 0.02  # a held-out gain above this earns the note: trust it besid
 
 CV_FALL_RATIO = 0.5  # ...and costs diversity when the tail reward CV fell below this share of the head's
 
+NO_SIGNAL_NEAR = 0.95  # ...or groups alike on this share on average over the run: a sliver of signal, a floor
 NO_SIGNAL_EPS = 1e-9  # reward (or correctness) at most this on every record: nothing to learn from
 NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a closed answer block: format never made
 NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reasoning + answer block (arith needs ~22)
@@ -277,7 +278,7 @@ def _saturated(s: Signals) -> tuple[float, str] | None:
 # With fewer than MIN_RECORDS train records only these rules run: each judges a level that holds at any record
 # (NaN or zero gradients, completions cut at the budget, a blown KL, text that degenerated), not a trend
 LEVEL_RULES = ("no_update", "cannot_judge", "no_signal", "component_never_pays", "truncation", "kl_blowup",
-               "length_collapse", "degenerate_text")
+               "low_diversity", "length_collapse", "degenerate_text")
 FEW_MIN_POINTS = 2  # ...reading head and tail windows from as few as this many records
 
 
@@ -437,9 +438,16 @@ def no_signal(s: Signals):
             not (top and max(top) > max(reward) + NO_SIGNAL_EPS)
     zero_correct = _never_right(correct)
     died = None if zero_reward or zero_correct else _signal_died(s)
-    if not (zero_reward or zero_correct or died):
+    # nearly none: groups alike on average over the whole run, the rest a sliver (a reward stuck at a floor)
+    near = zero_std and len(zero_std) >= MIN_POINTS and sum(zero_std) / len(zero_std) >= NO_SIGNAL_NEAR
+    if not (zero_reward or zero_correct or died or near):
         return None
-    if died:
+    if near and not (zero_reward or zero_correct or died):
+        alike = sum(v >= 1 - NO_SIGNAL_EPS for v in zero_std)
+        what = (f"{sum(zero_std) / len(zero_std):.0%} of groups alike over the run (every group alike on {alike} of "
+                f"{len(zero_std)} records; >= {NO_SIGNAL_NEAR:.0%}): almost nothing to learn from")
+        died = (min(s.train), len(zero_std), "near")  # judged over the whole run, as a signal gone from the start
+    elif died:
         what = (f"every group's rewards alike from step {died[0]} to the end ({died[1]} of {s.n_train} records; "
                 f"{died[2]})")
     elif zero_reward:
@@ -448,6 +456,8 @@ def no_signal(s: Signals):
     else:
         what = f"no correct answer ({success} {correct[0][0]:.4g} throughout)"
     ev = what if died else f"{what} on all {len(reward) or len(correct[0])} records"
+    if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS and reward[0] != 0 and not zero_correct:
+        ev += f" (one value, {reward[0]:.4g}, whatever was written: often a reward's fallback for a failed parse)"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
     pool = [x for x in s.samples if isinstance(x.get("completion"), str)]
     pool = [x for x in pool if x.get("split", "train") == "train"] or pool
@@ -459,8 +469,9 @@ def no_signal(s: Signals):
     _, clipped = s.series("completion_clipped_ratio")
     cut = sum(clipped) / len(clipped) if clipped else \
         (sum(bool(x.get("truncated")) for x in pool) / len(pool) if pool and "truncated" in pool[0] else 0.0)
+    components = _format_components(s)
     if fmt is None:  # no samples recorded: the format components say whether the tags were ever written
-        tags = [v for k in _format_components(s) for v in s.series(k)[1]]
+        tags = [v for k in components for v in s.series(k)[1]]
         fmt = max(tags) if tags else None
     never_started = started is not None and started < NO_SIGNAL_FORMAT_MIN  # cut or not, a budget will not help
     budget = s.value("max_completion_tokens")
@@ -492,14 +503,23 @@ def no_signal(s: Signals):
     elif fmt is not None and fmt < NO_SIGNAL_FORMAT_MIN:
         cause = "format never produced"
         ev += (f"; {fmt:.0%} of {len(pool)} sampled completions close an <{tag}> block, {started:.0%} open any "
-               "tag" if pool else "; the format components (xml_count, format) are 0 throughout")
+               "tag" if pool else f"; the format components ({', '.join(k[7:] for k in components)}) are 0 "
+               "throughout")
         if cut > CLIPPED_HIGH:
             ev += f" ({cut:.0%} cut at the budget, but none had begun the format)"
         changes = []
-        reason = ("format never produced: the base does not write the rewarded <reasoning>/<answer> format, so no "
-                  "sampling setting can help; teach it first (a short SFT warm-up on gold completions, a prompt "
-                  "with a worked example, or an instruct base with its chat template), or check the tag names "
-                  "(rewards.reasoning_tag / answer_tag)")
+        fmt_name = "<reasoning>/<answer> format" if s.provenance is None else "format"
+        reason = (f"format never produced: the base does not write the rewarded {fmt_name}, so no sampling setting "
+                  "can help; teach it first (a short SFT warm-up on gold completions, a prompt with a worked "
+                  "example, or an instruct base with its chat template), or check the format the reward parses"
+                  + (" (rewards.reasoning_tag / answer_tag)" if s.provenance is None else ""))
+    elif fmt is None and not pool and not correct:
+        cause = "not shown by the logs"
+        ev += "; the logs hold no completions, no format component and no correctness stream to tell why"
+        changes = []
+        reason = ("the logs cannot say why no group differs: log completions (TRL log_completions, verl "
+                  "rollout_data_dir) and score a few by hand: a format the model never writes, a task it never "
+                  "solves, or a reward that cannot pay (mechdiag check-reward)")
     else:
         cause = "task too hard"
         ev += (f"; {fmt:.0%} of sampled completions are well-formed but none is correct" if pool and fmt is not None
@@ -746,7 +766,8 @@ def low_diversity(s: Signals):
         order = [_raise_temperature, _raise_epsilon_high]
     change = next((c for c in (f(s.cfg) for f in order) if c is not None), None)
     ev = "; ".join(h[0] for h in hits) + (f"; reward at {frac:.0%} of its scale" if level is not None else
-                                          "; the reward's scale is not shown (batch means only)")
+                                          "; the reward's range per completion is not logged (batch means and "
+                                          "spreads only)")
     stds = {k: w[0] for k in {k for d in s.train.values() for k in d if k.startswith("reward_std/")}
             if (w := s.window(k, "tail"))}
     if stds:  # which reward function still spreads the group's rewards (none, where every spread is 0)

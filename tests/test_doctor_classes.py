@@ -308,3 +308,22 @@ def test_a_signal_that_died_after_a_blow_up_names_the_blow_up_not_the_sampler(tm
     assert "kl peaked at 1.08e+04 at step 10" in found["kl_blowup"].evidence
     assert "grad_norm peaked at 4.21e+05" in found["kl_blowup"].evidence
     assert "no reward function spreads" in found["low_diversity"].evidence
+
+
+def test_a_reward_stuck_at_its_floor_is_no_signal_with_its_cause_left_open(tmp_path):
+    """A published Unsloth run: reward -2.0 with every group alike on 18 of 20 records (98% of groups alike over the
+    run), the other two a sliver: no_signal, not low diversity for a hotter sampler; with no completions, no format
+    component and no correctness stream in the logs, the cause is not guessed."""
+    rows = [{"step": 5 * k, "loss": 0.0, "grad_norm": 0.001, "learning_rate": 5e-6, "kl": 0.003,
+             "reward": -1.9 if k in (10, 14) else -2.0, "reward_std": 0.2 if k in (10, 14) else 0.0,
+             "frac_reward_zero_std": 0.8 if k in (10, 14) else 1.0, "rewards/tsc_reward_fn/mean": -2.0,
+             "completions/clipped_ratio": 0.05, "completions/mean_length": 90.0, "completions/max_length": 128.0}
+            for k in range(1, 21)]
+    found = _findings(_hf_state(tmp_path / "stuck", rows))
+    assert "98% of groups alike over the run" in found["no_signal"].evidence
+    assert found["no_signal"].data["cause"] == "not shown by the logs" and found["no_signal"].changes == []
+    assert "low_diversity" not in found or found["low_diversity"].changes == []  # waits behind no_signal
+    # a run whose groups differ on a fifth of the records is low diversity, not no signal
+    for r in rows[:5]:
+        r["frac_reward_zero_std"], r["reward_std"], r["reward"] = 0.6, 0.3, -1.5
+    assert "no_signal" not in _findings(_hf_state(tmp_path / "sparse", rows))

@@ -502,13 +502,15 @@ def test_too_few_records_is_never_healthy(tmp_path, cli):
     assert "too few records to judge (2 < 8" in r.findings[0].evidence
     proc = cli("recommend", str(tmp_path / "run"))
     assert proc.returncode == 0 and "healthy" not in proc.stdout and "too few records to judge (2 < 8" in proc.stdout
-    # a short run: a level that holds at any record (90% cut at the budget) is read, a trend (groups alike over the
-    # run's last quarter) is not
+    # a short run: a level that holds at any record (90% cut at the budget) is read, a trend (KL rising while
+    # accuracy falls) is not
     cut = rec(tmp_path, name="short_cut", steps=5, clipped=0.9)
     assert fired(cut) == {"too_few_records", "truncation"} and "max_completion_tokens" in changed(cut)
     assert "rest on these few records" in cut.findings[0].reason
-    assert fired(rec(tmp_path, name="short_alike", steps=5, reward_cv=0.04, frac_zero_std=0.7, **FLAT)) == \
-        {"too_few_records"}
+    assert fired(rec(tmp_path, name="short_drift", steps=5, reward=(1.5, 1.6), kl=(0.0, 0.2, 0.3),
+                     accuracy=(0.4, 0.3))) == {"too_few_records"}
+    assert "kl_drift" in fired(rec(tmp_path, name="long_drift", reward=(1.5, 1.6), kl=(0.0, 0.2, 0.3),
+                                   accuracy=(0.4, 0.3)))
     assert "too_few_records" not in fired(rec(tmp_path, name="enough", steps=8))
 
 
