@@ -257,8 +257,8 @@ def test_a_custom_table_is_read_by_what_its_columns_mean(tmp_path):
 
 
 def test_grad_norm_logged_as_0_while_the_kl_grows_is_a_loggers_0_not_no_update(tmp_path):
-    rows = [{"step": s, "loss": 0.01, "grad_norm": 0.0, "learning_rate": 1e-6, "kl": 0.002 * s, "reward": 0.3 + 0.01 * s,
-             "reward_std": 0.3, "completion_length": 120.0 + s} for s in range(1, 31)]
+    rows = [{"step": s, "loss": 0.01, "grad_norm": 0.0, "learning_rate": 1e-6, "kl": 0.002 * s,
+             "reward": 0.3 + 0.01 * s, "reward_std": 0.3, "completion_length": 120.0 + s} for s in range(1, 31)]
     assert "no_update" not in _findings(_hf_state(tmp_path / "zero3", rows))
     for r in rows:
         r["kl"] = 0.0003
