@@ -327,3 +327,19 @@ def test_a_reward_stuck_at_its_floor_is_no_signal_with_its_cause_left_open(tmp_p
     for r in rows[:5]:
         r["frac_reward_zero_std"], r["reward_std"], r["reward"] = 0.6, 0.3, -1.5
     assert "no_signal" not in _findings(_hf_state(tmp_path / "sparse", rows))
+
+
+def test_a_printed_dict_cut_off_is_skipped_and_said_so_never_swallowing_the_next(tmp_path, cli):
+    """A log pasted in part: one dict cut mid-line, then complete ones. The cut one is skipped and the reader says
+    so; the dicts after it are read (not joined into it as a wrapped line)."""
+    full = {"loss": 0.0, "grad_norm": 0.4, "learning_rate": 3e-6, "reward": -0.5, "reward_std": 0.3, "kl": 0.001,
+            "epoch": 0.1}
+    lines = [repr({**full, "epoch": 0.1 * i}) for i in range(1, 4)]
+    lines.insert(2, repr(full)[:60])  # cut off
+    lines.insert(3, "some chat text in between")
+    log = tmp_path / "pasted.log"
+    log.write_text("\n".join(lines) + "\n")
+    run = read_any_run(log)
+    assert len(run.metrics) == 3
+    proc = cli("recommend", str(log))
+    assert proc.returncode == 0 and "1 printed dict(s) cut off or unreadable, skipped" in proc.stderr

@@ -345,6 +345,7 @@ _PRINTED = re.compile(r"\{'[^{}\n]*\}")
 _BARE = re.compile(r"(?<=[:\[,(\s])(-?)(nan|inf|infinity)(?=\s*[,}\])])", re.IGNORECASE)
 _TQDM = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
 # a trainer starting again in the same file: Unsloth's banner, HF's "***** Running training *****"
+_BROKEN = re.compile(r"\{'(loss|reward|grad_norm)'")  # the start of a training log dict
 _TOTAL_STEPS = re.compile(r"Total steps = ([\d,]+)")
 _LAUNCH = re.compile(r"\*{5} Running training \*{5}|==\(\(====\)\)==\s+Unsloth - 2x faster|Total steps = \d+")
 SUMMARY_KEY = "train_runtime"  # the dict HF prints when train() returns: the end of one launch
@@ -378,9 +379,12 @@ WRAP_MAX = 1 << 16  # a printed dict hard-wrapped by a terminal is joined back o
 def unwrapped(lines):
     """The lines with each printed dict that a terminal capture (tmux, screen) hard-wrapped at its width joined back
     (without a separator: the wrap cuts inside keys and numbers): a line that opens a dict it does not close takes
-    the next lines until the braces balance."""
+    the next lines until the braces balance, or until another dict begins (the open one was cut off)."""
     buf = None
     for line in lines:
+        if buf is not None and "{'" in line:  # a new dict begins: the open one was cut off, not wrapped
+            yield buf
+            buf = None
         if buf is not None:
             buf += line
             if buf.count("{") <= buf.count("}") or len(buf) > WRAP_MAX:
@@ -462,11 +466,13 @@ def printed_launches(path: Path) -> list[dict]:
     text = read_text(path).replace("\r", "\n")
     launches, cur, bars = [], [], []  # bars: (total, position) in file order, with the record count before each
     declared = []  # a banner's "Total steps = N" (Unsloth), for a log whose progress bars were not kept
+    broken = [0]  # printed dicts cut off or unreadable (a log pasted in part): skipped, and said so
 
     def close(finished: bool = False):
         if cur:
             launches.append({"records": list(cur), "bars": list(bars), "declared": list(declared),
-                             "finished": finished})
+                             "finished": finished, "broken": broken[0]})
+            broken[0] = 0
         cur.clear()
         bars.clear()
         declared.clear()
@@ -479,6 +485,8 @@ def printed_launches(path: Path) -> list[dict]:
             last_epoch = None
         declared += [int(m.group(1).replace(",", "")) for m in _TOTAL_STEPS.finditer(line)]
         printed = [(m.start(), m.group(0)) for m in _PRINTED.finditer(line)] if _is_printed_line(line) else []
+        if _BROKEN.search(line) and not any(_BROKEN.search(body) for _, body in printed):
+            broken[0] += 1  # a training dict opened and never closed
         events = sorted([(m.start(), "bar", m) for m in _TQDM.finditer(line)] +
                         [(at, "dict", body) for at, body in printed], key=lambda e: e[0])
         for _, what, item in events:
@@ -487,6 +495,7 @@ def printed_launches(path: Path) -> list[dict]:
                 continue
             d = printed_dict(item)
             if not d:
+                broken[0] += bool(_BROKEN.search(item))
                 continue
             if SUMMARY_KEY in d:
                 close(finished=True)
@@ -520,6 +529,8 @@ def printed_launches(path: Path) -> list[dict]:
                 if not any(kk.startswith("eval_") for kk in d):
                     i += 1
                 steps.append(max(i, 1) * k)
+        if la["broken"]:
+            why += f"; {la['broken']} printed dict(s) cut off or unreadable, skipped"
         out.append({"records": list(zip(steps, recs, strict=True)), "interval": k or None, "why": why})
     if not out:
         raise UserError(f"{path} holds no printed log dicts (`{{'loss': ..., 'reward': ...}}`)")

@@ -190,6 +190,8 @@ def _read_chosen(path, into) -> tuple[RunDir, str]:
         note = (f"{base} holds {len(entries)} runs ({lengths}{', ...' if len(entries) > 6 else ''}): read the "
                 f"longest, {entry['name']}; give {base}{SEP}NAME for another, or several to compare them")
     rd = _read_entry(entry, into)
+    if "skipped" in entry["why"]:  # records the file holds but mechdiag could not read: never silently
+        note = "; ".join(x for x in (note, f"{entry['name']}: {entry['why'].split('; ', 1)[-1]}") if x)
     read = {"run_name": entry["name"], "runs_in_source": names, **({"note": note} if note else {}),
             **({"split": entry["why"]} if entry["why"] else {})}
     rd.write_summary({**rd.summary(), "read": read})
