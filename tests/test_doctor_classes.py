@@ -343,3 +343,52 @@ def test_a_printed_dict_cut_off_is_skipped_and_said_so_never_swallowing_the_next
     assert len(run.metrics) == 3
     proc = cli("recommend", str(log))
     assert proc.returncode == 0 and "1 printed dict(s) cut off or unreadable, skipped" in proc.stderr
+
+
+def _progress_table(titles: list[str], rows: list[list]) -> str:
+    """The HTML HF's NotebookProgressCallback leaves in a notebook cell's output."""
+    head = "".join(f"      <th>{t}</th>\n" for t in titles)
+    body = "".join("    <tr>\n" + "".join(f"      <td>{v}</td>\n" for v in r) + "    </tr>\n" for r in rows)
+    return ("<div>\n  <progress value='30' max='30' style='width:300px; height:20px;'></progress>\n"
+            "  [30/30 12:34, Epoch 0/1]\n</div>\n<table border=\"1\" class=\"dataframe\">\n  <thead>\n"
+            f" <tr style=\"text-align: left;\">\n{head}    </tr>\n  </thead>\n  <tbody>\n{body}  </tbody>\n</table><p>")
+
+
+def test_a_notebook_is_read_from_its_saved_outputs(tmp_path, cli):
+    """Colab / Jupyter users bring the .ipynb: its training cell holds HF's progress table (Unsloth's GRPO notebook:
+    Step | Training Loss | reward | ... | rewards / <function>), and a later cell printed log dicts: two runs, told
+    apart and named; the table's columns read as TRL's keys."""
+    titles = ["Step", "Training Loss", "reward", "reward_std", "completion_length", "kl",
+              "rewards / xmlcount_reward_func", "rewards / strict_format_reward_func",
+              "rewards / correctness_reward_func"]
+    rows = [[s, f"{0.0 if s < 3 else 0.0001 * s:.6f}", f"{0.1 + 0.05 * s:.6f}", "0.400000", f"{180 - s:.6f}",
+             f"{0.0 if s == 1 else 0.0005 * s:.6f}", f"{0.05 + 0.01 * s:.6f}", "0.000000", f"{0.04 * s:.6f}"]
+            for s in range(1, 31)]
+    printed = "".join(repr({"loss": 0.0, "grad_norm": 0.5, "learning_rate": 5e-6, "reward": 0.2, "reward_std": 0.3,
+                            "kl": 0.001 * i, "epoch": 0.01 * i}) + "\n" for i in range(1, 4))
+    nb = {"nbformat": 4, "nbformat_minor": 0, "metadata": {}, "cells": [
+        {"cell_type": "markdown", "metadata": {}, "source": ["# GRPO"]},
+        {"cell_type": "code", "metadata": {}, "execution_count": 7, "source": ["trainer.train()"], "outputs": [
+            {"output_type": "stream", "name": "stdout",
+             "text": ["==((====))==  Unsloth - 2x faster free finetuning | Num GPUs used = 1\n"]},
+            {"output_type": "display_data", "metadata": {},
+             "data": {"text/html": _progress_table(titles, rows).splitlines(keepends=True),
+                      "text/plain": ["<IPython.core.display.HTML object>"]}}]},
+        {"cell_type": "code", "metadata": {}, "execution_count": 9, "source": ["trainer.train()"], "outputs": [
+            {"output_type": "stream", "name": "stdout", "text": printed.splitlines(keepends=True)}]}]}
+    path = tmp_path / "Qwen2.5_(3B)-GRPO.ipynb"
+    path.write_text(json.dumps(nb))
+    from mechdiag.integrations.readers import runs_in  # noqa: PLC0415
+    assert [e["name"] for e in runs_in(path)] == [f"{path.name}:cell2", f"{path.name}:cell3"]
+    run = read_any_run(path)
+    assert [m["step"] for m in run.metrics] == list(range(1, 31))
+    last = run.metrics[-1]
+    assert last["reward"] == pytest.approx(1.6) and last["kl"] == pytest.approx(0.015)
+    assert last["reward/correctness_reward_func"] == pytest.approx(1.2) and last["loss"] == pytest.approx(0.003)
+    assert "component_never_pays" in _findings(run)
+    proc = cli("recommend", str(path))
+    assert proc.returncode == 0 and "holds 2 runs" in proc.stderr and "strict_format_reward_func" in proc.stdout
+    empty = tmp_path / "empty.ipynb"
+    empty.write_text(json.dumps({**nb, "cells": nb["cells"][:1]}))
+    proc = cli("recommend", str(empty))
+    assert proc.returncode == 2 and "no training log" in proc.stderr and "Traceback" not in proc.stderr

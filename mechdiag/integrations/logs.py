@@ -463,7 +463,15 @@ def printed_launches(path: Path) -> list[dict]:
     the step is the record's index times the logging interval: the bar's total (or the banner's "Total steps") over
     the records printed when that ratio is a whole number (within 2%) and the run reached its end (the summary dict,
     or the bar at its total), else 1 (the step is then the record index, said so)."""
-    text = read_text(path).replace("\r", "\n")
+    out = printed_launches_in(read_text(path))
+    if not out:
+        raise UserError(f"{path} holds no printed log dicts (`{{'loss': ..., 'reward': ...}}`)")
+    return out
+
+
+def printed_launches_in(text: str) -> list[dict]:
+    """printed_launches of a text (a console log's, or a notebook's cell output): [] when it holds no dict."""
+    text = text.replace("\r", "\n")
     launches, cur, bars = [], [], []  # bars: (total, position) in file order, with the record count before each
     declared = []  # a banner's "Total steps = N" (Unsloth), for a log whose progress bars were not kept
     broken = [0]  # printed dicts cut off or unreadable (a log pasted in part): skipped, and said so
@@ -532,6 +540,4 @@ def printed_launches(path: Path) -> list[dict]:
         if la["broken"]:
             why += f"; {la['broken']} printed dict(s) cut off or unreadable, skipped"
         out.append({"records": list(zip(steps, recs, strict=True)), "interval": k or None, "why": why})
-    if not out:
-        raise UserError(f"{path} holds no printed log dicts (`{{'loss': ..., 'reward': ...}}`)")
     return out

@@ -4,6 +4,7 @@ reader takes a path):
     trl_dir.py     a TRL / Unsloth output_dir (trainer_state.json, completions parquet, checkpoint adapters)
     verl_log.py    verl's file-logger JSONL or console log, and its rollout dump
     table_log.py   W&B CSV exports, TensorBoard events, JSON-lines metrics of TRL, verl, OpenRLHF or custom loops
+    notebook.py    a Jupyter / Colab notebook's saved outputs: HF's progress table, or printed TRL log dicts
     common.py      what they share: group reward statistics, the inferred config, writing the run directory
 
 Each converts a run into the run-directory shape once, here at the edge; recommend, report and watch read only
@@ -17,6 +18,7 @@ from pathlib import Path
 from mechdiag import console
 from mechdiag.errors import UserError
 from mechdiag.integrations import logs
+from mechdiag.integrations.readers.notebook import is_notebook, notebook_launches
 from mechdiag.integrations.readers.table_log import read_table_run
 from mechdiag.integrations.readers.trl_dir import STATE_FILES, is_trl_dir, read_trl_run
 from mechdiag.integrations.readers.verl_log import is_verl_file, read_verl_run
@@ -33,6 +35,8 @@ def _own_kind(path: Path) -> str | None:
     if path.is_file():
         if path.name in STATE_FILES:
             return "trl"
+        if is_notebook(path):
+            return "notebook"
         if logs.is_tensorboard(path):
             return "table"
         if is_verl_file(path) or logs.is_console_log(path):
@@ -103,8 +107,9 @@ def locate(path) -> tuple[str, Path] | None:
 
 
 def foreign_kind(path) -> str | None:
-    """"trl", "verl", "table" (OpenRLHF, a custom loop, W&B, TensorBoard) or "printed" (a console log of printed
-    TRL/Unsloth log dicts) for a foreign run at or under `path`, else None."""
+    """"trl", "verl", "table" (OpenRLHF, a custom loop, W&B, TensorBoard), "printed" (a console log of printed
+    TRL/Unsloth log dicts) or "notebook" (a notebook's saved outputs) for a foreign run at or under `path`, else
+    None."""
     got = locate(path)
     return got[0] if got else None
 
@@ -114,6 +119,12 @@ def _entries(kind: str, where: Path) -> list[dict]:
     if kind == "table":
         return [{"name": la["name"], "kind": kind, "where": where, "records": la["records"], "why": la["why"]}
                 for la in logs.table_launches(where)]
+    if kind == "notebook":
+        got = notebook_launches(where)
+        if not got:
+            raise UserError(f"{where}: a notebook whose saved outputs hold no training log (HF's progress table or "
+                            "printed log dicts); save it with its outputs, or give the trainer's output_dir")
+        return [{**e, "kind": kind, "where": where} for e in got]
     if kind == "printed":
         got = logs.printed_launches(where)
         return [{"name": f"{where.name}:launch{i + 1}" if len(got) > 1 else where.name, "kind": kind,
@@ -156,7 +167,7 @@ def _read_entry(entry: dict, into) -> RunDir:
     if kind == "verl":
         return read_verl_run(where, into=into)
     return read_table_run(where, into=into, records=entry["records"],
-                          trainer="trl" if kind == "printed" else None)
+                          trainer="trl" if kind in ("printed", "notebook") else None)
 
 
 def read_foreign(path, into) -> RunDir:

@@ -1,0 +1,132 @@
+"""A Jupyter / Colab notebook (.ipynb) that ran a TRL or Unsloth GRPO trainer: its saved cell outputs hold the log,
+as the progress table HF's NotebookProgressCallback draws (HTML: Step | Training Loss | reward | reward_std | ...)
+or as printed log dicts in the cell's stream. Each training table, and each launch of printed dicts, is one run."""
+
+
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+from mechdiag.errors import UserError
+from mechdiag.integrations import logs
+from mechdiag.metrics import is_number
+
+SUFFIX = ".ipynb"
+# the table's column titles -> TRL's log keys (HF titles the loss column; the rest are the logged names, with
+# " / " between the parts of a reward function's key in Unsloth's tables)
+TITLES = {"step": "step", "training loss": "loss", "validation loss": "eval_loss", "epoch": "epoch"}
+
+
+class _Tables(HTMLParser):
+    """Every <table> of an HTML fragment as rows of cell texts."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables: list[list[list[str]]] = []
+        self._row: list[str] | None = None
+        self._cell: list[str] | None = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "table":
+            self.tables.append([])
+        elif tag == "tr" and self.tables:
+            self._row = []
+        elif tag in ("td", "th") and self._row is not None:
+            self._cell = []
+
+    def handle_endtag(self, tag):
+        if tag in ("td", "th") and self._cell is not None and self._row is not None:
+            self._row.append(" ".join("".join(self._cell).split()))
+            self._cell = None
+        elif tag == "tr" and self._row is not None:
+            if self._row:
+                self.tables[-1].append(self._row)
+            self._row = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell.append(data)
+
+
+def is_notebook(path: Path) -> bool:
+    return path.is_file() and path.suffix.lower() == SUFFIX
+
+
+def _cells(path: Path) -> list[dict]:
+    try:
+        nb = json.loads(logs.read_text(path))
+    except json.JSONDecodeError as e:
+        raise UserError(f"{path}: not a readable notebook ({e.msg} at line {e.lineno})") from None
+    cells = nb.get("cells") if isinstance(nb, dict) else None
+    if not isinstance(cells, list):
+        raise UserError(f"{path}: not a notebook (no cells)")
+    return [c for c in cells if isinstance(c, dict)]
+
+
+def _text(x) -> str:
+    return "".join(x) if isinstance(x, list) else x if isinstance(x, str) else ""
+
+
+def _key(title: str) -> str:
+    t = " ".join(title.split())
+    return TITLES.get(t.lower(), t.replace(" / ", "/"))
+
+
+def _table_records(rows: list[list[str]]) -> list[tuple[int, dict]]:
+    """A progress table's rows -> [(step, {TRL key: number})]; cells HF leaves as "No log" are absent."""
+    head = [_key(c) for c in rows[0]]
+    if "step" not in head:
+        return []
+    out = []
+    for row in rows[1:]:
+        cells = dict(zip(head, row, strict=False))
+        try:
+            step = int(float(cells.get("step", "")))
+        except ValueError:
+            continue
+        data = {}
+        for k, v in cells.items():
+            if k == "step":
+                continue
+            try:
+                x = float(v)
+            except ValueError:
+                continue
+            if is_number(x) or x != x:  # NaN kept: a NaN loss is a finding
+                data[k] = x
+        if data:
+            out.append((step, data))
+    return out
+
+
+def notebook_launches(path: Path) -> list[dict]:
+    """The runs a notebook's outputs hold, in cell order: [{"name", "records", "why"}]; each training table (a
+    cell's HTML output with a Step column) and each launch of printed log dicts in a cell's stream is one."""
+    out = []
+    for i, cell in enumerate(_cells(path), start=1):
+        if cell.get("cell_type") != "code":
+            continue
+        stream = []
+        for o in cell.get("outputs") or []:
+            if not isinstance(o, dict):
+                continue
+            if o.get("output_type") == "stream":
+                stream.append(_text(o.get("text")))
+            html = _text((o.get("data") or {}).get("text/html"))
+            if "<table" in html:
+                parser = _Tables()
+                parser.feed(html)
+                for rows in parser.tables:
+                    recs = _table_records(rows) if rows else []
+                    if recs:
+                        out.append({"name": f"{path.name}:cell{i}", "records": recs,
+                                    "why": f"the training table of cell {i} ({len(recs)} rows, step column)"})
+        got = logs.printed_launches_in("".join(stream)) if stream else []
+        for j, la in enumerate(got, start=1):
+            name = f"{path.name}:cell{i}" + (f":launch{j}" if len(got) > 1 else "")
+            out.append({"name": name, "records": la["records"], "why": f"printed log dicts of cell {i}: {la['why']}"})
+    names = [e["name"] for e in out]
+    for e in out:  # a cell with both a table and printed dicts: tell them apart
+        if names.count(e["name"]) > 1:
+            e["name"] += ":table" if e["why"].startswith("the training table") else ":printed"
+    return out
