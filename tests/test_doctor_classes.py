@@ -392,3 +392,19 @@ def test_a_notebook_is_read_from_its_saved_outputs(tmp_path, cli):
     empty.write_text(json.dumps({**nb, "cells": nb["cells"][:1]}))
     proc = cli("recommend", str(empty))
     assert proc.returncode == 2 and "no training log" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_notebooks_eval_table_is_read_as_held_out(tmp_path):
+    """With evaluation on, HF's notebook table titles each eval metric ("Validation Loss", "Accuracy"): read back as
+    eval_loss and eval_accuracy, the held-out stream, while raw train keys stay train keys."""
+    rows = [[s, f"{0.01 * s:.6f}", f"{0.5 - 0.01 * s:.6f}", f"{0.30 + 0.002 * s:.6f}", f"{0.2 + 0.005 * s:.6f}"]
+            for s in range(10, 110, 10)]
+    html = _progress_table(["Step", "Training Loss", "Validation Loss", "Accuracy", "reward"], rows)
+    nb = {"nbformat": 4, "nbformat_minor": 5, "metadata": {}, "cells": [
+        {"cell_type": "code", "metadata": {}, "execution_count": 1, "source": [], "outputs": [
+            {"output_type": "display_data", "metadata": {}, "data": {"text/html": html}}]}]}
+    path = tmp_path / "grpo.ipynb"
+    path.write_text(json.dumps(nb))
+    run = read_any_run(path)
+    assert [e["accuracy"] for e in run.eval if "accuracy" in e][-1] == pytest.approx(0.5)
+    assert run.metrics[-1]["reward"] == pytest.approx(0.7)

@@ -73,8 +73,12 @@ def _key(title: str) -> str:
 
 
 def _table_records(rows: list[list[str]]) -> list[tuple[int, dict]]:
-    """A progress table's rows -> [(step, {TRL key: number})]; cells HF leaves as "No log" are absent."""
+    """A progress table's rows -> [(step, {TRL key: number})]; cells HF leaves as "No log" are absent. With
+    evaluation on, HF's table is the eval table: Validation Loss, then each eval metric titled ("Accuracy",
+    "Reward Std"), read back as eval_<metric>."""
     head = [_key(c) for c in rows[0]]
+    if "eval_loss" in head:
+        head = ["eval_" + "_".join(k.lower().split()) if k[:1].isupper() else k for k in head]  # titled: eval's
     if "step" not in head:
         return []
     out = []
