@@ -1042,7 +1042,8 @@ def truncation(s: Signals):
     change, reason = _raise_budget(s), "longer budget so reasoning and answer fit"
     changes = [change] if change else []
     if not change:
-        reason = "budget at its cap: penalise length or fix the tag format (verbose traces)"
+        reason = ("budget at its cap: penalise length or fix the tag format (verbose traces); mask_truncated_"
+                  "completions keeps cut completions out of the loss, so they teach neither way")
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
                     onset=s.onset("completion_clipped_ratio", lambda v: v > CLIPPED_SOME),
                     length_fill=fill, length_shrink=shrink)
@@ -1062,7 +1063,7 @@ def _whole_batches_cut(s: Signals):
     known = s.value("max_completion_tokens")
     change = _raise_budget(s) if known == cap[0] or s.provenance is None else None
     reason = "longer budget so reasoning and answer fit" if change else \
-        "budget at its cap: penalise length or fix the tag format (verbose traces)"
+        f"a completion budget above {cap[0]} tokens so reasoning and answer fit, or a penalty on length"
     return _finding(truncation, ev, [change] if change else [], reason,
                     confidence(share / WHOLE_CUT_SHARE - 1, s.n_train), onset=cap[1][0], whole_batches_cut=share,
                     cap=cap[0])
@@ -1329,6 +1330,10 @@ def entropy_collapse(s: Signals):
           + "; ".join(costs))
     reason = "keep exploring: " + ("a higher temperature" if change and change.key == "temperature" else
                                    "a stronger KL anchor to the base's entropy")
+    # the objectives papers use against collapse (docs/training.md); advice only: the clinic has no collapse start
+    reason += ("; or an objective that keeps entropy (advice, not measured in the clinic): epsilon_high 0.28 "
+               "(clip-higher, DAPO; it binds only with num_iterations > 1), top_entropy_quantile 0.2 (the loss on "
+               "the high-entropy tokens), or an entropy bonus (entropy_coef)")
     return _finding(entropy_collapse, ev, [change] if change else [], reason,
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
                     entropy_start=start, entropy_end=end, costs=len(costs),
