@@ -384,7 +384,7 @@ def no_update(s: Signals):
     # KL stays 0 also when every group scores alike (no advantage, no gradient): no_signal's case, not this one.
     # reward_std is a batch statistic (TRL, verl): it tells groups apart only where frac_zero_std is not logged
     differ = min(zero_std) < 1 - NO_SIGNAL_EPS if zero_std else bool(rstd) and max(rstd) > NO_SIGNAL_EPS
-    if differ and len(kl) >= MIN_POINTS and max(abs(v) for v in kl) <= NO_UPDATE_KL_EPS:
+    if differ and _kl_all_zero(s) and (_kl_measured(s) or hits):  # a KL 0 at beta 0 alone is no evidence
         hits.append(f"kl exactly 0 at all {len(kl)} logged steps ({steps[0]}..{steps[-1]}): the policy never left "
                     "its reference")
         onset = steps[0] if onset is None else min(onset, steps[0])
@@ -404,9 +404,32 @@ def no_update(s: Signals):
     return _finding(no_update, "; ".join(hits), changes, reason, 0.95, onset=onset, signs=len(hits))
 
 
+def _kl_all_zero(s: Signals) -> bool:
+    _, kl = s.series("kl")
+    return len(kl) >= MIN_POINTS and max(abs(v) for v in kl) <= NO_UPDATE_KL_EPS
+
+
+def _kl_measured(s: Signals) -> bool:
+    """Whether a logged KL measures the drift: mechdiag always scores the rollout against its reference, TRL and
+    Unsloth only with beta > 0 (at beta = 0 they load no reference and log kl 0, or nothing)."""
+    beta = s.value("beta")
+    return s.provenance is None or (beta is not None and beta > 0)
+
+
 @rule("cannot_judge", "a stream the diagnosis needs is missing: what it would show cannot be judged")
 def cannot_judge(s: Signals):
     missing = []
+    if _kl_all_zero(s) and not _kl_measured(s):
+        missing.append("drift from the base (kl exactly 0 at every step: TRL and Unsloth log 0 when beta = 0, with no "
+                       "reference model; were beta above 0, the policy never moved)")
+    keys = {k for d in s.train.values() for k in d}
+    if s.series("reward")[1] and not keys & {"kl", "reward_std", "frac_zero_std", "completion_length",
+                                              "completion_clipped_ratio", "entropy"}:
+        missing.append("drift, diversity and truncation (the log holds the reward and loss only: no kl, reward "
+                       "spread, completion length or entropy)")
+    if not s.series("reward")[1] and s.train and keys <= {"loss", "lr", "grad_norm", "epoch", "learning_rate"}:
+        missing.append("the RL signals: the log holds a loss and the optimizer's values only, as a supervised (SFT) "
+                       "run's does; a GRPO trainer logs its reward")
     if not s.series("reward")[1] and not s.series("eval_reward", "eval")[1]:
         missing.append("reward (no train or held-out reward stream): learning progress, no_signal, saturation and "
                        "diversity cannot be judged")
@@ -415,8 +438,9 @@ def cannot_judge(s: Signals):
     if not missing:
         return None
     return _finding(cannot_judge, "; ".join(missing), [],
-                    "log the missing stream (TRL logs reward with its default logging; verl critic/score/mean) "
-                    "before judging this run: mechdiag does not call a run healthy when it cannot see it", 0.95,
+                    "log the missing stream (TRL logs reward with its default logging; verl critic/score/mean), "
+                    "or, where it is missing by design (beta 0: no KL), read the findings without it: mechdiag "
+                    "does not call a run healthy when it cannot see it", 0.95,
                     missing=len(missing))
 
 

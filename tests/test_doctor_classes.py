@@ -408,3 +408,40 @@ def test_a_notebooks_eval_table_is_read_as_held_out(tmp_path):
     run = read_any_run(path)
     assert [e["accuracy"] for e in run.eval if "accuracy" in e][-1] == pytest.approx(0.5)
     assert run.metrics[-1]["reward"] == pytest.approx(0.7)
+
+
+def test_kl_exactly_0_is_no_update_only_where_the_kl_is_measured(tmp_path):
+    """TRL and Unsloth log kl 0 at beta = 0 (no reference model): with beta unknown, a KL of exactly 0 is "cannot
+    judge the drift", not no_update at 0.95 (a published SmolLM2 notebook, beta 0 in its config cell); the same
+    log showing beta > 0 is a policy that never moved."""
+    rows = [{"step": 5 * k, "loss": 0.0, "reward": 0.03 + 0.001 * k, "reward_std": 0.15, "kl": 0.0,
+             "completions/mean_length": 245.0, "completions/clipped_ratio": 0.45, "completions/max_length": 384.0}
+            for k in range(1, 11)]
+    found = _findings(_hf_state(tmp_path / "beta0", rows))
+    assert "no_update" not in found and "kl exactly 0 at every step" in found["cannot_judge"].evidence
+    for r in rows:
+        r["kl_coef"] = 0.04
+    run = read_any_run(tmp_path / "beta0")
+    run.provenance["keys"]["beta"] = {"how": "read", "value": 0.04, "evidence": "the config given"}
+    assert "no_update" in _findings(run)
+
+
+def test_a_log_of_loss_only_or_reward_only_is_never_healthy(tmp_path, cli):
+    """A notebook titled GRPO that ran SFTTrainer (loss only) is said to look supervised; a custom loop's prints of
+    the reward and loss only ("[Step 020] Loss = ... - Avg Reward = ...") are read, and what they cannot show is
+    named instead of "healthy"."""
+    sft = [{"step": 10 * k, "loss": 1.6 - 0.08 * k, "learning_rate": 2e-4, "grad_norm": 0.9} for k in range(1, 10)]
+    found = _findings(_hf_state(tmp_path / "sft", sft))
+    assert "supervised (SFT)" in found["cannot_judge"].evidence
+    lines = [f"[Step {20 * k:03d}] Loss = {(-1) ** k * 0.3 * k:.4f} -  Avg Reward = {0.5 + 0.02 * (k % 5):.3f}"
+             for k in range(1, 16)]
+    log = tmp_path / "train_output.txt"
+    log.write_text("Training...\n" + "\n".join(lines) + "\nDone.\n")
+    run = read_any_run(log)
+    assert [m["step"] for m in run.metrics] == [20 * k for k in range(1, 16)]
+    assert run.metrics[-1]["reward"] == pytest.approx(0.5) and run.metrics[0]["loss"] == pytest.approx(-0.3)
+    proc = cli("recommend", str(log), "--format", "json")
+    assert proc.returncode == 0 and "reward and loss only" in proc.stdout and json.loads(proc.stdout)
+    readme = tmp_path / "README.txt"
+    readme.write_text("Step 1: install\nStep 2: train (loss: see below)\nStep 3: evaluate\n")
+    assert cli("recommend", str(readme)).returncode == 2

@@ -206,6 +206,13 @@ def _row_step(r: dict):
     return got
 
 
+def _column_key(key: str) -> str:
+    """A column title as its log key: a table copied from a notebook's progress table spells TRL's keys with " / "
+    (Unsloth: "rewards / correctness_reward_func") and titles the loss "Training Loss"."""
+    key = key.replace(" / ", "/")
+    return "loss" if key == "Training Loss" else key
+
+
 def table_records(path: Path) -> list[tuple[int, dict]]:
     if is_tensorboard(path):
         return tensorboard_records(path)
@@ -216,7 +223,7 @@ def table_records(path: Path) -> list[tuple[int, dict]]:
     out = []
     for r in rows:
         if isinstance(r, dict) and _row_step(r) is not None:
-            nums = _flat_numbers(r)
+            nums = {_column_key(k): v for k, v in _flat_numbers(r).items()}
             if nums:
                 out.append((_row_step(r), nums))
     if path.suffix.lower() == ".csv":
@@ -541,3 +548,47 @@ def printed_launches_in(text: str) -> list[dict]:
             why += f"; {la['broken']} printed dict(s) cut off or unreadable, skipped"
         out.append({"records": list(zip(steps, recs, strict=True)), "interval": k or None, "why": why})
     return out
+
+
+# ---- stepped lines (a custom loop's print: "[Step 020] Loss = -76.3 - Avg Reward = 0.562", "step 5 | kl: 0.01") --
+_STEP_LINE = re.compile(r"\b(?:global[_ ]step|step|iteration|iter|update)\b\s*[\[:=#]?\s*(\d+)", re.IGNORECASE)
+_PAIR = re.compile(r"([A-Za-z][\w /.-]{0,40}?)\s*[:=]\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)\b",
+                   re.IGNORECASE)
+STEP_LINE_KEYS = ("reward", "loss", "kl", "entropy", "accuracy", "score")  # a stepped line names one of these
+STEP_LINES_MIN = 3  # ...on at least this many lines with rising steps
+
+
+def step_line_records(text: str) -> list[tuple[int, dict]]:
+    """The records of a custom loop's printed lines: each line with a step and `name = number` (or `name: number`)
+    pairs, at least one of them a metric (STEP_LINE_KEYS); names lower-cased, spaces as underscores. [] unless
+    STEP_LINES_MIN such lines have rising steps (a README's "Step 1: install" is not a run)."""
+    out = []
+    for line in text.replace("\r", "\n").split("\n"):
+        m = _STEP_LINE.search(line)
+        if not m:
+            continue
+        data = {}
+        for name, value in _PAIR.findall(line[m.end():]):
+            key = "_".join(name.strip(" -|/.").lower().split())
+            if key and key not in ("step", "epoch_step"):
+                data[key] = float(value)
+        if any(w in k for k in data for w in STEP_LINE_KEYS):
+            out.append((int(m.group(1)), data))
+    steps = [st for st, _ in out]
+    if len(out) < STEP_LINES_MIN or any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
+        return []
+    return out
+
+
+def is_step_line_log(path: Path) -> bool:
+    """A text file whose lines print a custom loop's steps (step_line_records)."""
+    if not path.is_file() or path.suffix.lower() in (*PICKLE_SUFFIXES, ".safetensors", ".parquet", ".arrow", ".json",
+                                                       ".jsonl", ".csv", ".ipynb"):
+        return False
+    head = _head(path)
+    if not head or "\x00" in head[:8192]:
+        return False
+    try:
+        return bool(step_line_records("\n".join(_lines(path, CONSOLE_SNIFF))))
+    except (OSError, EOFError, gzip.BadGzipFile):
+        return False

@@ -43,7 +43,9 @@ def _own_kind(path: Path) -> str | None:
             return "verl"
         if logs.is_table_log(path):
             return "table"
-        return "printed" if logs.is_printed_log(path) else None
+        if logs.is_printed_log(path):
+            return "printed"
+        return "steps" if logs.is_step_line_log(path) else None
     if is_trl_dir(path):
         return "trl"
     if (path / "metrics.jsonl").is_file() and not (path / "config.yaml").exists() and \
@@ -108,8 +110,8 @@ def locate(path) -> tuple[str, Path] | None:
 
 def foreign_kind(path) -> str | None:
     """"trl", "verl", "table" (OpenRLHF, a custom loop, W&B, TensorBoard), "printed" (a console log of printed
-    TRL/Unsloth log dicts) or "notebook" (a notebook's saved outputs) for a foreign run at or under `path`, else
-    None."""
+    TRL/Unsloth log dicts), "steps" (a custom loop's printed lines: "[Step 20] Loss = ... - Avg Reward = ...") or
+    "notebook" (a notebook's saved outputs) for a foreign run at or under `path`, else None."""
     got = locate(path)
     return got[0] if got else None
 
@@ -125,6 +127,9 @@ def _entries(kind: str, where: Path) -> list[dict]:
             raise UserError(f"{where}: a notebook whose saved outputs hold no training log (HF's progress table or "
                             "printed log dicts); save it with its outputs, or give the trainer's output_dir")
         return [{**e, "kind": kind, "where": where} for e in got]
+    if kind == "steps":
+        return [{"name": where.name, "kind": kind, "where": where, "records": logs.step_line_records(
+            logs.read_text(where)), "why": "step = the step each printed line names", "trainer": None}]
     if kind == "printed":
         got = logs.printed_launches(where)
         return [{"name": f"{where.name}:launch{i + 1}" if len(got) > 1 else where.name, "kind": kind,
@@ -166,8 +171,8 @@ def _read_entry(entry: dict, into) -> RunDir:
         return read_trl_run(where, into=into)
     if kind == "verl":
         return read_verl_run(where, into=into)
-    return read_table_run(where, into=into, records=entry["records"],
-                          trainer="trl" if kind in ("printed", "notebook") else None)
+    trainer = entry.get("trainer", "trl" if kind in ("printed", "notebook") else None)
+    return read_table_run(where, into=into, records=entry["records"], trainer=trainer)
 
 
 def read_foreign(path, into) -> RunDir:

@@ -1,6 +1,6 @@
-"""A Jupyter / Colab notebook (.ipynb) that ran a TRL or Unsloth GRPO trainer: its saved cell outputs hold the log,
-as the progress table HF's NotebookProgressCallback draws (HTML: Step | Training Loss | reward | reward_std | ...)
-or as printed log dicts in the cell's stream. Each training table, and each launch of printed dicts, is one run."""
+"""A Jupyter / Colab notebook (.ipynb) that ran a GRPO trainer: its saved cell outputs hold the log, as the progress
+table HF's NotebookProgressCallback draws (HTML: Step | Training Loss | reward | reward_std | ...), as printed TRL log
+dicts in the cell's stream, or as a custom loop's printed step lines. Each table, launch or loop is one run."""
 
 
 import json
@@ -129,6 +129,10 @@ def notebook_launches(path: Path) -> list[dict]:
         for j, la in enumerate(got, start=1):
             name = f"{path.name}:cell{i}" + (f":launch{j}" if len(got) > 1 else "")
             out.append({"name": name, "records": la["records"], "why": f"printed log dicts of cell {i}: {la['why']}"})
+        stepped = logs.step_line_records("".join(stream)) if stream and not got else []
+        if stepped:  # a custom loop's own prints: its names, not TRL's
+            out.append({"name": f"{path.name}:cell{i}", "records": stepped, "trainer": None,
+                        "why": f"printed step lines of cell {i} (step = the step each line names)"})
     names = [e["name"] for e in out]
     for e in out:  # a cell with both a table and printed dicts: tell them apart
         if names.count(e["name"]) > 1:

@@ -49,6 +49,7 @@ TABLE_EVAL_KEYS = {"eval_reward": ("eval_reward", "eval/reward", "eval/reward_me
 _OPENRLHF_SIGN = {"policy_loss", "actor_lr", "ppo_clip_ratio", "return", "total_length", "critic_loss",
                   "response_clip_ratio", "entropy_loss", "ppo_kl"}
 _VERL_SIGN = ("critic/score/", "actor/pg_loss", "actor/entropy", "response_length/", "val-core/", "val-aux/")
+_TRL_OWN = ("rewards/", "completions/", "clip_ratio/", "frac_reward_zero_std")  # only TRL writes these bare
 _TRL_SIGN = ("completions/", "rewards/", "clip_ratio/", "frac_reward_zero_std", "completion_length", "num_tokens")
 
 
@@ -62,6 +63,8 @@ def table_flavour(records: list[tuple[int, dict]]) -> str:
     if bare & _OPENRLHF_SIGN:
         return "openrlhf"
     if any(k.startswith(_TRL_SIGN) for k in bare) or "learning_rate" in bare:
+        return "trl"
+    if not bare and any(k.startswith(_TRL_OWN) for k in keys):  # TRL's own keys with no train/ prefix: its log
         return "trl"
     return "openrlhf" if bare else "custom"  # train/reward alone (one chart exported): OpenRLHF's spelling
 
