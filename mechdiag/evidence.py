@@ -60,6 +60,7 @@ class Signals:
     modules: list[str] = field(default_factory=list)  # every module the displacement names, fused parts included
     raw: list[list[dict]] = field(default_factory=list)  # each run's train records as written (NaN kept as null)
     min_points: int = MIN_POINTS  # the fewest records a head/tail window is read from (few_points lowers it)
+    ending: dict = field(default_factory=dict)  # how a printed log ended (logs.log_ending: its error, planned steps)
 
     @contextmanager
     def few_points(self, n: int):
@@ -95,6 +96,7 @@ class Signals:
                     for by in ("layer", "module")},
             provenance=runs[0].provenance,
             raw=[r.metrics for r in runs],
+            ending=dict((runs[0].summary.get("read") or {}).get("ended") or {}),
             modules=list(dict.fromkeys(str(row["module"]) for r in runs for row in last_step(r.displacement)
                                        if str(row.get("part_of") or row.get("module")).rsplit(".", 1)[-1]
                                        in adapted)))

@@ -277,8 +277,8 @@ def _saturated(s: Signals) -> tuple[float, str] | None:
 
 # With fewer than MIN_RECORDS train records only these rules run: each judges a level that holds at any record
 # (NaN or zero gradients, completions cut at the budget, a blown KL, text that degenerated), not a trend
-LEVEL_RULES = ("no_update", "cannot_judge", "no_signal", "component_never_pays", "truncation", "kl_blowup",
-               "low_diversity", "length_collapse", "degenerate_text")
+LEVEL_RULES = ("no_update", "run_crashed", "cannot_judge", "no_signal", "component_never_pays", "truncation",
+               "kl_blowup", "low_diversity", "length_collapse", "degenerate_text")
 FEW_MIN_POINTS = 2  # ...reading head and tail windows from as few as this many records
 
 
@@ -416,6 +416,20 @@ def _kl_measured(s: Signals) -> bool:
     return s.provenance is None or (beta is not None and beta > 0)
 
 
+@rule("run_crashed", "the log ends in a traceback after its last record: the run did not finish")
+def run_crashed(s: Signals):
+    error = s.ending.get("error")
+    if not error:
+        return None
+    last = max(s.train) if s.train else None
+    planned = s.ending.get("planned_steps")
+    ev = (f"the log ends in a traceback after step {last}" + (f" of {planned} planned" if planned else "")
+          + f": {error}")
+    return _finding(run_crashed, ev, [], "the run did not finish: fix the error first (a crash in a checkpoint save "
+                    "loses the final weights, one in the generator or the reward stops the run); the other findings "
+                    "read the steps it logged", 0.95, onset=last, planned_steps=planned)
+
+
 @rule("cannot_judge", "a stream the diagnosis needs is missing: what it would show cannot be judged")
 def cannot_judge(s: Signals):
     missing = []
@@ -502,7 +516,7 @@ def no_signal(s: Signals):
     too_small = budget is not None and budget < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
     peak = _kl_peak(s)
     before = died[0] if died else min(s.train, default=0)
-    if peak is not None and peak[1] <= before:  # the policy broke first; what it writes since scores alike
+    if peak is not None and not peak[3] and peak[1] <= before:  # it broke first; what it writes since scores alike
         cause = "the policy blew up"
         ev += (f"; kl peaked at {peak[0]:.3g} at step {peak[1]} ({peak[2]} records above {KL_BLOWUP:g} nats/token) "
                "before the signal was gone")
@@ -578,15 +592,18 @@ def _signal_died(s: Signals) -> tuple[int, int, str] | None:
     return None
 
 
-def _kl_peak(s: Signals) -> tuple[float, int, int] | None:
-    """(the highest KL, its step, how many records were above KL_BLOWUP) when at least two were (one on a short run):
-    a policy that went past a nat per token at some point, whether or not it came back."""
+def _kl_peak(s: Signals) -> tuple[float, int, int, bool] | None:
+    """(the highest KL, its step, how many records were above KL_BLOWUP, whether each was a lone spike: the next
+    record back under KL_HIGH or twice the run's median) when at least two were (one on a short run): a policy past
+    a nat per token at some point, whether or not it came back."""
     steps, kl = s.series("kl")
-    above = [v for v in kl if v > KL_BLOWUP]
+    above = [i for i, v in enumerate(kl) if v > KL_BLOWUP]
     if len(above) < (1 if s.min_points < MIN_POINTS else 2):
         return None
     top = max(range(len(kl)), key=kl.__getitem__)
-    return kl[top], steps[top], len(above)
+    usual = max(KL_HIGH, 2 * sorted(kl)[len(kl) // 2])  # back where the run usually sits
+    lone = all(i + 1 < len(kl) and kl[i + 1] < usual for i in above)
+    return kl[top], steps[top], len(above), lone
 
 
 def _format_components(s: Signals) -> list[str]:
@@ -866,6 +883,15 @@ def kl_blowup(s: Signals):
     peak = None if blown or unwatched else _kl_peak(s)  # past a nat at some point, back below it by the tail
     if not (blown or unwatched or peak):
         return None
+    if peak and peak[3]:  # lone spikes, each gone at the next record: the estimate blew up, not the policy
+        return _finding(kl_blowup, f"kl spiked above {KL_BLOWUP:g} nats/token at {peak[2]} single records (highest "
+                        f"{peak[0]:.3g} at step {peak[1]}), each back to the run's usual level at the next; tail kl "
+                        f"{tail[0]:.3g}", [], "lone KL spikes that vanish at the next step are not drift: the "
+                        "log-probabilities of a few tokens disagree (the generator against the learner: vLLM or "
+                        "lower precision, weights synced late) or an importance ratio blew up; check the sampler gap "
+                        "(sampler_logp_diff), TRL's vllm_importance_sampling_correction or an off-policy mask, "
+                        "before reading them as a step too large", confidence(peak[0] / KL_BLOWUP - 1, s.n_train),
+                        onset=peak[1], kl_peak=peak[0], lone_spikes=peak[2])
     if trend is not None and trend[1] > trend[0] - ACC_DROP and not (blown or peak):
         return None
     onset = peak[1] if peak else s.onset("kl", lambda v: v > KL_HIGH)

@@ -27,7 +27,7 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
               shift=None, components: dict | None = None, noise: float = 0.01, kl_recorded: bool = True,
               disp_layers: list[int] | None = None, pass_k: dict | None = None,
               samples: list[dict] | None = None, eval_reward=(1.0, 2.0), drop: tuple = (),
-              clip_fraction=0.0, sampler_gap=None) -> RunDir:
+              clip_fraction=0.0, sampler_gap=None, ended: dict | None = None) -> RunDir:
     """Write a run directory. Curves are over training time; layer_mass(layer) and module_mass[module] shape
     the displacement rows, shift(layer) the shift rows (defaults: flat). pass_k {"pass@4": curve} adds sampled
     pass@k to the eval records (greedy accuracy is `accuracy`); samples are train samples.jsonl records; `drop`
@@ -77,7 +77,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
                          "ci_low": 0.0, "ci_high": 0.1, "cos_dist": 0.001, "logit_kl": 0.01}
                         for s in eval_steps[1:] for layer in range(n_layers)])
     rd.write_summary({**{f"base_{k}": v for k, v in evals[0].items() if k != "step"},
-                      **{f"final_{k}": v for k, v in evals[-1].items() if k != "step"}})
+                      **{f"final_{k}": v for k, v in evals[-1].items() if k != "step"},
+                      **({"read": {"ended": ended}} if ended else {})})  # how a printed log ended (readers)
     return rd
 
 

@@ -445,3 +445,45 @@ def test_a_log_of_loss_only_or_reward_only_is_never_healthy(tmp_path, cli):
     readme = tmp_path / "README.txt"
     readme.write_text("Step 1: install\nStep 2: train (loss: see below)\nStep 3: evaluate\n")
     assert cli("recommend", str(readme)).returncode == 2
+
+
+def _monarch_log(path, steps: int, kl_at, crash: str | None = None) -> None:
+    """A custom trainer's stdout (a published Monarch GRPO run's form): a planned total, one line per step, and
+    the traceback it died with."""
+    lines = ["Training: 7473 problems, 32 prompts/step, 233 steps/epoch, 233 total steps"]
+    for k in range(steps):
+        lines.append(f"step:{k} | policy_loss=0.0123 | kl_divergence={kl_at(k):.4f} | "
+                     f"mean_reward={0.14 + 0.003 * k:.4f} | clip_fraction=0.0035 | grad_norm=0.86 | "
+                     "step_time_seconds=82.1")
+    if crash:
+        lines += ["Traceback (most recent call last):", '  File "train.py", line 412, in <module>',
+                  "    save_checkpoint(learner)", crash]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_a_log_that_ends_in_a_traceback_is_a_crash_with_its_error(tmp_path):
+    """The run died after step 11 of 233 planned: the finding says so with the error, not only what the 12 steps
+    show; the KL the trainer names kl_divergence is read as the KL."""
+    log = tmp_path / "training.log"
+    _monarch_log(log, 12, lambda k: 0.0006 * k, "ValueError: call_one requires exactly 1 actor, but mesh has 8")
+    run = read_any_run(log)
+    assert run.metrics[-1]["kl"] == pytest.approx(0.0066)
+    found = _findings(run)
+    assert "after step 11 of 233 planned: ValueError: call_one" in found["run_crashed"].evidence
+    clean = tmp_path / "clean.log"
+    _monarch_log(clean, 12, lambda k: 0.0006 * k)
+    assert "run_crashed" not in _findings(read_any_run(clean))
+
+
+def test_lone_kl_spikes_are_an_estimate_that_blew_up_not_a_step_too_large(tmp_path):
+    """KL 36 at one step, 5 at another, each gone at the next (a published run that learned 0.14 -> 0.87): named
+    as lone spikes with the sampler-gap advice and no change; a KL that stays up is a blow-up with a smaller step."""
+    log = tmp_path / "training.log"
+    _monarch_log(log, 233, lambda k: {25: 5.1, 68: 36.3, 147: 6.88}.get(k, 0.13))
+    found = _findings(read_any_run(log))
+    assert "spiked above 1 nats/token at 3 single records" in found["kl_blowup"].evidence
+    assert found["kl_blowup"].changes == [] and "sampler" in found["kl_blowup"].reason
+    held = tmp_path / "held.log"
+    _monarch_log(held, 233, lambda k: 5.0 if 60 <= k < 70 else 0.13)
+    f = _findings(read_any_run(held))["kl_blowup"]
+    assert "peaked at 5 at step 60" in f.evidence and "lower learning_rate" in f.reason

@@ -529,6 +529,7 @@ def test_max_reward_uses_the_tasks_weights(tmp_path):
 RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defaults are the healthy run
     "too_few_records": {"steps": 2},
     "component_never_pays": {"components": {"xml_count": (0.0, 0.0)}},
+    "run_crashed": {"ended": {"error": "RuntimeError: CUDA out of memory", "planned_steps": 100}},
     "no_signal": {"samples": NO_TAGS, **ZERO},
     "early_saturation": {"reward": (3.45, 3.6), "frac_zero_std": 0.8, "reward_cv": 0.02, "kl": 0.01},
     "low_diversity": {"reward_cv": 0.04, "frac_zero_std": 0.7, **FLAT},

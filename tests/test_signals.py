@@ -300,6 +300,9 @@ def test_sparkline():
     assert sparkline([1e-9, -3e-9, 2e-9]) == "▁▁▁"  # float noise around 0 is flat
     assert sparkline([float("nan"), 2.0, 1.0]) == "█▁" and sparkline([]) == ""
     assert len(sparkline(list(range(100)))) == 30
+    # the whole run, not its tail: a rise that then holds draws as a rise
+    rise = sparkline([0.14 + 0.01 * i for i in range(70)] + [0.85 + 0.01 * (i % 3) for i in range(163)])
+    assert rise[0] == "▁" and rise[-1] in "▇█" and len(rise) == 30
 
 
 def test_watch_bad_input(tmp_path, cli):

@@ -592,3 +592,31 @@ def is_step_line_log(path: Path) -> bool:
         return bool(step_line_records("\n".join(_lines(path, CONSOLE_SNIFF))))
     except (OSError, EOFError, gzip.BadGzipFile):
         return False
+
+
+# ---- how a text log ends: a traceback after its last record is a run that crashed --------------------------------
+_TRACEBACK = "Traceback (most recent call last):"
+_PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s*")  # Ray's worker prefix
+CRASH_TAIL_LINES = 6  # the exception line this near the end of the log (a hint or two may follow it)
+_EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
+_PLANNED = re.compile(r"(?:\b(\d[\d,]*) total steps\b|Total steps = (\d[\d,]*)|\bmax_steps\s*[=:]\s*(\d+))")
+_RECORD_MARK = re.compile(r"\{'(?:loss|reward|grad_norm)'|\bstep\s*[:=#\[]?\s*\d+", re.IGNORECASE)
+
+
+def log_ending(text: str) -> dict:
+    """{"error": the exception line of a traceback printed after the log's last record, "planned_steps": the run's
+    planned total where the log states it}; {} when it ends cleanly and states nothing."""
+    out = {}
+    planned = [next(g for g in m.groups() if g) for m in _PLANNED.finditer(text)]
+    if planned:
+        out["planned_steps"] = int(planned[-1].replace(",", ""))
+    at = text.rfind(_TRACEBACK)
+    last = max((m.start() for m in _RECORD_MARK.finditer(text)), default=-1)
+    if at > last >= 0:  # a traceback after the last record, whose exception is among the log's last lines: the
+        # process died of it (a worker's traceback logged while the run went on is followed by more of the run)
+        lines = [ln for ln in (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in
+                               text[at:].replace("\r", "\n").split("\n")[1:]) if ln]
+        hits = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
+        if hits and len(lines) - hits[-1] <= CRASH_TAIL_LINES:
+            out["error"] = lines[hits[-1]][:300]
+    return out

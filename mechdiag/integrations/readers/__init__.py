@@ -29,6 +29,7 @@ SEARCH_DEPTH = 3  # a folder the user names may hold the run this many levels do
 
 
 SEP = "#"  # PATH#NAME: one named run or launch of a file or folder that holds several
+TEXT_KINDS = ("printed", "steps", "verl")  # logs a trainer printed: a traceback after the last record is a crash
 
 
 def _own_kind(path: Path) -> str | None:
@@ -210,6 +211,11 @@ def _read_chosen(path, into) -> tuple[RunDir, str]:
         note = "; ".join(x for x in (note, f"{entry['name']}: {entry['why'].split('; ', 1)[-1]}") if x)
     read = {"run_name": entry["name"], "runs_in_source": names, **({"note": note} if note else {}),
             **({"split": entry["why"]} if entry["why"] else {})}
+    same_file = [e for e in entries if e["where"] == entry["where"]]
+    if entry["kind"] in TEXT_KINDS and entry["where"].is_file() and entry is same_file[-1]:
+        ending = logs.log_ending(logs.read_text(entry["where"]))  # how the file's last launch ended
+        if ending:
+            read["ended"] = ending
     rd.write_summary({**rd.summary(), "read": read})
     return rd, note
 

@@ -21,9 +21,10 @@ from mechdiag.run import RunDir
 # old-vs-new KL, and verl's kl_loss is the unscaled KL to the reference)
 TABLE_TRAIN_KEYS = {
     "reward": ("train/reward", "reward", "train_reward", "train/reward_mean", "rewards/mean", "reward_mean",
-               "mean_reward", "avg_reward", "score_mean"),
+               "mean_reward", "avg_reward", "average_reward", "score_mean"),
     "reward_std": ("train/reward_std", "reward_std", "train_reward_std", "std_reward"),
-    "kl": ("train/kl", "ref_kl", "kl_ref", "kl_to_ref", "kl_loss", "kl", "train_kl"),
+    "kl": ("train/kl", "ref_kl", "kl_ref", "kl_to_ref", "kl_loss", "kl", "train_kl", "kl_divergence", "kl_div",
+           "mean_kl"),
     "entropy": ("train/policy_entropy", "train/entropy_loss", "entropy", "train_entropy", "entropy_mean"),
     "loss": ("train/policy_loss", "pg_loss", "loss", "train_loss", "policy_loss"),
     "grad_norm": ("train/actor_grad_norm", "train/raw_grad_norm", "grad_norm"),
