@@ -461,7 +461,7 @@ def _monarch_log(path, steps: int, kl_at, crash: str | None = None) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def test_a_log_that_ends_in_a_traceback_is_a_crash_with_its_error(tmp_path):
+def test_a_log_that_ends_in_a_traceback_is_a_crash_with_its_error(tmp_path, data_dir):
     """The run died after step 11 of 233 planned: the finding says so with the error, not only what the 12 steps
     show; the KL the trainer names kl_divergence is read as the KL."""
     log = tmp_path / "training.log"
@@ -473,6 +473,11 @@ def test_a_log_that_ends_in_a_traceback_is_a_crash_with_its_error(tmp_path):
     clean = tmp_path / "clean.log"
     _monarch_log(clean, 12, lambda k: 0.0006 * k)
     assert "run_crashed" not in _findings(read_any_run(clean))
+    # a worker's traceback logged while the run went on (verl, Ray-prefixed) is not a crash; a checkpoint save that
+    # died at the end of a verl run is
+    assert "run_crashed" not in _findings(read_any_run(data_dir / "reallogs" / "verl-gui-cursor"))
+    econ = _findings(read_any_run(data_dir / "reallogs" / "verl-econ-qwen7b"))["run_crashed"]
+    assert "after step 699" in econ.evidence and "RuntimeError" in econ.evidence
 
 
 def test_lone_kl_spikes_are_an_estimate_that_blew_up_not_a_step_too_large(tmp_path):
