@@ -388,6 +388,11 @@ def test_a_notebook_is_read_from_its_saved_outputs(tmp_path, cli):
     assert "component_never_pays" in _findings(run)
     proc = cli("recommend", str(path))
     assert proc.returncode == 0 and "holds 2 runs" in proc.stderr and "strict_format_reward_func" in proc.stdout
+    nb["cells"][2]["outputs"].append({"output_type": "error", "ename": "OutOfMemoryError",
+                                      "evalue": "CUDA out of memory. Tried to allocate 2.00 GiB", "traceback": []})
+    path.write_text(json.dumps(nb))
+    crashed = read_any_run(f"{path}#{path.name}:cell3")
+    assert "OutOfMemoryError: CUDA out of memory" in _findings(crashed)["run_crashed"].evidence
     empty = tmp_path / "empty.ipynb"
     empty.write_text(json.dumps({**nb, "cells": nb["cells"][:1]}))
     proc = cli("recommend", str(empty))

@@ -216,6 +216,8 @@ def _read_chosen(path, into) -> tuple[RunDir, str]:
         ending = logs.log_ending(logs.read_text(entry["where"]))  # how the file's last launch ended
         if ending:
             read["ended"] = ending
+    if entry.get("ended"):  # a notebook cell that raised
+        read["ended"] = entry["ended"]
     rd.write_summary({**rd.summary(), "read": read})
     return rd, note
 

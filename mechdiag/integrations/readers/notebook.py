@@ -110,10 +110,13 @@ def notebook_launches(path: Path) -> list[dict]:
     for i, cell in enumerate(_cells(path), start=1):
         if cell.get("cell_type") != "code":
             continue
-        stream = []
+        stream, first = [], len(out)
+        error = None  # the cell raised: its runs ended in that error
         for o in cell.get("outputs") or []:
             if not isinstance(o, dict):
                 continue
+            if o.get("output_type") == "error":
+                error = f"{o.get('ename', 'Error')}: {o.get('evalue', '')}".strip()[:300]
             if o.get("output_type") == "stream":
                 stream.append(_text(o.get("text")))
             html = _text((o.get("data") or {}).get("text/html"))
@@ -133,6 +136,8 @@ def notebook_launches(path: Path) -> list[dict]:
         if stepped:  # a custom loop's own prints: its names, not TRL's
             out.append({"name": f"{path.name}:cell{i}", "records": stepped, "trainer": None,
                         "why": f"printed step lines of cell {i} (step = the step each line names)"})
+        if error and len(out) > first:  # the cell's last run is the one the error stopped
+            out[-1]["ended"] = {"error": error}
     names = [e["name"] for e in out]
     for e in out:  # a cell with both a table and printed dicts: tell them apart
         if names.count(e["name"]) > 1:
