@@ -358,11 +358,12 @@ def no_update(s: Signals):
             onset = bad[0] if onset is None else min(onset, bad[0])
     # grad_norm exactly 0 where the groups differ: the loss reached no weight (every token masked, e.g. truncated
     # completions left out of the loss while nearly all were cut, or a frozen model)
-    z_steps, zero_std_at = s.series("frac_zero_std")
-    all_alike = {st for st, v in zip(z_steps, zero_std_at, strict=True) if v >= 1 - NO_SIGNAL_EPS}
+    z_steps, zero_std = s.series("frac_zero_std")
+    all_alike = {st for st, v in zip(z_steps, zero_std, strict=True) if v >= 1 - NO_SIGNAL_EPS}
     g_steps, grads = s.series("grad_norm")
     zero_grad = [st for st, g in zip(g_steps, grads, strict=True) if g == 0.0 and st not in all_alike]
-    kl_at = dict(zip(*s.series("kl"), strict=True))
+    steps, kl = s.series("kl")
+    kl_at = dict(zip(steps, kl, strict=True))
     kl_zero = [kl_at[st] for st in zero_grad if st in kl_at]
     moved = len(kl_zero) >= 2 and kl_zero[-1] > max(NO_UPDATE_KL_MOVED, 1.5 * kl_zero[0])  # a 0 logged, not made
     masked = False  # the zero gradients come from completions all cut at the budget and left out of the loss
@@ -378,8 +379,6 @@ def no_update(s: Signals):
                     "is left to learn from")
         hits.append(hit)
         onset = zero_grad[0] if onset is None else min(onset, zero_grad[0])
-    steps, kl = s.series("kl")
-    _, zero_std = s.series("frac_zero_std")
     _, rstd = s.series("reward_std")
     # KL stays 0 also when every group scores alike (no advantage, no gradient): no_signal's case, not this one.
     # reward_std is a batch statistic (TRL, verl): it tells groups apart only where frac_zero_std is not logged
@@ -480,20 +479,22 @@ def no_signal(s: Signals):
     near = zero_std and len(zero_std) >= MIN_POINTS and sum(zero_std) / len(zero_std) >= NO_SIGNAL_NEAR
     if not (zero_reward or zero_correct or died or near):
         return None
-    if near and not (zero_reward or zero_correct or died):
+    since = None  # the step the signal was gone from, where it was judged over part or all of the run
+    if died:
+        since = died[0]
+        what = (f"every group's rewards alike from step {died[0]} to the end ({died[1]} of {s.n_train} records; "
+                f"{died[2]})")
+    elif near and not (zero_reward or zero_correct):
+        since = min(s.train)
         alike = sum(v >= 1 - NO_SIGNAL_EPS for v in zero_std)
         what = (f"{sum(zero_std) / len(zero_std):.0%} of groups alike over the run (every group alike on {alike} of "
                 f"{len(zero_std)} records; >= {NO_SIGNAL_NEAR:.0%}): almost nothing to learn from")
-        died = (min(s.train), len(zero_std), "near")  # judged over the whole run, as a signal gone from the start
-    elif died:
-        what = (f"every group's rewards alike from step {died[0]} to the end ({died[1]} of {s.n_train} records; "
-                f"{died[2]})")
     elif zero_reward:
         what = (f"reward constant at {reward[0]:.4g}" if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS
                 else "every group's rewards all equal")
     else:
         what = f"no correct answer ({success} {correct[0][0]:.4g} throughout)"
-    ev = what if died else f"{what} on all {len(reward) or len(correct[0])} records"
+    ev = what if since is not None else f"{what} on all {len(reward) or len(correct[0])} records"
     if reward and max(reward) - min(reward) <= NO_SIGNAL_EPS and reward[0] != 0 and not zero_correct:
         ev += f" (one value, {reward[0]:.4g}, whatever was written: often a reward's fallback for a failed parse)"
     # the cause, from the completions themselves: cut at the budget, never in the rewarded format, or wrong
@@ -515,7 +516,7 @@ def no_signal(s: Signals):
     budget = s.value("max_completion_tokens")
     too_small = budget is not None and budget < NO_SIGNAL_MIN_BUDGET  # ...unless no format could fit in it at all
     peak = _kl_peak(s)
-    before = died[0] if died else min(s.train, default=0)
+    before = since if since is not None else min(s.train, default=0)
     if peak is not None and not peak[3] and peak[1] <= before:  # it broke first; what it writes since scores alike
         cause = "the policy blew up"
         ev += (f"; kl peaked at {peak[0]:.3g} at step {peak[1]} ({peak[2]} records above {KL_BLOWUP:g} nats/token) "
@@ -1458,7 +1459,7 @@ CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", 
 def diagnose(signals: Signals) -> list[Finding]:
     """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
     finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
-    few records nothing else is judged."""
+    few records only the rules that read a level run (LEVEL_RULES), never a trend."""
     few = too_few_records(signals)
     if few is not None:  # levels that hold at any point can still be read; trends cannot
         with signals.few_points(FEW_MIN_POINTS):

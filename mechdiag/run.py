@@ -202,12 +202,17 @@ def callback_run(path: str | os.PathLike) -> Path | None:
     return p if is_run_dir(p) else None
 
 
+# what a file that no reader takes is told: the forms the readers read (mechdiag.integrations.readers)
+NOT_A_LOG = ("not a log mechdiag reads (TRL trainer_state.json, printed log dicts or a notebook's outputs, a custom "
+             "loop's printed step lines, a verl JSONL or console log, an OpenRLHF/custom metrics JSONL/CSV, W&B CSV, "
+             "TensorBoard)")
+
+
 def resolve_run(path) -> RunDir:
     """The run directory named by a user: RUN itself, or RUN/mechdiag/ for a TRL output_dir with the callback."""
     p = Path(path)
     if p.is_file():
-        raise UserError(f"{p}: not a log mechdiag reads (TRL trainer_state.json or printed log dicts, a verl JSONL or "
-                        "console log, an OpenRLHF/custom metrics JSONL/CSV, W&B CSV, TensorBoard) nor a run directory")
+        raise UserError(f"{p}: {NOT_A_LOG} nor a run directory")
     if not p.is_dir():
         raise UserError(f"run directory not found: {p}")
     got = p if is_run_dir(p) else callback_run(p)

@@ -353,7 +353,6 @@ _BARE = re.compile(r"(?<=[:\[,(\s])(-?)(nan|inf|infinity)(?=\s*[,}\])])", re.IGN
 _TQDM = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
 # a trainer starting again in the same file: Unsloth's banner, HF's "***** Running training *****"
 _BROKEN = re.compile(r"\{'(loss|reward|grad_norm)'")  # the start of a training log dict
-_TOTAL_STEPS = re.compile(r"Total steps = ([\d,]+)")
 _LAUNCH = re.compile(r"\*{5} Running training \*{5}|==\(\(====\)\)==\s+Unsloth - 2x faster|Total steps = \d+")
 SUMMARY_KEY = "train_runtime"  # the dict HF prints when train() returns: the end of one launch
 
@@ -498,7 +497,7 @@ def printed_launches_in(text: str) -> list[dict]:
         if _LAUNCH.search(line) and cur:
             close()
             last_epoch = None
-        declared += [int(m.group(1).replace(",", "")) for m in _TOTAL_STEPS.finditer(line)]
+        declared += _planned(line)
         printed = [(m.start(), m.group(0)) for m in _PRINTED.finditer(line)] if _is_printed_line(line) else []
         if _BROKEN.search(line) and not any(_BROKEN.search(body) for _, body in printed):
             broken[0] += 1  # a training dict opened and never closed
@@ -600,16 +599,21 @@ _PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s*")  # Ray's worker prefix
 CRASH_TAIL_LINES = 6  # the exception line this near the end of the log (a hint or two may follow it)
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
 _PLANNED = re.compile(r"(?:\b(\d[\d,]*) total steps\b|Total steps = (\d[\d,]*)|\bmax_steps\s*[=:]\s*(\d+))")
-_RECORD_MARK = re.compile(r"\{'(?:loss|reward|grad_norm)'|\bstep\s*[:=#\[]?\s*\d+", re.IGNORECASE)
+_RECORD_MARK = re.compile(_BROKEN.pattern + r"|\bstep\s*[:=#\[]?\s*\d+", re.IGNORECASE)
+
+
+def _planned(text: str) -> list[int]:
+    """The planned totals a log states ("233 total steps", Unsloth's banner "Total steps = 405", max_steps=N)."""
+    return [int(next(g for g in m.groups() if g).replace(",", "")) for m in _PLANNED.finditer(text)]
 
 
 def log_ending(text: str) -> dict:
     """{"error": the exception line of a traceback printed after the log's last record, "planned_steps": the run's
     planned total where the log states it}; {} when it ends cleanly and states nothing."""
     out = {}
-    planned = [next(g for g in m.groups() if g) for m in _PLANNED.finditer(text)]
+    planned = _planned(text)
     if planned:
-        out["planned_steps"] = int(planned[-1].replace(",", ""))
+        out["planned_steps"] = planned[-1]
     at = text.rfind(_TRACEBACK)
     last = max((m.start() for m in _RECORD_MARK.finditer(text)), default=-1)
     if at > last >= 0:  # a traceback after the last record, whose exception is among the log's last lines: the

@@ -22,7 +22,7 @@ from mechdiag.integrations.readers.notebook import is_notebook, notebook_launche
 from mechdiag.integrations.readers.table_log import read_table_run
 from mechdiag.integrations.readers.trl_dir import STATE_FILES, is_trl_dir, read_trl_run
 from mechdiag.integrations.readers.verl_log import is_verl_file, read_verl_run
-from mechdiag.run import Run, RunDir, callback_run, is_run_dir, load_run
+from mechdiag.run import NOT_A_LOG, Run, RunDir, callback_run, is_run_dir, load_run
 
 # ---- any foreign run ----------------------------------------------------------------------------------------
 SEARCH_DEPTH = 3  # a folder the user names may hold the run this many levels down (repo/outputs/checkpoint-N)
@@ -228,8 +228,7 @@ def read_any_run(path) -> Run:
     base, _ = split_name(path)
     if not sources(base):
         if base.is_file():
-            raise UserError(f"{path}: not a log mechdiag reads (TRL trainer_state.json or printed log dicts, a verl "
-                            "JSONL or console log, an OpenRLHF/custom metrics JSONL/CSV, W&B CSV, TensorBoard)")
+            raise UserError(f"{path}: {NOT_A_LOG}")
         return load_run(base)
     with tempfile.TemporaryDirectory(prefix="mechdiag-foreign-") as tmp:
         rd, note = _read_chosen(path, Path(tmp) / "run")
