@@ -559,7 +559,7 @@ def open_adapter(path: str | os.PathLike, base: Side, files: SafeFiles, against:
 
     plan: dict[str, list[tuple[str, int | None, bool]]] = {}  # expert tensors renamed as the model names them
     for mod, f in factors.items():
-        if _targets_parameter(mod, cfg.get("target_parameters")):
+        if _targets_parameter(mod, cfg.get("target_parameters"), entries):
             _parameter_lora(folder, cfg, mod, {k: v for k, v in f.items()}, entries, files, plan, config)
             continue
         target = target_of(mod)
@@ -636,12 +636,17 @@ def _replay_call(replay, files: SafeFiles, mod: str, weight: TensorRef, bias: Te
 _STACK_SOURCES = {"gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")), "down_proj": (("down_proj",), ("w2",))}
 
 
-def _targets_parameter(mod: str, targets) -> bool:
+def _targets_parameter(mod: str, targets, entries: dict) -> bool:
     """Whether adapter module `mod` is peft's ParamWrapper: its path (one .base_layer per parameter nested on the
-    same module) is a target_parameters entry's module (peft's rule: the key or its end)."""
+    same module) and a parameter of it are a target_parameters entry (peft's rule: the key or its end). A module
+    the base holds as a Linear (its .weight) has no parameter but weight and bias: peft >= 0.22 saves a bare
+    "down_proj" for qwen2_moe's expert stacks, which is not the shared expert's down_proj Linear."""
     unwrapped = mod.replace(".base_layer", "")
+    linear = unwrapped + ".weight" in entries
     for t in targets or ():
-        owner = t.rpartition(".")[0]
+        owner, _, param = t.rpartition(".")
+        if linear and param not in ("weight", "bias"):
+            continue
         if not owner or unwrapped == owner or unwrapped.endswith("." + owner):
             return True
     return False
@@ -685,7 +690,7 @@ def _parameter_lora(folder: Path, cfg: dict, mod: str, f: dict, entries: dict, f
     layer_prefix = owner[:m.end()] if m else ""
     last = owner.rsplit(".", 1)[-1]
     names = [t.rpartition(".")[2] for t in cfg.get("target_parameters") or ()
-             if _targets_parameter(mod, [t])]
+             if _targets_parameter(mod, [t], entries)]
     fits = []  # (parameter, layout, tensor names) whose shape takes this pair of factors
     for param in dict.fromkeys(names):
         key = f"{owner}.{param}"

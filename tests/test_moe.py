@@ -157,3 +157,53 @@ def test_lora_on_expert_parameters_is_reported_per_expert_exactly():
     want = math.sqrt(math.fsum(r["delta_fro"] ** 2 for r in rows if r["module"] == "experts.down_proj"))
     assert g.loc["experts.down_proj", "delta_fro"] == pytest.approx(want, rel=1e-12)
     assert g.loc["experts.down_proj", "n_tensors"] == 8
+
+
+def _merged_truth(merged: dict[str, torch.Tensor], original: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The merged model's update of a tensor as transformers saves it: an expert's gate_proj / up_proj / down_proj
+    is its row of the 3-D stack (gate_up_proj: gate rows, then up rows)."""
+    m = EXPERT.search(name)
+    if m is None:
+        return merged[name] - original[name]
+    stack = name[:m.start()] + ".experts." + ("down_proj" if m.group(2) == "down_proj" else "gate_up_proj")
+    d = (merged[stack] - original[stack])[int(m.group(1))]
+    return d if m.group(2) == "down_proj" else d.chunk(2, dim=0)[m.group(2) == "up_proj"]
+
+
+def test_users_peft_lora_on_a_name_shared_by_a_linear_and_an_expert_stack(tmp_path):
+    """A user's peft LoRA with target_modules down_proj on Qwen2-MoE: the shared expert's down_proj is a Linear,
+    the routed experts' stack a parameter of the same name; peft >= 0.22 adapts both and saves a bare "down_proj"
+    in target_parameters. displacement reads each as what it is, equal to peft's merge in float64."""
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 - peft's own config, not mechdiag's
+
+    from mechdiag.displacement import displacement  # noqa: PLC0415
+
+    base = save(build("qwen2_moe"), tmp_path / "base")
+    original = {n: p.detach().double().clone() for n, p in build("qwen2_moe").named_parameters()}
+    pm = get_peft_model(build("qwen2_moe"), LoraConfig(r=2, target_modules=["q_proj", "down_proj"],
+                                                       init_lora_weights=False))
+    pm.save_pretrained(tmp_path / "adapter")
+    merged = {n: p.detach().clone() for n, p in pm.double().merge_and_unload().named_parameters()}
+    rows = [r for r in displacement(str(base), str(tmp_path / "adapter")).to_dict(orient="records")
+            if not isinstance(r["part_of"], str)]
+    moved = set()
+    for r in rows:
+        want = float(_merged_truth(merged, original, r["name"]).norm())
+        assert r["delta_fro"] == pytest.approx(want, rel=1e-9, abs=1e-12), r["name"]
+        if want:
+            moved.add(r["module"])
+    assert {"q_proj", "shared_expert.down_proj"} <= moved  # the Linears moved, and were read as Linears
+    assert moved <= {"q_proj", "shared_expert.down_proj", "experts.down_proj"}
+
+
+def test_native_lora_on_chosen_layers_adapts_only_them(tmp_path):
+    """mechdiag's own LoRA on layer 0 of Qwen2-MoE with down_proj and experts.down_proj adapts exactly layer 0's
+    shared-expert Linear and expert stack, whatever peft's version reads into a bare name."""
+    from mechdiag.config import LoraConfig  # noqa: PLC0415
+    from mechdiag.train.lora import apply_lora, lora_modules  # noqa: PLC0415
+
+    for modules, want in ((["down_proj"], {"model.layers.0.mlp.shared_expert.down_proj"}),
+                          (["down_proj", "experts.down_proj"], {"model.layers.0.mlp.shared_expert.down_proj",
+                                                                "model.layers.0.mlp.experts.down_proj"})):
+        pm = apply_lora(build("qwen2_moe"), LoraConfig(layers=[0], target_modules=modules))
+        assert {m["name"] for m in lora_modules(pm)} == want

@@ -56,10 +56,27 @@ def peft_config(model, lora: LoraConfig) -> PeftLoraConfig:
                         "target_parameters) needs lora.dropout=0")
     path, _ = blocks.find_blocks(model)
     return PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
-                          target_modules=modules, target_parameters=[q for q, _ in params] or None,
+                          target_modules=_unwidened(model, modules, chosen),
+                          target_parameters=[q for q, _ in params] or None,
                           layers_to_transform=layers, layers_pattern=path.rsplit(".", 1)[-1], bias="none",
                           task_type="CAUSAL_LM",
                           fan_in_fan_out=any(isinstance(m, blocks.Conv1D) for m in model.modules()))
+
+
+def _unwidened(model, modules: list[str], chosen: set[int]) -> list[str]:
+    """Module targets peft adapts as asked. peft >= 0.22 reads a module name that is also a parameter's name
+    outside the Linears (qwen2_moe's down_proj: the shared expert's Linear and experts.down_proj, the routed
+    stack) as both, the stack on every layer (its transformers-4 reading); such a name is given as the full paths
+    of its Linears on the chosen layers, which only they match."""
+    params = {pname for _, mod in model.named_modules() if not blocks.is_adaptable(mod)
+              for pname, _ in mod.named_parameters(recurse=False)}
+    out = []
+    for m in modules:
+        if m.rsplit(".", 1)[-1] in params:
+            out += [name for name, layer, t in blocks.adaptable_modules(model) if t == m and layer in chosen]
+        else:
+            out.append(m)
+    return out
 
 
 @contextlib.contextmanager
