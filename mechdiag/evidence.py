@@ -4,6 +4,7 @@ the sampled completions, and how the run holds each config key (a foreign run's 
 
 from __future__ import annotations
 
+import itertools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -116,6 +117,19 @@ class Signals:
             slice(k, 2 * k)  # "second": the second quarter
         s, v = steps[sl], vals[sl]
         return sum(v) / len(v), f"steps {s[0]}-{s[-1]}"
+
+    def window_gain(self, key: str) -> tuple[float, float, float, str] | None:
+        """(head mean, tail mean, two standard errors of their difference, step ranges) of `key` over the train
+        records: a tail under head + noise did not rise beyond what its own step-to-step spread could make. The
+        spread is read from successive differences (von Neumann: var = mean((x[i+1] - x[i])^2) / 2), which a trend
+        inside a window does not inflate. None with fewer than two records in a window."""
+        steps, vals = self.series(key)
+        k = round(len(vals) * WINDOW_FRAC)
+        if k < 2:
+            return None
+        mh, mt = sum(vals[:k]) / k, sum(vals[-k:]) / k
+        var = math.fsum((b - a) ** 2 for a, b in itertools.pairwise(vals)) / (2 * (len(vals) - 1))
+        return mh, mt, 2 * math.sqrt(2 * var / k), f"steps {steps[0]}-{steps[k - 1]} -> {steps[-k]}-{steps[-1]}"
 
     @property
     def n_train(self) -> int:

@@ -97,6 +97,8 @@ NO_SIGNAL_FORMAT_MIN = 0.05  # under this share of sampled completions with a cl
 NO_SIGNAL_MIN_BUDGET = 24  # a budget under this many tokens cannot hold a reasoning + answer block (arith needs ~22)
 
 KL_STILL = 0.01  # held_still: tail mean KL to the reference below this (nats/token)...
+REWARD_STILL_MIN = 16  # ...without an eval stream, a train reward flat over at least this many records, whose
+REWARD_STILL_NOISE = 0.25  # ...step-to-step noise (2 SE of head vs tail) is under this share of its span
 EVAL_REWARD_FLAT = 0.02  # ...eval reward gain at most this share of the maximum, accuracy gain <= ACC_FLAT...
 BETA_FREE_DIV = 10.0  # ...with beta on: beta / this, at most BETA_FREE_MAX; with beta 0: the learning rate, sized
 BETA_FREE_MAX = 0.01
@@ -144,7 +146,7 @@ REPEAT_SHARE = 0.5  # ...above this (or an empty completion)...
 DEGENERATE_SAMPLES = 0.3  # ...in at least this share of the latest sampled completions
 DEGENERATE_MIN_WORDS = 12  # completions shorter than this are not judged for repetition
 # a stream that counts answers right (check_answer / check_numbers: Unsloth's GRPO notebooks' correctness rewards)
-SUCCESS_KEYS = ("accuracy", "correct", "solved", "success", "win", "pass", "check_answer", "check_numbers",
+SUCCESS_KEYS = ("accuracy", "correct", "solved", "succe", "win", "pass", "check_answer", "check_numbers",
                 "exact_match", "answer_match")
 
 
@@ -422,8 +424,10 @@ def run_crashed(s: Signals):
         return None
     last = max(s.train) if s.train else None
     planned = s.ending.get("planned_steps")
-    ev = (f"the log ends in a traceback after step {last}" + (f" of {planned} planned" if planned else "")
-          + f": {error}")
+    where = f"after step {last}" if last is not None else "before its first record"
+    first = s.ending.get("first_error")
+    ev = (f"the log ends in a traceback {where}" + (f" of {planned} planned" if planned else "") + f": {error}"
+          + (f" (the first error logged after it: {first})" if first else ""))
     return _finding(run_crashed, ev, [], "the run did not finish: fix the error first (a crash in a checkpoint save "
                     "loses the final weights, one in the generator or the reward stops the run); the other findings "
                     "read the steps it logged", 0.95, onset=last, planned_steps=planned)
@@ -443,11 +447,16 @@ def cannot_judge(s: Signals):
     if not s.series("reward")[1] and s.train and keys <= {"loss", "lr", "grad_norm", "epoch", "learning_rate"}:
         missing.append("the RL signals: the log holds a loss and the optimizer's values only, as a supervised (SFT) "
                        "run's does; a GRPO trainer logs its reward")
-    if not s.series("reward")[1] and not s.series("eval_reward", "eval")[1]:
+    if not s.series("reward")[1] and not s.series("eval_reward", "eval")[1] and (s.train or s.eval):
         missing.append("reward (no train or held-out reward stream): learning progress, no_signal, saturation and "
                        "diversity cannot be judged")
-    if not s.series("reward")[1] and not s.train:
+    if not s.series("reward")[1] and not s.train and s.eval:
         missing.append("train records (the log holds held-out values only): the training signals cannot be judged")
+    if not s.train and not s.eval and not s.ending.get("error"):  # run_crashed names a crash
+        reached, planned = s.ending.get("reached_step"), s.ending.get("planned_steps")
+        missing.append("every signal: the log holds no metric record (nothing printed a reward, loss or KL)"
+                       + (f"; its progress bar stops at step {reached}" + (f" of {planned}" if planned else "")
+                          + " with no error printed" if reached is not None else ""))
     if not missing:
         return None
     return _finding(cannot_judge, "; ".join(missing), [],
@@ -1072,13 +1081,14 @@ def truncation(s: Signals):
     head, head_len = s.window("completion_clipped_ratio", "head"), s.window("completion_length", "head")
     if not tail:
         return _whole_batches_cut(s)
-    cur = s.cfg.max_completion_tokens
-    fill = length[0] / cur if length else 0.0
+    cur = s.value("max_completion_tokens")  # a budget the run does not show is not judged against a default
+    fill = length[0] / cur if length and cur else 0.0
     shrink = 1 - length[0] / head_len[0] if length and head_len and head_len[0] > 0 else 0.0
     if tail[0] > CLIPPED_HIGH:
         ev = f"completion_clipped_ratio {tail[0]:.3g} > {CLIPPED_HIGH} over {tail[1]}"
         margin = tail[0] / CLIPPED_HIGH - 1
-    elif head and head[0] > CLIPPED_HIGH and shrink > LENGTH_SHRINK:
+    elif head and head[0] > CLIPPED_HIGH and shrink > LENGTH_SHRINK and not _gained(s):
+        # shortened to fit while the run gained: the cut cost nothing the logs show
         ev = (f"completion_clipped_ratio {head[0]:.3g} > {CLIPPED_HIGH} over {head[1]}, then completion_length "
               f"{head_len[0]:.3g} -> {length[0]:.3g} ({-shrink:.0%}) by {length[1]}: the policy shortened its "
               f"completions to fit the budget")
@@ -1098,6 +1108,17 @@ def truncation(s: Signals):
     return _finding(truncation, ev, changes, reason, confidence(margin, s.n_train), clipped_tail=tail[0],
                     onset=s.onset("completion_clipped_ratio", lambda v: v > CLIPPED_SOME),
                     length_fill=fill, length_shrink=shrink)
+
+
+def _gained(s: Signals) -> bool:
+    """Whether the run measurably improved: held-out accuracy beyond its noise, else its train success stream (or,
+    without one, its reward) whose tail beats its head by more than two standard errors of their spread."""
+    trend = s.accuracy_trend()
+    if trend is not None:
+        return trend[1] - trend[2] > max(ACC_FLAT, s.gain_noise(trend[2], trend[1]))
+    keys = sorted({k for d in s.train.values() for k in d if _counts_right(k)}) or ["reward"]
+    gain = s.window_gain(keys[0])
+    return gain is not None and gain[1] - gain[0] > max(gain[2], EVAL_REWARD_FLAT * s.reward_span)
 
 
 def _whole_batches_cut(s: Signals):
@@ -1260,17 +1281,20 @@ def narrow_lora(s: Signals):
                     accuracy_gain=trend[1] - trend[2])
 
 
-def _still(s: Signals) -> tuple[str, float, float, float] | None:
+def _still(s: Signals) -> tuple[str, float, float | None, float | None] | None:
     """(evidence, kl tail, base, final) when the policy stayed where it began: tail KL under KL_STILL, held-out
     accuracy and reward flat, the groups still differing; or, with beta above BETA_MAX (an anchor beyond any
-    working range), the KL held under KL_STILL whatever the accuracy did."""
+    working range), the KL held under KL_STILL whatever the accuracy did. Without an eval stream, a measured KL
+    under KL_STILL and a train reward whose tail is no higher than its head beyond their noise (_reward_still)."""
     kl, zero = s.window("kl", "tail"), s.window("frac_zero_std", "tail")
-    trend = s.accuracy_trend()
-    if kl is None or trend is None or kl[0] >= KL_STILL:
+    if kl is None or kl[0] >= KL_STILL:
         return None
-    _, final, base = trend
     if zero is not None and zero[0] >= HELD_ZERO_STD_MAX:
         return None  # equal rewards everywhere hold it still: no_signal / low_diversity's case, not a penalty's
+    trend = s.accuracy_trend()
+    if trend is None:
+        return _reward_still(s, kl, zero)
+    _, final, base = trend
     ev_reward = (s.final.get("eval_reward"), s.base.get("eval_reward"))
     gain_max = max(ACC_FLAT, s.gain_noise(base, final))  # a gain the eval's own noise could make is no gain
     flat = final - base <= gain_max and (None in ev_reward or ev_reward[0] - ev_reward[1] <=
@@ -1283,6 +1307,26 @@ def _still(s: Signals) -> tuple[str, float, float, float] | None:
              if flat else f"; beta {s.cfg.beta:g} > {BETA_MAX}: the anchor holds it")
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
     return ev, kl[0], base, final
+
+
+def _reward_still(s: Signals, kl: tuple[float, str], zero) -> tuple[str, float, None, None] | None:
+    """_still without an eval stream: the KL measured (not a beta-0 zero) and under KL_STILL, the train reward's
+    tail no higher than its head by more than two standard errors of their step-to-step spread (or
+    EVAL_REWARD_FLAT of its span), over at least REWARD_STILL_MIN records. A flat reward at its ceiling is
+    early_saturation's; none at all, no_signal's."""
+    gain = s.window_gain("reward")
+    measured = _kl_measured(s) or max(s.series("kl")[1], default=0) > 0  # a KL that moved was computed
+    if not measured or gain is None or s.n_train < REWARD_STILL_MIN or _never_right(_success(s)[0]):
+        return None
+    head, tail, noise, where = gain
+    level = s.reward_level(tail)
+    if tail - head > max(noise, EVAL_REWARD_FLAT * s.reward_span) or noise > REWARD_STILL_NOISE * s.reward_span \
+            or (level is not None and level >= SATURATION_FRAC):
+        return None  # it rose, its noise could hide a real rise, or it sits at its ceiling
+    ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; no eval stream: train reward {head:.3g} -> {tail:.3g} over "
+          f"{where} (a rise <= {noise:.3g}, 2 SE of its step-to-step spread)"
+          + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
+    return ev, kl[0], None, None
 
 
 def _lora_sites(s: Signals) -> tuple[int, int] | None:
@@ -1324,8 +1368,8 @@ def _kl_working(s: Signals) -> float:
     return _clamp(KL_WORKING * (steps / WORKING_STEPS) ** 2, KL_WORKING, KL_WORKING_MAX)
 
 
-@rule("held_still", "KL near zero and eval flat while the groups still differ (or beta beyond its range): the KL "
-                    "penalty or a tiny step size holds the policy where it began")
+@rule("held_still", "KL near zero and eval (without one, the train reward) flat while the groups still differ (or "
+                    "beta beyond its range): the KL penalty or a tiny step size holds the policy where it began")
 def held_still(s: Signals):
     still = _still(s)
     if still is None:
@@ -1461,6 +1505,8 @@ def diagnose(signals: Signals) -> list[Finding]:
     finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
     few records only the rules that read a level run (LEVEL_RULES), never a trend."""
     few = too_few_records(signals)
+    if not signals.train and not signals.eval:  # a log with no record: how it ended is all there is to say
+        return [f for f in (run_crashed(signals), cannot_judge(signals)) if f is not None]
     if few is not None:  # levels that hold at any point can still be read; trends cannot
         with signals.few_points(FEW_MIN_POINTS):
             found = [(name, f) for name, _, fn in RULES if name in LEVEL_RULES and (f := fn(signals)) is not None]
@@ -1588,7 +1634,7 @@ def recommend(runs: list[Run]) -> Recommendation:
         raise UserError("give at least one run directory")
     for r in runs:
         r.cfg  # noqa: B018 - validates config.yaml (UserError when missing or invalid) before any rule reads it
-        if not r.metrics and not r.eval:
+        if not r.metrics and not r.eval and not (r.summary.get("read") or {}).get("ended"):
             raise UserError(f"{r.path} has neither metrics.jsonl nor eval.jsonl records: nothing to diagnose")
     groups = group_runs(runs)
     comparison = side_by_side(runs) if len(runs) > 1 else []

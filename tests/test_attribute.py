@@ -14,7 +14,7 @@ from mechdiag.evidence import Signals
 from mechdiag.metrics import attribution_reference, causal_shares, last_step, update_mass
 from mechdiag.recommend import reduced_layers, reduced_modules
 from mechdiag.run import RunDir, load_runs
-from tests.helpers import assert_bad_input, run_cli
+from tests.helpers import assert_bad_input, invoke_cli, run_cli
 
 # lr 5e-3 for 4 steps moves held-out accuracy on 48 problems, so the "none" and "all" rows differ
 TRAIN = ["max_steps=4", "prompts_per_step=8", "eval_n=48", "threads=1", "learning_rate=5e-3", "max_time_s=null",
@@ -31,7 +31,7 @@ def lora_run(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def saved(lora_run) -> tuple[Path, list[dict]]:
-    proc = run_cli("attribute", str(lora_run), "--by", "both", "--format", "json", "--save")
+    proc = invoke_cli("attribute", str(lora_run), "--by", "both", "--format", "json", "--save")
     assert proc.returncode == 0, proc.stderr
     return lora_run, json.loads(proc.stdout)
 
@@ -100,7 +100,7 @@ def test_save_writes_the_stream_and_report_shows_it(saved, tmp_path):
     run, rows = saved
     assert RunDir(run).read("attribution") == rows
     html = tmp_path / "r.html"
-    proc = run_cli("report", str(run), "--out", str(html))
+    proc = invoke_cli("report", str(run), "--out", str(html))
     assert proc.returncode == 0, proc.stderr
     page = html.read_text()
     assert "Attribution: causal vs displacement share" in page
@@ -186,13 +186,14 @@ def test_reduced_layers_uses_causal_share_when_recorded(saved, tmp_path):
 
 def test_formats_and_out(lora_run, tmp_path):
     out = tmp_path / "a.parquet"
-    proc = run_cli("attribute", str(lora_run), "--by", "module", "--n", "8", "--format", "parquet", "--out", str(out))
+    proc = invoke_cli("attribute", str(lora_run), "--by", "module", "--n", "8", "--format", "parquet", "--out",
+                      str(out))
     assert proc.returncode == 0, proc.stderr
     import pandas as pd
 
     df = pd.read_parquet(out)
     assert list(df.columns) == A.COLUMNS and len(df) == 2 + 7
-    proc = run_cli("attribute", str(lora_run), "--by", "layer", "--n", "8", "--format", "csv")
+    proc = invoke_cli("attribute", str(lora_run), "--by", "layer", "--n", "8", "--format", "csv")
     assert proc.returncode == 0 and proc.stdout.splitlines()[0] == ",".join(A.COLUMNS)
 
 
@@ -218,6 +219,6 @@ def test_bad_input_exits_2_with_one_line(lora_run, tmp_path, case):
         args = ["--format", "parquet"]
     elif case == "no_run":
         run = tmp_path / "absent"
-    proc = run_cli("attribute", str(run), *args)
+    proc = invoke_cli("attribute", str(run), *args)
     assert_bad_input(proc)
     assert not (tmp_path / "nope").is_dir()

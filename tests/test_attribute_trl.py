@@ -14,7 +14,7 @@ import pytest
 
 from mechdiag.metrics import last_step, update_mass
 from mechdiag.run import RunDir
-from tests.helpers import REPO_ROOT, assert_bad_input, run_cli
+from tests.helpers import REPO_ROOT, assert_bad_input, invoke_cli, run_cli
 from tests.test_attribute import TRAIN, assert_exact_ends
 
 
@@ -37,7 +37,7 @@ def callback_out(tmp_path_factory) -> Path:
 
 
 def test_backend_trl_run_reference_rows_are_exact(backend_run):
-    proc = run_cli("attribute", str(backend_run), "--by", "module", "--format", "json")
+    proc = invoke_cli("attribute", str(backend_run), "--by", "module", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert_exact_ends(rows, RunDir(backend_run).summary())
@@ -48,7 +48,7 @@ def test_backend_trl_run_reference_rows_are_exact(backend_run):
 def test_callback_output_dir_is_attributed_and_saved(callback_out, tmp_path):
     run = RunDir(callback_out / "mechdiag")
     assert run.summary()["config_derived"] is False and (callback_out / "checkpoint-4").is_dir()
-    proc = run_cli("attribute", str(callback_out), "--by", "both", "--format", "json", "--save")
+    proc = invoke_cli("attribute", str(callback_out), "--by", "both", "--format", "json", "--save")
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert_exact_ends(rows, run.summary())
@@ -60,7 +60,7 @@ def test_callback_output_dir_is_attributed_and_saved(callback_out, tmp_path):
             assert r["disp_share"] == pytest.approx(recorded[r["layer"]], rel=1e-9)
     assert run.read("attribution") == rows  # --save went into OUT/mechdiag/
     html = tmp_path / "r.html"
-    proc = run_cli("report", str(callback_out), "--out", str(html))
+    proc = invoke_cli("report", str(callback_out), "--out", str(html))
     assert proc.returncode == 0, proc.stderr
     assert "Attribution: causal vs displacement share" in html.read_text()
 
@@ -74,11 +74,11 @@ def test_callback_adapter_saved_after_the_run(callback_out, tmp_path):
     for f in ("adapter_model.safetensors", "adapter_config.json"):
         shutil.copy(ckpt / f, out / f)
     shutil.rmtree(ckpt)
-    proc = run_cli("attribute", str(out), "--by", "layer", "--format", "json")
+    proc = invoke_cli("attribute", str(out), "--by", "layer", "--format", "json")
     assert proc.returncode == 0, proc.stderr
     assert_exact_ends(json.loads(proc.stdout), RunDir(out / "mechdiag").summary())
     old = (out / "mechdiag" / "summary.json").stat().st_mtime - 60
     os.utime(out / "adapter_model.safetensors", (old, old))
-    proc = run_cli("attribute", str(out))
+    proc = invoke_cli("attribute", str(out))
     assert_bad_input(proc)
     assert "save_model" in proc.stderr

@@ -497,3 +497,107 @@ def test_lone_kl_spikes_are_an_estimate_that_blew_up_not_a_step_too_large(tmp_pa
     _monarch_log(held, 233, lambda k: 5.0 if 60 <= k < 70 else 0.13)
     f = _findings(read_any_run(held))["kl_blowup"]
     assert "peaked at 5 at step 60" in f.evidence and "lower learning_rate" in f.reason
+
+
+def _step_log(path, rewards: list[float], kl_at, extra: str = "") -> None:
+    """A custom trainer's stdout (the Monarch form): one line per step, no held-out stream."""
+    lines = [f"step:{k} | policy_loss=0.0011 | kl_divergence={kl_at(k):.5f} | mean_reward={r:.4f} | "
+             f"clip_fraction=0.02 | grad_norm=0.9{extra}" for k, r in enumerate(rewards)]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def _wobble(k: int) -> float:
+    """A deterministic step-to-step wobble of a batch mean (no trend): -1..1."""
+    return ((k * 7919) % 13 - 6) / 6
+
+
+def test_a_flat_reward_at_a_still_kl_without_an_eval_is_held_still(tmp_path):
+    """A published custom run whose weight sync silently loaded nothing: reward 0.14 for 39 steps, KL 0.002, no
+    eval. The train reward stands in for the eval; a rising reward, one too noisy to show a rise, and a beta-0
+    log's KL of 0 are not a still policy."""
+    flat = tmp_path / "flat.log"
+    _step_log(flat, [0.14 + 0.03 * _wobble(k) for k in range(39)], lambda k: 0.0015 + 0.00003 * k)
+    held = _findings(read_any_run(flat))["held_still"]
+    assert "no eval stream: train reward" in held.evidence and "learning rate x" in held.reason
+    rising = tmp_path / "rising.log"
+    _step_log(rising, [0.14 + 0.01 * k + 0.03 * _wobble(k) for k in range(39)], lambda k: 0.0015 + 0.00003 * k)
+    assert "held_still" not in _findings(read_any_run(rising))
+    noisy = tmp_path / "noisy.log"  # a batch of 8 swinging -5..+5: no flatness can be read from it
+    _step_log(noisy, [-2.5 + 4 * _wobble(k) for k in range(27)], lambda k: 0.0013)
+    assert "held_still" not in _findings(read_any_run(noisy))
+    beta0 = _hf_state(tmp_path / "beta0", [{"step": s, "loss": 0.0, "reward": 0.3 + 0.02 * _wobble(s),
+                                            "reward_std": 0.3, "kl": 0.0, "grad_norm": 0.4} for s in range(1, 31)])
+    assert "held_still" not in _findings(beta0)
+
+
+def test_a_log_with_no_record_says_how_it_ended(tmp_path, cli):
+    """Logs of launches that died before step 1 (verl's console: Ray start-up, then the driver's traceback) or kept
+    only their progress bar are read, not refused: the crash with the function that raised it, or where the bar
+    stopped; never "too few records, train longer". Text with neither is still not a log."""
+    crash = tmp_path / "verl_demo.log"
+    crash.write_text("\n".join([
+        "2025-03-01 10:00:01,123\tINFO worker.py:1832 -- Started a local Ray instance.",
+        "(main_task pid=19443) {'actor_rollout_ref': {'rollout': {'n': 5}}, 'trainer': {'total_epochs': 15}}",
+        "(main_task pid=19443) Traceback (most recent call last):",
+        "(main_task pid=19443) ImportError: flash_attn_2_cuda.so: undefined symbol: _ZNK3c1011StorageImpl",
+        "Traceback (most recent call last):",
+        '  File "verl/trainer/main_ppo.py", line 25, in main',
+        "    run_ppo(config)",
+        '  File "verl/utils/reward_score/__init__.py", line 45, in _default_compute_score',
+        "    raise NotImplementedError",
+        "NotImplementedError"]) + "\n")
+    found = recommend([read_any_run(crash)]).findings
+    assert [f.rule for f in found] == ["run_crashed"]
+    assert "before its first record: NotImplementedError (raised in _default_compute_score)" in found[0].evidence
+    assert "ImportError: flash_attn_2_cuda.so" in found[0].evidence  # the first error logged, where it differs
+    bar = tmp_path / "grpo_train.log"
+    bar.write_text("==((====))==  Unsloth - 2x faster free finetuning\n"
+                   + "\r".join(_bar(s, 2196) for s in range(1, 98)) + "\n")
+    judged = _findings(read_any_run(bar))
+    assert set(judged) == {"cannot_judge"}
+    assert "progress bar stops at step 97 of 2196" in judged["cannot_judge"].evidence
+    for command in (("recommend",), ("watch", "--once"), ("report", "--out", str(tmp_path / "r.html"))):
+        assert cli(*command, str(crash)).returncode == 0
+    prose = tmp_path / "notes.txt"
+    prose.write_text("We trained Qwen with GRPO and it went fine.\n")
+    proc = cli("recommend", str(prose))
+    assert proc.returncode == 2 and "not a log mechdiag reads" in proc.stderr
+
+
+def test_a_notebook_exported_as_a_page_and_a_csv_counting_updates_are_read(tmp_path):
+    """A notebook exported to Markdown keeps HF's progress table as HTML; an author's CSV counts its steps in an
+    `update` column: both are runs, read by TRL's keys and by what the columns mean."""
+    page = tmp_path / "maze_notebook_export.md"
+    rows = [[s, 0.0, -2.75 + 0.09 * s, 3.0, 700 - 2 * s, 0.75 * (1 - s / 100) if s < 100 else 0.0, 0.001 * s]
+            for s in range(1, 101, 9)]
+    page.write_text("# Training\n\n```python\ntrainer.train()\n```\n\n" + _progress_table(
+        ["Step", "Training Loss", "reward", "reward_std", "completions / mean_length", "completions / clipped_ratio",
+         "kl"], rows) + "\n\nDone.\n")
+    run = read_any_run(page)
+    assert [m["step"] for m in run.metrics] == [r[0] for r in rows]
+    assert run.metrics[-1]["completion_length"] == rows[-1][4]
+    assert run.metrics[0]["completion_clipped_ratio"] == rows[0][5]
+    csv = tmp_path / "grpo_training_metrics.csv"
+    csv.write_text("update,reward_mean,reward_std,grad_norm,kl_reason\n" + "".join(
+        f"{u},{0.2 + 0.005 * u:.4f},0.3,0.2,GRPO beta=0.0; reference-model KL is not computed\n" for u in range(1, 33)))
+    got = read_any_run(csv)
+    assert [m["step"] for m in got.metrics] == list(range(1, 33)) and got.metrics[-1]["reward"] == pytest.approx(0.36)
+
+
+def test_a_cut_that_cost_nothing_is_not_truncation_and_no_default_budget_is_judged(tmp_path):
+    """75% cut at first, then the policy fit its budget while its reward rose -2.75 -> 5: the cut cost nothing the
+    logs show. The same shortening with a flat reward is truncation. A budget the run does not show is never
+    mechdiag's default ("96 tokens = 201% of the 48-token budget")."""
+    def state(name, reward_at):
+        return _hf_state(tmp_path / name, [
+            {"step": s, "loss": 0.0, "reward": reward_at(s), "reward_std": 2.0, "kl": 0.01,
+             "completions/mean_length": 700 - 2.5 * s, "completions/clipped_ratio": max(0.0, 0.75 - 0.01 * s)}
+            for s in range(1, 101, 3)])
+    assert "truncation" not in _findings(state("gained", lambda s: -2.75 + 0.08 * s + 0.3 * _wobble(s)))
+    flat = _findings(state("flat", lambda s: 0.5 + 0.3 * _wobble(s)))
+    assert "the policy shortened its completions to fit the budget" in flat["truncation"].evidence
+    unknown = _hf_state(tmp_path / "nobudget", [
+        {"step": s, "loss": 0.0, "reward": 0.3 + 0.05 * _wobble(s), "reward_std": 0.3, "kl": 0.01,
+         "completions/mean_length": 90.0 + 0.37 * s, "completions/clipped_ratio": 0.09 if s < 8 else 0.0}
+        for s in range(1, 33)])
+    assert "budget" not in " ".join(f.evidence for f in recommend([unknown]).findings)

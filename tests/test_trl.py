@@ -19,7 +19,7 @@ from mechdiag.integrations.trl_args import SAME_FIELDS
 from mechdiag.outcomes import group_stats
 from mechdiag.run import RunDir
 from mechdiag.train import objective
-from tests.helpers import assert_bad_input
+from tests.helpers import assert_bad_input, invoke_cli
 from tests.test_user_signals import RewardGap
 
 torch.set_num_threads(1)
@@ -201,11 +201,9 @@ def test_recommend_and_report_on_trl_output_dir(trl_run, cli, tmp_path):
 def test_attribute_refuses_a_callback_run_without_a_task(trl_run, tmp_path):
     """The callback derived its config from the GRPOConfig (no config=): there are no held-out problems of the run
     to attribute on, so it says how to record one instead of evaluating some default task."""
-    from tests.helpers import run_cli
-
     out, _ = trl_run
     assert RunDir(out / "mechdiag").summary()["config_derived"] is True
-    proc = run_cli("attribute", str(out))
+    proc = invoke_cli("attribute", str(out))
     assert_bad_input(proc)
     assert 'evaluate="heldout"' in proc.stderr
 

@@ -28,7 +28,9 @@ _CONSOLE_STEP = re.compile(r"(?:^|[\s)\]:|])step(?::(\d+)| (\d+):) - ")  # "step
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _NP = re.compile(r"^np\.\w+\((.*)\)$")
 # the trainer's own step before W&B's row counter (_step) or the chart export's x axis (Step)
-STEP_KEYS = ("train/global_step", "trainer/global_step", "global_step", "step", "Step", "_step")
+# a record's step, by the first of these it holds (authors' own loops count updates or iterations)
+STEP_KEYS = ("train/global_step", "trainer/global_step", "global_step", "step", "Step", "_step", "global_steps",
+             "train_step", "training_step", "update", "iteration", "iter")
 TB_EXTRA = "reading TensorBoard event files needs the tensorboard package: pip install 'mechdiag[trackers]'"
 SNIFF_BYTES = 1 << 16
 CONSOLE_SNIFF = 64 << 20  # how far into a file the first console line is looked for
@@ -597,6 +599,7 @@ def is_step_line_log(path: Path) -> bool:
 _TRACEBACK = "Traceback (most recent call last):"
 _PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s*")  # Ray's worker prefix
 CRASH_TAIL_LINES = 6  # the exception line this near the end of the log (a hint or two may follow it)
+_FRAME = re.compile(r'^File ".*", line \d+, in (\S+)')
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
 _PLANNED = re.compile(r"(?:\b(\d[\d,]*) total steps\b|Total steps = (\d[\d,]*)|\bmax_steps\s*[=:]\s*(\d+))")
 _RECORD_MARK = re.compile(_BROKEN.pattern + r"|\bstep\s*[:=#\[]?\s*\d+", re.IGNORECASE)
@@ -607,6 +610,60 @@ def _planned(text: str) -> list[int]:
     return [int(next(g for g in m.groups() if g).replace(",", "")) for m in _PLANNED.finditer(text)]
 
 
+def _exception_lines(text: str) -> list[str]:
+    lines = (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in text.replace("\r", "\n").split("\n"))
+    return [ln[:300] for ln in lines if _EXCEPTION.match(ln)]
+
+
+def _crash(text: str, after: int) -> dict:
+    """{"error": the exception line of the last traceback after offset `after`, where it is among the text's last
+    lines (the process died of it; a worker's traceback logged while the run went on is followed by more of the
+    run), "first_error": the first exception logged after `after` where it differs (a worker's import error that
+    the driver's last exception only reports as a lost actor)}; {} without one."""
+    at = text.rfind(_TRACEBACK)
+    if at <= after:
+        return {}
+    lines = [ln for ln in (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in
+                           text[at:].replace("\r", "\n").split("\n")[1:]) if ln]
+    hits = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
+    if not hits or len(lines) - hits[-1] > CRASH_TAIL_LINES:
+        return {}
+    error = lines[hits[-1]][:300]
+    frames = [m.group(1) for ln in lines[:hits[-1]] if (m := _FRAME.match(ln))]
+    kind = error.split(":", 1)[0]
+    first = next((e for e in _exception_lines(text[text.find(_TRACEBACK, after + 1):at]) if kind not in e), None)
+    return {"error": error + (f" (raised in {frames[-1]})" if frames else ""),
+            **({"first_error": first} if first else {})}
+
+
+def stopped_ending(text: str) -> dict | None:
+    """How a printed training log that holds no metric record ended: {"error": the exception it died of,
+    "reached_step": the training progress bar's last position, "planned_steps": its total or the banner's}; None
+    for text that shows neither a crash at its end nor a training progress bar (not a training log)."""
+    bars = [(int(m.group(2)), int(m.group(1))) for m in _TQDM.finditer(text.replace("\r", "\n"))]
+    total = _train_total([(t, pos, 0) for t, pos in bars])
+    out = _crash(text, -1)
+    if not out and total is None:
+        return None
+    if total is not None:
+        out["reached_step"] = max(pos for t, pos in bars if t == total)
+    planned = total or max(_planned(text), default=0)
+    if planned:
+        out["planned_steps"] = planned
+    return out
+
+
+def is_stopped_log(path: Path) -> bool:
+    """A text file of a training run that logged no metric record: it died of a traceback, or only its progress
+    bar was kept (stopped_ending)."""
+    if not path.is_file() or path.suffix.lower() not in (".log", ".txt", ".out", ".err", ".md", ".gz", ""):
+        return False
+    try:
+        return stopped_ending(read_text(path)) is not None
+    except (OSError, UnicodeDecodeError, UserError):
+        return False
+
+
 def log_ending(text: str) -> dict:
     """{"error": the exception line of a traceback printed after the log's last record, "planned_steps": the run's
     planned total where the log states it}; {} when it ends cleanly and states nothing."""
@@ -614,13 +671,7 @@ def log_ending(text: str) -> dict:
     planned = _planned(text)
     if planned:
         out["planned_steps"] = planned[-1]
-    at = text.rfind(_TRACEBACK)
     last = max((m.start() for m in _RECORD_MARK.finditer(text)), default=-1)
-    if at > last >= 0:  # a traceback after the last record, whose exception is among the log's last lines: the
-        # process died of it (a worker's traceback logged while the run went on is followed by more of the run)
-        lines = [ln for ln in (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in
-                               text[at:].replace("\r", "\n").split("\n")[1:]) if ln]
-        hits = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
-        if hits and len(lines) - hits[-1] <= CRASH_TAIL_LINES:
-            out["error"] = lines[hits[-1]][:300]
+    if last >= 0:  # a traceback after the last record
+        out.update(_crash(text, last))
     return out

@@ -18,7 +18,7 @@ from pathlib import Path
 from mechdiag import console
 from mechdiag.errors import UserError
 from mechdiag.integrations import logs
-from mechdiag.integrations.readers.notebook import is_notebook, notebook_launches
+from mechdiag.integrations.readers.notebook import is_notebook, is_page_log, notebook_launches, page_launches
 from mechdiag.integrations.readers.table_log import read_table_run
 from mechdiag.integrations.readers.trl_dir import STATE_FILES, is_trl_dir, read_trl_run
 from mechdiag.integrations.readers.verl_log import is_verl_file, read_verl_run
@@ -46,6 +46,8 @@ def _own_kind(path: Path) -> str | None:
             return "table"
         if logs.is_printed_log(path):
             return "printed"
+        if is_page_log(path):
+            return "page"
         return "steps" if logs.is_step_line_log(path) else None
     if is_trl_dir(path):
         return "trl"
@@ -79,6 +81,8 @@ def sources(path) -> list[tuple[str, Path]]:
     kind = _own_kind(path)
     if kind is not None:
         return [(kind, _target(kind, path))]
+    if logs.is_stopped_log(path):  # named itself (never found in a folder): a log that died, or kept only its bar
+        return [("stopped", path)]
     if not path.is_dir() or is_run_dir(path) or callback_run(path):  # a mechdiag run directory
         return []
     level, found = [path], []
@@ -112,7 +116,8 @@ def locate(path) -> tuple[str, Path] | None:
 def foreign_kind(path) -> str | None:
     """"trl", "verl", "table" (OpenRLHF, a custom loop, W&B, TensorBoard), "printed" (a console log of printed
     TRL/Unsloth log dicts), "steps" (a custom loop's printed lines: "[Step 20] Loss = ... - Avg Reward = ...") or
-    "notebook" (a notebook's saved outputs) for a foreign run at or under `path`, else None."""
+    "notebook" (a notebook's saved outputs), "page" (a notebook exported as Markdown or HTML: its progress table)
+    or "stopped" (a log with no record: how it ended) for a foreign run at or under `path`, else None."""
     got = locate(path)
     return got[0] if got else None
 
@@ -131,6 +136,11 @@ def _entries(kind: str, where: Path) -> list[dict]:
     if kind == "steps":
         return [{"name": where.name, "kind": kind, "where": where, "records": logs.step_line_records(
             logs.read_text(where)), "why": "step = the step each printed line names", "trainer": None}]
+    if kind == "page":
+        return [{**e, "kind": kind, "where": where} for e in page_launches(where)]
+    if kind == "stopped":
+        return [{"name": where.name, "kind": kind, "where": where, "records": [], "trainer": None,
+                 "why": "the log holds no metric record", "ended": logs.stopped_ending(logs.read_text(where))}]
     if kind == "printed":
         got = logs.printed_launches(where)
         return [{"name": f"{where.name}:launch{i + 1}" if len(got) > 1 else where.name, "kind": kind,
@@ -172,7 +182,7 @@ def _read_entry(entry: dict, into) -> RunDir:
         return read_trl_run(where, into=into)
     if kind == "verl":
         return read_verl_run(where, into=into)
-    trainer = entry.get("trainer", "trl" if kind in ("printed", "notebook") else None)
+    trainer = entry.get("trainer", "trl" if kind in ("printed", "notebook", "page") else None)
     return read_table_run(where, into=into, records=entry["records"], trainer=trainer)
 
 

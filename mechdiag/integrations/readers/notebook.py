@@ -1,6 +1,7 @@
 """A Jupyter / Colab notebook (.ipynb) that ran a GRPO trainer: its saved cell outputs hold the log, as the progress
 table HF's NotebookProgressCallback draws (HTML: Step | Training Loss | reward | reward_std | ...), as printed TRL log
-dicts in the cell's stream, or as a custom loop's printed step lines. Each table, launch or loop is one run."""
+dicts in the cell's stream, or as a custom loop's printed step lines. Each table, launch or loop is one run. A
+notebook exported as a page (Markdown, HTML) keeps the table: each is one run too."""
 
 
 import json
@@ -103,6 +104,37 @@ def _table_records(rows: list[list[str]]) -> list[tuple[int, dict]]:
     return out
 
 
+def _html_runs(html: str, name: str, where: str) -> list[dict]:
+    parser = _Tables()
+    parser.feed(html)
+    out = []
+    for rows in parser.tables:
+        recs = _table_records(rows) if rows else []
+        if recs:
+            out.append({"name": name, "records": recs, "why": f"the training table {where} ({len(recs)} rows, step "
+                                                                "column)"})
+    return out
+
+
+PAGE_SUFFIXES = (".md", ".html", ".htm", ".txt")
+
+
+def is_page_log(path: Path) -> bool:
+    """A notebook exported as a page (Markdown, HTML) that kept HF's progress table: a <table> with a Step column."""
+    if not path.is_file() or path.suffix.lower() not in PAGE_SUFFIXES:
+        return False
+    text = logs.read_text(path)
+    return "<table" in text and bool(_html_runs(text, path.name, ""))
+
+
+def page_launches(path: Path) -> list[dict]:
+    """The training tables of a page (is_page_log), in order: [{"name", "records", "why"}]."""
+    runs = _html_runs(logs.read_text(path), path.name, "of the page")
+    for i, e in enumerate(runs, start=1):
+        e["name"] += f":table{i}" if len(runs) > 1 else ""
+    return runs
+
+
 def notebook_launches(path: Path) -> list[dict]:
     """The runs a notebook's outputs hold, in cell order: [{"name", "records", "why"}]; each training table (a
     cell's HTML output with a Step column) and each launch of printed log dicts in a cell's stream is one."""
@@ -121,13 +153,7 @@ def notebook_launches(path: Path) -> list[dict]:
                 stream.append(_text(o.get("text")))
             html = _text((o.get("data") or {}).get("text/html"))
             if "<table" in html:
-                parser = _Tables()
-                parser.feed(html)
-                for rows in parser.tables:
-                    recs = _table_records(rows) if rows else []
-                    if recs:
-                        out.append({"name": f"{path.name}:cell{i}", "records": recs,
-                                    "why": f"the training table of cell {i} ({len(recs)} rows, step column)"})
+                out += _html_runs(html, f"{path.name}:cell{i}", f"of cell {i}")
         got = logs.printed_launches_in("".join(stream)) if stream else []
         for j, la in enumerate(got, start=1):
             name = f"{path.name}:cell{i}" + (f":launch{j}" if len(got) > 1 else "")
