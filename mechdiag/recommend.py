@@ -139,6 +139,8 @@ NO_UPDATE_KL_MOVED = 1e-4  # a KL that grows over the steps of grad_norm 0 shows
 GRAD_BURST = 100.0  # kl_blowup: a grad_norm this many times the run's median beside it is named with it
 KL_BLOWUP_RISE = 10.0  # kl_blowup: tail KL above KL_BLOWUP, or above KL_HIGH and this many times the head's, no eval
 REWARD_STALL = 0.05  # entropy_rise: reward gained at most this share of its span (or held-out accuracy fell)
+DECLINE_SHARE = 0.1  # reward_declined: the tail this share of the reward's span under its best window (and 4 SE)
+ENTROPY_FLOOR = 0.01  # entropy_collapse where the log does not show the fall: tail entropy under this (nats/token)
 LENGTH_COLLAPSE_RATIO = 0.3  # tail completion length below this share of the head's...
 LENGTH_COLLAPSE_TOKENS = 16  # ...and under this many tokens: completions shrank to nothing
 REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a completion...
@@ -1406,7 +1408,9 @@ def entropy_collapse(s: Signals):
         if len(ent) < 2:
             return None
         start, end, where = ent[0], ent[-1], f"eval steps {steps[0]} -> {steps[-1]}"
-    if not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):  # relative to the run's own start, no floor
+    if tail and tail[0] < ENTROPY_FLOOR and not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):
+        return _entropy_at_floor(s, tail)
+    if not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):  # relative to the run's own start
         return None
     costs = []  # a sharper policy is the point of RL; it is a problem only where it costs something
     cv_head, cv_tail = s.window("reward_cv", "head"), s.window("reward_cv", "tail")
@@ -1433,6 +1437,59 @@ def entropy_collapse(s: Signals):
                     confidence(ENTROPY_COLLAPSE_RATIO * start / max(end, 1e-9) - 1, s.n_train),
                     entropy_start=start, entropy_end=end, costs=len(costs),
                     onset=s.onset("entropy", lambda v: v < ENTROPY_COLLAPSE_RATIO * start))
+
+
+def _entropy_at_floor(s: Signals, tail: tuple[float, str]):
+    """entropy_collapse where the log does not show the fall (an excerpt, a resumed run, a collapse before the
+    first record): a tail entropy under ENTROPY_FLOOR while its reward sits under its ceiling (the reward's scale,
+    else the best completion the batches logged), or, where neither is shown, while it does not gain. At a
+    hundredth of a nat per token the policy samples one answer: its groups cannot differ much."""
+    gain = s.window_gain("reward")
+    if gain is None:
+        return None
+    level = s.reward_level(gain[1])
+    _, best = s.series("reward_max_batch")
+    if level is None and best and max(best) > 0:
+        level = gain[1] / max(best)  # the best completion seen as the ceiling, 0 as the floor
+    if (level is not None and level >= SATURATION_FRAC) or (level is None and _gained(s)):
+        return None
+    change = _raise_temperature(s.cfg) or _raise_beta(s.cfg)
+    ev = (f"entropy {tail[0]:.3g} over {tail[1]} (< {ENTROPY_FLOOR} nats/token: the policy samples one answer), "
+          f"reward {gain[0]:.3g} -> {gain[1]:.3g} over {gain[3]}"
+          + (f", {level:.0%} of its ceiling" if level is not None else f" (no gain beyond {gain[2]:.3g}, 2 SE)"))
+    return _finding(entropy_collapse, ev, [change] if change else [],
+                    "keep exploring: the fall came before this log shows it; restart from a checkpoint whose "
+                    "entropy was higher, with a higher temperature or a stronger KL anchor, or an objective that "
+                    "keeps entropy (clip-higher epsilon_high 0.28, top_entropy_quantile, an entropy bonus)",
+                    confidence(ENTROPY_FLOOR / max(tail[0], 1e-9) - 1, s.n_train), entropy_end=tail[0],
+                    onset=s.onset("entropy", lambda v: v < ENTROPY_FLOOR))
+
+
+@rule("reward_declined", "the train reward fell from its best and stayed down, with no held-out gain: the run "
+                         "unlearns what it had")
+def reward_declined(s: Signals):
+    gain = s.window_gain("reward")
+    trend = s.accuracy_trend()
+    if gain is None or s.n_train < MIN_RECORDS or (trend is not None and trend[1] - trend[2] > ACC_FLAT):
+        return None  # a held-out gain says the reward's fall is not a loss (a harder curriculum, a new component)
+    head, tail, noise, _ = gain
+    steps, vals = s.series("reward")
+    k = max(2, round(len(vals) * WINDOW_FRAC))
+    at = max(range(len(vals) - k + 1), key=lambda i: sum(vals[i:i + k]))  # the best window of the same width
+    best = sum(vals[at:at + k]) / k
+    # the best of many windows is biased up: twice the noise of two windows, and a tenth of the reward's span
+    bar = max(2 * noise, DECLINE_SHARE * s.reward_span)
+    if best - tail <= bar or at + k > len(vals) - k:
+        return None
+    ev = (f"reward {best:.3g} over steps {steps[at]}-{steps[at + k - 1]} (its best) -> {tail:.3g} over steps "
+          f"{steps[-k]}-{steps[-1]} (start {head:.3g}); the fall {best - tail:.3g} > {bar:.3g} (4 SE of its "
+          f"step-to-step spread, or {DECLINE_SHARE:.0%} of its span)")
+    lr = s.cfg.learning_rate
+    return _finding(reward_declined, ev, [Change("learning_rate", lr, _sig(lr * LR_FACTOR))],
+                    "a smaller step (the learning rate x 0.5): the reward rose and fell back with nothing else named "
+                    "to explain it, the mark of a step that overshoots once the warm-up ends; keep the checkpoint "
+                    "from its best steps", confidence((best - tail) / max(2 * noise, 1e-9) - 1, s.n_train),
+                    onset=steps[at + k - 1], reward_best=best, reward_tail=tail)
 
 
 OFF_POLICY_MASK_TARGET = 0.5  # sampler_mismatch: the off-policy sequence mask's threshold (TRL's example value)

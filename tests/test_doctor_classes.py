@@ -601,3 +601,37 @@ def test_a_cut_that_cost_nothing_is_not_truncation_and_no_default_budget_is_judg
          "completions/mean_length": 90.0 + 0.37 * s, "completions/clipped_ratio": 0.09 if s < 8 else 0.0}
         for s in range(1, 33)])
     assert "budget" not in " ".join(f.evidence for f in recommend([unknown]).findings)
+
+
+def test_a_reward_that_fell_from_its_best_and_stayed_down_is_named(tmp_path):
+    """A published Unsloth run: reward 1.38 -> 1.67 by step 15, then about 1.1 to step 100 with a small KL and its
+    groups still differing: unlearning, not health. A run that rises and holds, and one whose held-out accuracy
+    rose while its train reward fell (a harder curriculum), are not."""
+    def state(name, reward_at, acc=None):
+        rows = [{"step": s, "loss": 0.0, "reward": reward_at(s), "reward_std": 0.4, "kl": 0.00015 * s,
+                 "grad_norm": 0.15} for s in range(5, 101, 5)]
+        if acc:
+            rows += [{"step": s, "eval_accuracy": a} for s, a in acc]
+        return _findings(_hf_state(tmp_path / name, rows))
+    peak = {5: 1.38, 10: 1.63, 15: 1.67, 20: 1.56}
+    fell = state("fell", lambda s: peak.get(s, 1.1 + 0.08 * _wobble(s)))
+    assert "reward_declined" in fell and "(its best)" in fell["reward_declined"].evidence
+    assert "reward_declined" not in state("held", lambda s: peak.get(s, 1.6 + 0.08 * _wobble(s)))
+    harder = state("harder", lambda s: peak.get(s, 1.1 + 0.08 * _wobble(s)), acc=[(0, 0.30), (50, 0.38), (100, 0.45)])
+    assert "reward_declined" not in harder
+
+
+def test_entropy_at_its_floor_in_an_excerpt_is_a_collapse(tmp_path):
+    """A TinyZero excerpt (steps 383-399): entropy 0.005 at every record, every answer one template, the score 0.19
+    of a best of 1.0. The fall is before the log; the floor is a finding. The same entropy on a run at its ceiling
+    is a converged policy, not a finding."""
+    def verl(name, score):
+        log = tmp_path / name
+        log.write_text("\n".join(
+            f"(main_task pid=19799) step:{s} - critic/kl:0.75 - actor/entropy_loss:0.005 - actor/pg_loss:0.01 - "
+            f"critic/score/mean:{score + 0.03 * _wobble(s):.3f} - critic/score/max:1.000 - critic/score/min:0.100 - "
+            f"response_length/mean:35.0 - response_length/clip_ratio:0.000" for s in range(383, 400)) + "\n")
+        return _findings(read_any_run(log))
+    stuck = verl("stuck.log", 0.19)
+    assert "entropy_collapse" in stuck and "0.01 nats/token" in stuck["entropy_collapse"].evidence
+    assert "entropy_collapse" not in verl("done.log", 0.97)
