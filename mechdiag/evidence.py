@@ -157,6 +157,9 @@ class Signals:
         _, lo = self.series("reward_min_batch")
         if hi and lo and max(hi) > min(lo):
             return min(lo), max(hi), "observed batch minimum and maximum"
+        _, means = self.series("reward")
+        if hi and means and min(means) >= 0 and max(hi) > 0:  # no negative mean: the floor is 0 or above it
+            return 0.0, max(hi), "observed batch maximum, floor 0 (no mean below it)"
         return None
 
     def reward_level(self, value: float) -> float | None:

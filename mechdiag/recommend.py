@@ -842,16 +842,23 @@ def low_diversity(s: Signals):
                     reward_cv=cv[0] if cv else None, frac_zero_std=zero[0] if zero else None)
 
 
-@rule("kl_drift", "high or rising KL to the reference while eval accuracy falls: the policy drifts")
+@rule("kl_drift", "high or rising KL to the reference while eval accuracy falls (without an eval stream, while the "
+                  "train reward gains nothing): the policy drifts")
 def kl_drift(s: Signals):
     trend = s.accuracy_trend()
-    if trend is None:
-        return None
-    best, final, base = trend
-    if final > best - ACC_DROP:
-        return None
     tail, second = s.window("kl", "tail"), s.window("kl", "second")
-    acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} ({s.start_label} {base:.3g})"
+    if trend is None:  # no eval stream: a KL that climbs while the train reward gains nothing
+        gain = s.window_gain("reward")
+        if tail is None or gain is None or s.n_train < REWARD_STILL_MIN or _gained(s) or kl_blowup(s) is not None:
+            return None  # (a KL past a nat with no eval is kl_blowup's, with its own sizing)
+        best = final = None
+        acc_ev = (f"no eval stream: train reward {gain[0]:.3g} -> {gain[1]:.3g} over {gain[3]} (no gain beyond "
+                  f"{gain[2]:.3g}, 2 SE)")
+    else:
+        best, final, base = trend
+        if final > best - ACC_DROP:
+            return None
+        acc_ev = f"eval accuracy {final:.3g} < best {best:.3g} - {ACC_DROP} ({s.start_label} {base:.3g})"
     if tail is None:
         beta = s.value("beta")
         if beta is None or beta > 0 or s.series("kl")[1]:
@@ -867,7 +874,8 @@ def kl_drift(s: Signals):
         if rising:
             parts.append(f"kl rising {second[0]:.3g} ({second[1]}) -> {tail[0]:.3g} ({tail[1]})")
         ev = "; ".join(parts) + f"; {acc_ev}"
-        margin = max(tail[0] / KL_HIGH - 1 if high else 0, (best - final) / max(ACC_DROP, 1e-9) - 1)
+        margin = max(tail[0] / KL_HIGH - 1 if high else 0, tail[0] / (KL_RISE_RATIO * max(second[0], 1e-12)) - 1
+                     if rising else 0, (best - final) / max(ACC_DROP, 1e-9) - 1 if best is not None else 0)
     changes = [c for c in [_raise_beta(s.cfg)] if c]
     if kl is not None and (kl > KL_HIGH or not changes):
         # a KL above the working range is a step too large: KL grows with the square of the step (step_too_large's

@@ -635,3 +635,19 @@ def test_entropy_at_its_floor_in_an_excerpt_is_a_collapse(tmp_path):
     stuck = verl("stuck.log", 0.19)
     assert "entropy_collapse" in stuck and "0.01 nats/token" in stuck["entropy_collapse"].evidence
     assert "entropy_collapse" not in verl("done.log", 0.97)
+
+
+def test_without_an_eval_a_kl_that_climbs_while_the_reward_gains_nothing_is_drift(tmp_path):
+    """A published TRL run, resumed near its ceiling: reward 0.92 of a 0-1 reward (its batch maximum logged as
+    reward_max) for 120 steps while the KL climbs 0.001 -> 0.09. Saturated early, and drifting; the same KL climb
+    under a reward that rises is learning."""
+    def log(name, reward_at):
+        path = tmp_path / name
+        path.write_text("\n".join(
+            f"{{'reward': '{reward_at(s):.4f}', 'reward_max': '1', 'frac_reward_zero_std': '0', 'loss': '0.001', "
+            f"'grad_norm': '0.9', 'kl': '{0.0007 * 1.04 ** s:.5f}', 'step_time': '5.9'}}" for s in range(120)) + "\n")
+        return _findings(read_any_run(path))
+    flat = log("flat.log", lambda s: 0.92 + 0.02 * _wobble(s))
+    assert {"early_saturation", "kl_drift"} <= set(flat) and "no eval stream" in flat["kl_drift"].evidence
+    assert "scale 0..1" in flat["early_saturation"].evidence
+    assert "kl_drift" not in log("learning.log", lambda s: 0.3 + 0.004 * s + 0.02 * _wobble(s))

@@ -55,6 +55,7 @@ TRL_TRAIN_KEYS = {
     "clip_ratio/low_mean": "clip_fraction_low", "clip_ratio/high_mean": "clip_fraction_high", "loss": "loss",
     "clip_ratio/low_min": "clip_fraction_low_min", "clip_ratio/high_max": "clip_fraction_high_max",
     "grad_norm": "grad_norm",
+    "reward_max": "reward_max_batch", "reward_min": "reward_min_batch",  # forks' and custom callbacks' batch range
     "learning_rate": "lr", "step_time": "step_time", "num_tokens": "num_tokens", "epoch": "epoch",
     "entropy_coef": "entropy_coef",  # the entropy bonus's coefficient (adaptive: after the update)
     **{k: k for k in OUTCOME_KEYS},  # GroupCV's log
