@@ -471,6 +471,8 @@ def recommend(runs, out, fmt):
     if fmt == "json":
         click.echo(atomic.dumps([f.record() for f in rec.findings] + rec.comparison))
         return
+    for line in rec.course:
+        click.echo(f"course: {line}")
     for n in rec.notes:
         click.echo(f"note: {n}")
     if rec.comparison:

@@ -17,6 +17,8 @@ from mechdiag.tasks import reward_weights
 
 WINDOW_FRAC = 0.25  # "head" = first quarter of the train records, "tail" = last quarter
 MIN_POINTS = 4  # fewer train records than this: trend rules stay silent
+KL_NEGATIVE_SHARE = 0.25  # a logged kl below -KL_NEGATIVE_EPS on this share of records is a signed estimate...
+KL_NEGATIVE_EPS = 1e-6  # ...(k1, a mean log-ratio), not a KL: rounding leaves a true KL at most this far under 0
 
 
 # ---- pooled signals ----------------------------------------------------------------------------------------
@@ -62,6 +64,16 @@ class Signals:
     raw: list[list[dict]] = field(default_factory=list)  # each run's train records as written (NaN kept as null)
     min_points: int = MIN_POINTS  # the fewest records a head/tail window is read from (few_points lowers it)
     ending: dict = field(default_factory=dict)  # how a printed log ended (logs.log_ending: its error, planned steps)
+
+    def __post_init__(self):
+        """A logged "kl" negative on KL_NEGATIVE_SHARE of its records is not a KL to the reference (k3 and verl's
+        low_var_kl are never negative; a mean log-ratio, k1, is): it is kept as kl_signed, which no rule reads as
+        drift, and cannot_judge names it."""
+        vals = [d["kl"] for d in self.train.values() if "kl" in d]
+        if vals and sum(v < -KL_NEGATIVE_EPS for v in vals) >= KL_NEGATIVE_SHARE * len(vals):
+            for d in self.train.values():
+                if "kl" in d:
+                    d["kl_signed"] = d.pop("kl")
 
     @contextmanager
     def few_points(self, n: int):

@@ -442,7 +442,12 @@ def cannot_judge(s: Signals):
         missing.append("drift from the base (kl exactly 0 at every step: TRL and Unsloth log 0 when beta = 0, with no "
                        "reference model; were beta above 0, the policy never moved)")
     keys = {k for d in s.train.values() for k in d}
-    if s.series("reward")[1] and not keys & {"kl", "reward_std", "frac_zero_std", "completion_length",
+    if "kl_signed" in keys:
+        signed = s.series("kl_signed")[1]
+        missing.append(f"drift from the base: the logged kl is negative on {sum(v < 0 for v in signed)} of "
+                       f"{len(signed)} records (min {min(signed):.3g}), a signed estimate (a mean log-ratio, k1), not "
+                       "a KL to the reference (k3 is never negative): log the k3 estimate")
+    if s.series("reward")[1] and not keys & {"kl", "kl_signed", "reward_std", "frac_zero_std", "completion_length",
                                               "completion_clipped_ratio", "entropy"}:
         missing.append("drift, diversity and truncation (the log holds the reward and loss only: no kl, reward "
                        "spread, completion length or entropy)")
@@ -1668,6 +1673,7 @@ class Recommendation:
     comparison: list[dict]
     provenance: dict | None = None  # a foreign run's account of its config (Signals.provenance)
     notes: list[str] = field(default_factory=list)  # advice that is no finding (a control run for a gain)
+    course: list[str] = field(default_factory=list)  # what the run did, beside its findings (course_lines)
 
     @property
     def changes(self) -> list[Change]:
@@ -1708,7 +1714,30 @@ def recommend(runs: list[Run]) -> Recommendation:
     findings = diagnose(signals)
     own_terms(signals, findings)
     return Recommendation(apply(signals.cfg, findings), signals.cfg, findings, signals.runs, comparison,
-                          signals.provenance, control_note(signals))
+                          signals.provenance, control_note(signals), course_lines(signals))
+
+
+def course_lines(s: Signals) -> list[str]:
+    """What the run did, beside its findings (a healthy run is told it learned, not only that nothing fired): the
+    train reward's head and tail quarters (rose, fell, or held within two standard errors), the held-out accuracy
+    from its start to its end, and where a printed log stopped short of its planned total with no error."""
+    out = []
+    gain = s.window_gain("reward")
+    if gain is not None:
+        d = gain[1] - gain[0]
+        how = "rose" if d > gain[2] else "fell" if -d > gain[2] else "held (within 2 SE)"
+        out.append(f"train reward {how}: {gain[0]:.3g} -> {gain[1]:.3g} over {gain[3]} (2 SE {gain[2]:.3g})")
+    trend = s.accuracy_trend()
+    steps, ev_reward = s.series("eval_reward", "eval")
+    if trend is not None:
+        out.append(f"held-out accuracy {s.start_label} {trend[2]:.3g} -> {trend[1]:.3g} (best {trend[0]:.3g})")
+    elif len(ev_reward) >= 2:
+        out.append(f"held-out reward {ev_reward[0]:.3g} (step {steps[0]}) -> {ev_reward[-1]:.3g} (step {steps[-1]})")
+    planned, last = s.ending.get("planned_steps"), max(s.train, default=None)
+    if planned and last is not None and last < planned and not s.ending.get("error"):
+        out.append(f"the log stops at step {last} of {planned} planned, with no error printed (still running, "
+                   "stopped, or cut short)")
+    return out
 
 
 def control_note(s: Signals) -> list[str]:

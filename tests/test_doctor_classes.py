@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from mechdiag.errors import UserError
 from mechdiag.integrations.readers import read_any_run
 from mechdiag.recommend import recommend
 from mechdiag.run import base_eval
@@ -651,3 +652,45 @@ def test_without_an_eval_a_kl_that_climbs_while_the_reward_gains_nothing_is_drif
     assert {"early_saturation", "kl_drift"} <= set(flat) and "no eval stream" in flat["kl_drift"].evidence
     assert "scale 0..1" in flat["early_saturation"].evidence
     assert "kl_drift" not in log("learning.log", lambda s: 0.3 + 0.004 * s + 0.02 * _wobble(s))
+
+
+def test_an_alert_on_a_sparse_log_needs_two_records(tmp_path):
+    """A published TRL log every 5 steps: entropy flat at 0.35 but for one record at 0.46; the live view raised
+    entropy_rise on that one record against the first. A rise that holds over two records still fires."""
+    def alerts(name, entropy_at):
+        run = _hf_state(tmp_path / name, [{"step": s, "loss": 0.0, "reward": 0.4, "reward_std": 0.3, "kl": 0.001,
+                                           "entropy": entropy_at(s), "frac_reward_zero_std": 0.2}
+                                          for s in range(5, 301, 5)])
+        return {a.alert for a in watch(f"{run.path}", once=True, fmt="json", echo=lambda _: None).alerts}
+    flat = {5: 0.30, 225: 0.46}  # its first record low, one record high: 1.53x by one record each
+    assert "entropy_rise" not in alerts("blip", lambda s: flat.get(s, 0.35 + 0.01 * _wobble(s)))
+    assert "entropy_rise" in alerts("rise", lambda s: 0.6 if s >= 220 else 0.35 + 0.01 * _wobble(s))
+
+
+def test_a_custom_loops_counter_fractions_and_components_are_read_and_a_signed_kl_is_not_a_kl(tmp_path):
+    """A custom loop counting "(N/M)" in its lines (minimind's "Epoch:[1/1](N/9751), Reward: ..., KL_ref: ...") and
+    one printing shares as counts ("correct=1/2") and its reward's components (format_reward, answer_reward). A
+    "KL" negative on most records is a signed log-ratio (k1), not a KL: it is never read as a still policy. A
+    checkpoint-loading bar is not a training bar."""
+    mini = tmp_path / "grpo.log"
+    mini.write_text("Loading checkpoint shards: 100%|##########| 2/2 [00:03<00:00,  1.50s/it]\n" + "\n".join(
+        f"Epoch:[1/1]({s}/9751), Reward: {-1.8 + 0.3 * _wobble(s):.4f}, KL_ref: {-0.03 + 0.01 * _wobble(s):.4f}, "
+        f"Adv Std: 0.9258, Actor Loss: 0.0000, Avg Response Len: {280 + s}.00, Learning Rate: 0.00000030"
+        for s in range(1, 60)) + "\n")
+    run = read_any_run(mini)
+    assert [m["step"] for m in run.metrics] == list(range(1, 60))
+    assert run.metrics[0]["completion_length"] == 281 and "kl" in run.metrics[0]
+    found = _findings(run)
+    assert "held_still" not in found and "negative on" in found["cannot_judge"].evidence
+    loop = tmp_path / "custom.log"
+    loop.write_text("".join(f"__main__ - INFO - step={s} loss=0.000000 reward={r:.4f} format_reward=0.5000 "
+                            f"answer_reward={r:.4f} correct={int(2 * r)}/2 reward_groups=10\n"
+                            for s, r in zip(range(1, 41), [0.5, 0.0, 1.0, 0.5] * 10, strict=True)))
+    rows = read_any_run(loop).metrics
+    assert rows[0]["reward/correct"] == 0.5 and rows[2]["reward/correct"] == 1.0
+    assert rows[0]["reward/format"] == 0.5 and rows[1]["reward/answer"] == 0.0
+    loading_only = tmp_path / "load.log"
+    loading_only.write_text("Loading checkpoint shards: 100%|##########| 2/2 [00:03<00:00,  1.50s/it]\n"
+                            "Map: 100%|##########| 7473/7473 [00:01<00:00, 5100.00 examples/s]\n")
+    with pytest.raises(UserError, match="not a log mechdiag reads"):
+        read_any_run(loading_only)

@@ -353,6 +353,16 @@ def tensorboard_records(path: Path) -> list[tuple[int, dict]]:
 _PRINTED = re.compile(r"\{'[^{}\n]*\}")
 _BARE = re.compile(r"(?<=[:\[,(\s])(-?)(nan|inf|infinity)(?=\s*[,}\])])", re.IGNORECASE)
 _TQDM = re.compile(r"\|\s*(\d+)/(\d+)\s*\[")
+# bars that are not training steps: loading shards, datasets.map, downloads, generation, evaluation, saving
+_OTHER_BAR = re.compile(r"load|shard|map\b|filter|download|fetch|tokeni|generat|eval|saving|writing|process|extract|"
+                        r"resolv|convert|merg", re.IGNORECASE)
+
+
+def _training_bar(line: str, m: re.Match) -> bool:
+    """Whether the tqdm bar matched in `line` counts training steps: its label (the text before it, from the last
+    carriage return) names none of the other work a log draws bars for."""
+    label = line[:m.start()].rsplit("\r", 1)[-1].rsplit("|", 1)[0]
+    return not _OTHER_BAR.search(label)
 # a trainer starting again in the same file: Unsloth's banner, HF's "***** Running training *****"
 _BROKEN = re.compile(r"\{'(loss|reward|grad_norm)'")  # the start of a training log dict
 _LAUNCH = re.compile(r"\*{5} Running training \*{5}|==\(\(====\)\)==\s+Unsloth - 2x faster|Total steps = \d+")
@@ -503,7 +513,7 @@ def printed_launches_in(text: str) -> list[dict]:
         printed = [(m.start(), m.group(0)) for m in _PRINTED.finditer(line)] if _is_printed_line(line) else []
         if _BROKEN.search(line) and not any(_BROKEN.search(body) for _, body in printed):
             broken[0] += 1  # a training dict opened and never closed
-        events = sorted([(m.start(), "bar", m) for m in _TQDM.finditer(line)] +
+        events = sorted([(m.start(), "bar", m) for m in _TQDM.finditer(line) if _training_bar(line, m)] +
                         [(at, "dict", body) for at, body in printed], key=lambda e: e[0])
         for _, what, item in events:
             if what == "bar":
@@ -552,9 +562,12 @@ def printed_launches_in(text: str) -> list[dict]:
 
 
 # ---- stepped lines (a custom loop's print: "[Step 020] Loss = -76.3 - Avg Reward = 0.562", "step 5 | kl: 0.01") --
-_STEP_LINE = re.compile(r"\b(?:global[_ ]step|step|iteration|iter|update)\b\s*[\[:=#]?\s*(\d+)", re.IGNORECASE)
-_PAIR = re.compile(r"([A-Za-z][\w /.-]{0,40}?)\s*[:=]\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)\b",
-                   re.IGNORECASE)
+# a line's step: named (step 5, Step: 5, iteration=5), or a loop's counter "(5/9751)" (minimind's "Epoch:[1/1](5/9751)")
+_STEP_LINE = re.compile(r"\b(?:global[_ ]step|step|iteration|iter|update)\b\s*[\[:=#]?\s*(\d+)|\((\d+)/\d+\)",
+                        re.IGNORECASE)
+# name = number, or a count of a total ("correct=1/2": a share)
+_PAIR = re.compile(r"([A-Za-z][\w /.-]{0,40}?)\s*[:=]\s*(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?:/\d+)?|nan|inf)"
+                   r"(?![\w.])", re.IGNORECASE)
 STEP_LINE_KEYS = ("reward", "loss", "kl", "entropy", "accuracy", "score")  # a stepped line names one of these
 STEP_LINES_MIN = 3  # ...on at least this many lines with rising steps
 
@@ -571,10 +584,11 @@ def step_line_records(text: str) -> list[tuple[int, dict]]:
         data = {}
         for name, value in _PAIR.findall(line[m.end():]):
             key = "_".join(name.strip(" -|/.").lower().split())
-            if key and key not in ("step", "epoch_step"):
-                data[key] = float(value)
+            num, _, total = value.partition("/")
+            if key and key not in ("step", "epoch_step") and (not total or int(total) > 0):
+                data[key] = float(num) / int(total) if total else float(value)
         if any(w in k for k in data for w in STEP_LINE_KEYS):
-            out.append((int(m.group(1)), data))
+            out.append((int(m.group(1) or m.group(2)), data))
     steps = [st for st, _ in out]
     if len(out) < STEP_LINES_MIN or any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
         return []
@@ -601,7 +615,8 @@ _PREFIX = re.compile(r"^\(\w+ pid=\d+\)\s*")  # Ray's worker prefix
 CRASH_TAIL_LINES = 6  # the exception line this near the end of the log (a hint or two may follow it)
 _FRAME = re.compile(r'^File ".*", line \d+, in (\S+)')
 _EXCEPTION = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b.*)$")
-_PLANNED = re.compile(r"(?:\b(\d[\d,]*) total steps\b|Total steps = (\d[\d,]*)|\bmax_steps\s*[=:]\s*(\d+))")
+_PLANNED = re.compile(r"(?:\b(\d[\d,]*) total steps\b|Total steps = (\d[\d,]*)|\bmax_steps\s*[=:]\s*(\d+)"
+                      r"|Total training steps: (\d+))")  # the last: verl's trainer
 _RECORD_MARK = re.compile(_BROKEN.pattern + r"|\bstep\s*[:=#\[]?\s*\d+", re.IGNORECASE)
 
 
@@ -640,7 +655,8 @@ def stopped_ending(text: str) -> dict | None:
     """How a printed training log that holds no metric record ended: {"error": the exception it died of,
     "reached_step": the training progress bar's last position, "planned_steps": its total or the banner's}; None
     for text that shows neither a crash at its end nor a training progress bar (not a training log)."""
-    bars = [(int(m.group(2)), int(m.group(1))) for m in _TQDM.finditer(text.replace("\r", "\n"))]
+    bars = [(int(m.group(2)), int(m.group(1))) for line in text.replace("\r", "\n").split("\n")
+            for m in _TQDM.finditer(line) if _training_bar(line, m)]
     total = _train_total([(t, pos, 0) for t, pos in bars])
     out = _crash(text, -1)
     if not out and total is None:

@@ -3,6 +3,7 @@ verl, OpenRLHF or custom run, mapped by the keys of the trainer that wrote them 
 
 
 import math
+import re
 from pathlib import Path
 
 from mechdiag.integrations import logs
@@ -26,11 +27,12 @@ TABLE_TRAIN_KEYS = {
     "kl": ("train/kl", "ref_kl", "kl_ref", "kl_to_ref", "kl_loss", "kl", "train_kl", "kl_divergence", "kl_div",
            "mean_kl"),
     "entropy": ("train/policy_entropy", "train/entropy_loss", "entropy", "train_entropy", "entropy_mean"),
-    "loss": ("train/policy_loss", "pg_loss", "loss", "train_loss", "policy_loss"),
+    "loss": ("train/policy_loss", "pg_loss", "loss", "train_loss", "policy_loss", "actor_loss"),
     "grad_norm": ("train/actor_grad_norm", "train/raw_grad_norm", "grad_norm"),
     "lr": ("train/actor_lr", "train/policy_lr", "lr", "learning_rate"),
     "completion_length": ("train/response_length", "completion_tokens", "completion_length", "response_length",
-                          "response_length_mean", "completion_length_mean", "mean_completion_length"),
+                          "response_length_mean", "completion_length_mean", "mean_completion_length",
+                          "avg_response_len", "avg_response_length", "mean_response_length"),
     "completion_clipped_ratio": ("train/response_clip_ratio", "train/truncated", "clipped_ratio", "truncation_rate",
                                  "truncated_fraction", "completions/clipped_ratio"),
     "frac_zero_std": ("frac_reward_zero_std", "zero_std_group_ratio", "zero_std_ratio", "frac_zero_std"),
@@ -78,6 +80,27 @@ def _trl_row(data: dict) -> tuple[dict, dict]:
     return tr, map_trl_log(raw, eval_=True) if is_eval_log(raw) else {}
 
 
+_COMPONENT = re.compile(r"^(?:(?P<a>\w+?)_reward|reward_(?P<b>\w+))$")  # a custom loop's reward components
+_NOT_COMPONENT = {"std", "mean", "max", "min", "cv", "groups", "total", "sum", "var", "variance"}
+_SUCCESS = ("correct", "accuracy", "solved", "success", "pass_rate")
+
+
+def _own_streams(data: dict) -> dict:
+    """A custom loop's reward components (format_reward, reward_answer -> reward/format, reward/answer) and its
+    success shares (correct=1/2 -> reward/correct), beside the keys TABLE_TRAIN_KEYS maps."""
+    out = {}
+    for k, v in data.items():
+        if not is_number(v) or not isinstance(k, str) or k.startswith(("eval", "val", "test")):
+            continue
+        m = _COMPONENT.match(k)
+        name = (m.group("a") or m.group("b")) if m else None
+        if name and name not in _NOT_COMPONENT and not name.startswith(("train", "total", "mean", "avg")):
+            out[f"reward/{name}"] = float(v)
+        elif any(w in k.lower() for w in _SUCCESS) and "/" not in k:
+            out[f"reward/{k}"] = float(v)
+    return out
+
+
 def _pick(data: dict, table: dict) -> dict:
     out = {}
     for key, sources in table.items():
@@ -111,7 +134,7 @@ def read_table_run(path, into, config=None, records=None, trainer=None) -> RunDi
         ev = {**ev, **_pick(data, TABLE_EVAL_KEYS)}
         ev.update({f"accuracy/{k[5:].removesuffix('_pass1')}": v for k, v in data.items()
                    if k.startswith("eval/") and k.endswith("_pass1")})
-        tr = {**tr, **_pick(data, TABLE_TRAIN_KEYS)}
+        tr = {**tr, **_own_streams(data), **_pick(data, TABLE_TRAIN_KEYS)}
         if any(k.startswith("accuracy/") for k in ev) and "accuracy" not in ev:
             accs = [v for k, v in ev.items() if k.startswith("accuracy/")]
             ev["accuracy"] = math.fsum(accs) / len(accs)
