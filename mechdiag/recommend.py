@@ -1421,8 +1421,8 @@ def entropy_collapse(s: Signals):
         if len(ent) < 2:
             return None
         start, end, where = ent[0], ent[-1], f"eval steps {steps[0]} -> {steps[-1]}"
-    if tail and tail[0] < ENTROPY_FLOOR and not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):
-        return _entropy_at_floor(s, tail)
+    if tail and 0 < tail[0] < ENTROPY_FLOOR and not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):
+        return _entropy_at_floor(s, tail)  # (exactly 0: no token was scored, a logger's 0, not a policy's)
     if not (start > 0 and end < ENTROPY_COLLAPSE_RATIO * start):  # relative to the run's own start
         return None
     costs = []  # a sharper policy is the point of RL; it is a problem only where it costs something

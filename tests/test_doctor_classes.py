@@ -694,3 +694,47 @@ def test_a_custom_loops_counter_fractions_and_components_are_read_and_a_signed_k
                             "Map: 100%|##########| 7473/7473 [00:01<00:00, 5100.00 examples/s]\n")
     with pytest.raises(UserError, match="not a log mechdiag reads"):
         read_any_run(loading_only)
+
+
+def test_a_progress_table_copied_as_text_and_a_stated_logging_interval_are_read(tmp_path):
+    """Users copy a notebook's progress table out as tab-separated text beside Unsloth's banner, and paste printed
+    dicts from a notebook whose code states logging_steps: the table is a run (its "No Log" cells absent), and the
+    dicts' steps are the record index times the stated interval, not the index."""
+    titles = ["Step", "Training Loss", "reward", "reward_std", "completions / clipped_ratio", "kl"]
+    rows = ["\t".join(map(str, [s, "0.000000", "0.000000", "0.000000", "1.000000" if s > 6 else "0.500000",
+                                "No Log" if s % 2 else "0.000000"])) for s in range(1, 21)]
+    text = tmp_path / "train_output.txt"
+    text.write_text("==((====))==  Unsloth - 2x faster free finetuning | Num GPUs used = 1\n"
+                    "   \\\\   /|    Num examples = 64 | Num Epochs = 1 | Total steps = 20\n"
+                    "[20/20 12:34, Epoch 0/1]\n" + "\t".join(titles) + "\n" + "\n".join(rows) + "\n")
+    run = read_any_run(text)
+    assert [m["step"] for m in run.metrics] == list(range(1, 21)) and run.metrics[-1]["completion_clipped_ratio"] == 1
+    assert "kl" not in run.metrics[0] and run.metrics[1]["kl"] == 0
+    assert "no_signal" in _findings(run)
+    nb = tmp_path / "launch.ipynb"
+    dicts = "".join(f"{{'loss': 0.0, 'grad_norm': 1.2, 'learning_rate': 1e-06, 'reward': {-368 + 30 * i}, "
+                    f"'reward_std': 40.0, 'completion_length': 180.0, 'kl': 0.001, 'epoch': {0.033 * i:.2f}}}\n"
+                    for i in range(1, 12))
+    nb.write_text(json.dumps({"cells": [
+        {"cell_type": "code", "source": ["args = GRPOConfig(output_dir='out', logging_steps = 10, beta=0.04)\n"],
+         "outputs": []},
+        {"cell_type": "code", "source": ["trainer.train()\n"],
+         "outputs": [{"output_type": "stream", "name": "stdout", "text": [dicts]}]}]}))
+    assert [m["step"] for m in read_any_run(nb).metrics] == list(range(10, 111, 10))
+
+
+def test_a_loop_logging_each_step_without_its_number_and_a_reward_functions_prints(tmp_path):
+    """A course's GRPO loop logs one line a step with no step number ("- train - INFO - rl_loss: ..., l2_norm: ...,
+    token_entropy: ...") and its reward function prints one completion's rewards as a dict: the lines are the run,
+    one a step; the dicts of one completion are not a trainer's records."""
+    log = tmp_path / "rl.log"
+    lines = []
+    for i in range(1, 19):
+        lines.append(f"2025-09-23 09:{i:02d}:00,984 - train - INFO - rl_loss: {-0.002 * _wobble(i):.5f}, time: 109.1, "
+                     f"l2_norm: 0.14, token_entropy: {0.8 - 0.02 * i:.4f}, reward_data: {{'total_num': 256}}")
+        lines.append(f"2025-09-23 09:{i:02d}:30,089 - train - INFO - reward: {{'format_reward': 1.0, 'answer_reward': "
+                     f"0.0, 'reward': 0.0}}")
+    log.write_text("\n".join(lines) + "\n")
+    run = read_any_run(log)
+    assert [m["step"] for m in run.metrics] == list(range(1, 19))
+    assert run.metrics[-1]["entropy"] == pytest.approx(0.44) and "reward" not in run.metrics[0]

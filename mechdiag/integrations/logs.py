@@ -422,6 +422,18 @@ def _is_printed_line(line: str) -> bool:
     return "{'" in line and _PRINTED.search(line) is not None
 
 
+_LOG_DICT_KEYS = ("loss", "reward", "grad_norm", "kl", "learning_rate", "epoch", "reward_std", "completion_length",
+                  "entropy", "frac_reward_zero_std")
+
+
+def _is_log_dict(d: dict) -> bool:
+    """A trainer's logged record: two of its keys at least (TRL's always carry loss, grad_norm, learning_rate and
+    epoch), a rewards/ or completions/ key, or an eval record; a dict of one completion's rewards printed by a
+    reward function ({'format_reward': 1.0, 'answer_reward': 0.0, 'reward': 0.0}) is not."""
+    return (sum(k in d for k in _LOG_DICT_KEYS) >= 2 or any(k.startswith(("rewards/", "completions/", "eval_"))
+                                                             for k in d))
+
+
 def is_printed_log(path: Path) -> bool:
     """A text file with a printed TRL/Unsloth log dict (a `{'loss': ...}` or `{'reward': ...}` line)."""
     if not path.is_file() or path.suffix.lower() in (*PICKLE_SUFFIXES, ".safetensors", ".parquet", ".arrow", ".json",
@@ -435,7 +447,7 @@ def is_printed_log(path: Path) -> bool:
             if _is_printed_line(line):
                 for m in _PRINTED.finditer(line):
                     d = printed_dict(m.group(0))
-                    if d and any(k in d for k in ("loss", "reward", "grad_norm", "kl")):
+                    if d and _is_log_dict(d):
                         return True
     except (OSError, EOFError, gzip.BadGzipFile):
         return False
@@ -487,9 +499,15 @@ def printed_launches(path: Path) -> list[dict]:
     return out
 
 
-def printed_launches_in(text: str) -> list[dict]:
-    """printed_launches of a text (a console log's, or a notebook's cell output): [] when it holds no dict."""
+_LOGGING = re.compile(r"\blogging_steps\s*[=:]\s*(\d+)")  # a config's logging interval (a dump, a notebook's code)
+
+
+def printed_launches_in(text: str, source: str = "") -> list[dict]:
+    """printed_launches of a text (a console log's, or a notebook's cell output): [] when it holds no dict.
+    `source`: text that states the run's settings without printing its records (a notebook's code cells)."""
     text = text.replace("\r", "\n")
+    intervals = [int(m.group(1)) for m in _LOGGING.finditer(source + "\n" + text)]
+    interval = intervals[-1] if intervals and len(set(intervals)) == 1 and intervals[-1] > 0 else None
     launches, cur, bars = [], [], []  # bars: (total, position) in file order, with the record count before each
     declared = []  # a banner's "Total steps = N" (Unsloth), for a log whose progress bars were not kept
     broken = [0]  # printed dicts cut off or unreadable (a log pasted in part): skipped, and said so
@@ -527,8 +545,7 @@ def printed_launches_in(text: str) -> list[dict]:
                 close(finished=True)
                 last_epoch = None
                 continue
-            if not any(k in d for k in ("loss", "reward", "grad_norm", "kl")) and not any(
-                    k.startswith("eval_") for k in d):
+            if not _is_log_dict(d):
                 continue
             ep = d.get("epoch")
             if ep is not None and last_epoch is not None and ep < last_epoch - 1e-9:
@@ -550,6 +567,8 @@ def printed_launches_in(text: str) -> list[dict]:
             k = round(ratio) if ratio >= 1.5 and abs(ratio - round(ratio)) <= 0.02 * ratio else 1
             why = (f"step = record index x {k} (progress bar total {total} / {n_train} printed records)" if k > 1
                    else "step = record index (the printed dicts carry no step)")
+            if k == 1 and interval and interval > 1:  # the config's own interval (one value stated, no bar)
+                k, why = interval, f"step = record index x {interval} (logging_steps = {interval} as the run states)"
             steps, i = [], 0
             for d in recs:
                 if not any(kk.startswith("eval_") for kk in d):
@@ -576,22 +595,26 @@ def step_line_records(text: str) -> list[tuple[int, dict]]:
     """The records of a custom loop's printed lines: each line with a step and `name = number` (or `name: number`)
     pairs, at least one of them a metric (STEP_LINE_KEYS); names lower-cased, spaces as underscores. [] unless
     STEP_LINES_MIN such lines have rising steps (a README's "Step 1: install" is not a run)."""
-    out = []
+    out, unstepped = [], []
     for line in text.replace("\r", "\n").split("\n"):
         m = _STEP_LINE.search(line)
-        if not m:
-            continue
         data = {}
-        for name, value in _PAIR.findall(line[m.end():]):
-            key = "_".join(name.strip(" -|/.").lower().split())
+        for name, value in _PAIR.findall(line[m.end():] if m else line):
+            key = "_".join(name.rsplit(" - ", 1)[-1].strip(" -|/.").lower().split())  # past a logger's "- INFO -"
             num, _, total = value.partition("/")
             if key and key not in ("step", "epoch_step") and (not total or int(total) > 0):
                 data[key] = float(num) / int(total) if total else float(value)
-        if any(w in k for k in data for w in STEP_LINE_KEYS):
+        if not any(w in k for k in data for w in STEP_LINE_KEYS):
+            continue
+        if m:
             out.append((int(m.group(1) or m.group(2)), data))
+        elif len(data) >= 3:  # a loop that logs each step without its number: three or more metrics a line
+            unstepped.append(data)
     steps = [st for st, _ in out]
     if len(out) < STEP_LINES_MIN or any(b <= a for a, b in zip(steps, steps[1:], strict=False)):
-        return []
+        out = []
+    if not out and len(unstepped) >= STEP_LINES_MIN and all(d.keys() == unstepped[0].keys() for d in unstepped):
+        out = list(enumerate(unstepped, start=1))  # the same metrics on every line: one line a step
     return out
 
 

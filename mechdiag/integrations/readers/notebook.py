@@ -116,20 +116,46 @@ def _html_runs(html: str, name: str, where: str) -> list[dict]:
     return out
 
 
-PAGE_SUFFIXES = (".md", ".html", ".htm", ".txt")
+PAGE_SUFFIXES = (".md", ".html", ".htm", ".txt", ".log", ".out")
+
+
+def _tab_tables(text: str) -> list[list[list[str]]]:
+    """HF's progress table as a notebook's table copies into text: a tab-separated "Step<TAB>Training Loss..."
+    header and the rows under it with as many cells."""
+    tables, cur = [], None
+    for line in text.replace("\r", "\n").split("\n"):
+        cells = [c.strip() for c in line.split("\t")]
+        if len(cells) >= 2 and cells[0].lower() == "step":
+            cur = [cells]
+            tables.append(cur)
+        elif cur is not None and len(cells) == len(cur[0]) and cells[0].isdigit():
+            cur.append(cells)
+        else:
+            cur = None
+    return [t for t in tables if len(t) > 1]
+
+
+def _page_runs(text: str, name: str) -> list[dict]:
+    runs = _html_runs(text, name, "of the page") if "<table" in text else []
+    for rows in _tab_tables(text) if "\t" in text else []:
+        recs = _table_records(rows)
+        if recs:
+            runs.append({"name": name, "records": recs, "why": f"the training table of the page, tab-separated "
+                                                                f"({len(recs)} rows, step column)"})
+    return runs
 
 
 def is_page_log(path: Path) -> bool:
-    """A notebook exported as a page (Markdown, HTML) that kept HF's progress table: a <table> with a Step column."""
+    """A notebook exported or copied as a page (Markdown, HTML, text) that kept HF's progress table: a <table> with
+    a Step column, or the same table tab-separated."""
     if not path.is_file() or path.suffix.lower() not in PAGE_SUFFIXES:
         return False
-    text = logs.read_text(path)
-    return "<table" in text and bool(_html_runs(text, path.name, ""))
+    return bool(_page_runs(logs.read_text(path), path.name))
 
 
 def page_launches(path: Path) -> list[dict]:
     """The training tables of a page (is_page_log), in order: [{"name", "records", "why"}]."""
-    runs = _html_runs(logs.read_text(path), path.name, "of the page")
+    runs = _page_runs(logs.read_text(path), path.name)
     for i, e in enumerate(runs, start=1):
         e["name"] += f":table{i}" if len(runs) > 1 else ""
     return runs
@@ -139,7 +165,9 @@ def notebook_launches(path: Path) -> list[dict]:
     """The runs a notebook's outputs hold, in cell order: [{"name", "records", "why"}]; each training table (a
     cell's HTML output with a Step column) and each launch of printed log dicts in a cell's stream is one."""
     out = []
-    for i, cell in enumerate(_cells(path), start=1):
+    cells = _cells(path)
+    source = "\n".join(_text(c.get("source")) for c in cells if c.get("cell_type") == "code")
+    for i, cell in enumerate(cells, start=1):
         if cell.get("cell_type") != "code":
             continue
         stream, first = [], len(out)
@@ -154,7 +182,7 @@ def notebook_launches(path: Path) -> list[dict]:
             html = _text((o.get("data") or {}).get("text/html"))
             if "<table" in html:
                 out += _html_runs(html, f"{path.name}:cell{i}", f"of cell {i}")
-        got = logs.printed_launches_in("".join(stream)) if stream else []
+        got = logs.printed_launches_in("".join(stream), source) if stream else []
         for j, la in enumerate(got, start=1):
             name = f"{path.name}:cell{i}" + (f":launch{j}" if len(got) > 1 else "")
             out.append({"name": name, "records": la["records"], "why": f"printed log dicts of cell {i}: {la['why']}"})
