@@ -1505,6 +1505,30 @@ def reward_declined(s: Signals):
                     onset=steps[at + k - 1], reward_best=best, reward_tail=tail)
 
 
+@rule("no_progress", "the train reward did not rise over a long run and no other rule names a cause: the run is "
+                     "not learning")
+def no_progress(s: Signals):
+    gain = s.window_gain("reward")
+    if gain is None or s.n_train < REWARD_STILL_MIN or s.accuracy_trend() is not None:
+        return None  # with an eval stream, held_still and the accuracy rules judge the run
+    head, tail, noise, where = gain
+    level = s.reward_level(tail)
+    if tail - head > max(noise, EVAL_REWARD_FLAT * s.reward_span) or noise > REWARD_STILL_NOISE * s.reward_span \
+            or (level is not None and level >= SATURATION_FRAC):
+        return None  # it rose, its noise could hide a rise, or it sits at its ceiling
+    keys = {k for d in s.train.values() for k in d}
+    unseen = [name for name, ks in (("kl", {"kl"}), ("the groups' spread", {"frac_zero_std", "reward_std"}))
+              if not keys & ks]
+    ev = (f"train reward {head:.3g} -> {tail:.3g} over {where} ({s.n_train} records; no rise beyond {noise:.3g}, 2 SE "
+          "of its step-to-step spread)")
+    reason = "the run is not learning"
+    if unseen:
+        reason += (f"; the log does not show {' or '.join(unseen)}, which would tell a policy held still (raise the "
+                   "learning rate) from a signal lost in groups that score alike (larger groups, easier data): log it")
+    return _finding(no_progress, ev, [], reason, confidence(1 - max(tail - head, 0) / max(noise, 1e-9), s.n_train),
+                    onset=min(s.train), reward_head=head, reward_tail=tail)
+
+
 OFF_POLICY_MASK_TARGET = 0.5  # sampler_mismatch: the off-policy sequence mask's threshold (TRL's example value)
 
 
@@ -1570,6 +1594,9 @@ CONFOUNDS = {"truncation": ("kl_drift", "reward_misalignment", "low_diversity", 
                                                                              "cannot_judge"))}
 
 
+FALLBACK_QUIET = ("no_progress", "cannot_judge", "run_crashed")  # findings that name no cause of a flat reward
+
+
 def diagnose(signals: Signals) -> list[Finding]:
     """Run every rule in order; a key already changed by an earlier rule is not changed again (its later
     finding keeps the evidence and says which rule covered it), and a confounded rule's changes wait. With too
@@ -1586,6 +1613,8 @@ def diagnose(signals: Signals) -> list[Finding]:
         found = [("too_few_records", few), *found]
     else:
         found = [(name, f) for name, _, fn in RULES if name != "too_few_records" and (f := fn(signals)) is not None]
+        if any(name not in FALLBACK_QUIET for name, _ in found):  # no_progress speaks only where nothing else does
+            found = [(name, f) for name, f in found if name != "no_progress"]
     deferred = {r: name for name, f in found if f.changes or name in ("no_signal", "no_update")
                 for r in CONFOUNDS.get(name, ())}
     findings, taken = [], {}

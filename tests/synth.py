@@ -54,12 +54,13 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
             rec["sampler_logp_diff"] = _curve(sampler_gap, t)
         metrics.append({k: v for k, v in rec.items() if k not in drop})
     rd.append("metrics", metrics)
-    eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)]
+    eval_steps = [round(i * steps / (n_evals - 1)) for i in range(n_evals)] if accuracy is not None else []
     evals = [{"step": s, "accuracy": _curve(accuracy, s / steps) + jit() * 0.1,
               **({"eval_reward": _curve(eval_reward, s / steps)} if eval_reward is not None else {}),
               "entropy": _curve(entropy, s / steps), "completion_length": 30.0,
               **{k: _curve(v, s / steps) for k, v in (pass_k or {}).items()}} for s in eval_steps]
-    rd.append("eval", evals)
+    if evals:  # accuracy=None: a run that logs no eval stream
+        rd.append("eval", evals)
     if samples:
         rd.append("samples", [{"step": steps, "split": "train", **x} for x in samples])
     layers = disp_layers if disp_layers is not None else parse_layers(cfg.lora.layers, n_layers)
@@ -76,8 +77,8 @@ def write_run(path, cfg: Config | None = None, *, steps: int = 40, seed: int = 0
     rd.append("shift", [{"step": s, "layer": layer, "shift": (shift(layer) if shift else 0.02) * s / steps,
                          "ci_low": 0.0, "ci_high": 0.1, "cos_dist": 0.001, "logit_kl": 0.01}
                         for s in eval_steps[1:] for layer in range(n_layers)])
-    rd.write_summary({**{f"base_{k}": v for k, v in evals[0].items() if k != "step"},
-                      **{f"final_{k}": v for k, v in evals[-1].items() if k != "step"},
+    rd.write_summary({**{f"base_{k}": v for k, v in (evals[0] if evals else {}).items() if k != "step"},
+                      **{f"final_{k}": v for k, v in (evals[-1] if evals else {}).items() if k != "step"},
                       **({"read": {"ended": ended}} if ended else {})})  # how a printed log ended (readers)
     return rd
 

@@ -738,3 +738,20 @@ def test_a_loop_logging_each_step_without_its_number_and_a_reward_functions_prin
     run = read_any_run(log)
     assert [m["step"] for m in run.metrics] == list(range(1, 19))
     assert run.metrics[-1]["entropy"] == pytest.approx(0.44) and "reward" not in run.metrics[0]
+
+
+def test_a_flat_reward_with_nothing_else_to_say_is_no_progress(tmp_path):
+    """A custom loop with groups of 2 logging only its reward and loss: 0.06 -> 0 over 200 steps. No rule names a
+    cause (no KL, no spread), so the flat reward itself is the finding, with what to log to tell the causes apart;
+    a rising reward of the same form is not, and a rule that names a cause (held_still) speaks alone."""
+    def log(name, reward_at):
+        path = tmp_path / name
+        path.write_text("".join(f"__main__ - INFO - step={s} loss=0.000000 reward={reward_at(s):.4f}\n"
+                                for s in range(1, 201)))
+        return _findings(read_any_run(path))
+    flat = log("flat.log", lambda s: 0.5 if s % 9 == 0 and s < 140 else 0.0)  # a group of 2 half right, rarely
+    assert "no_progress" in flat and "kl or the groups' spread" in flat["no_progress"].reason
+    assert "no_progress" not in log("rising.log", lambda s: 0.002 * s + 0.03 * _wobble(s))
+    still = tmp_path / "still.log"
+    _step_log(still, [0.14 + 0.03 * _wobble(k) for k in range(39)], lambda k: 0.0015)
+    assert "held_still" in _findings(read_any_run(still)) and "no_progress" not in _findings(read_any_run(still))

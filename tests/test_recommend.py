@@ -549,6 +549,7 @@ RULE_CASES = {  # for every rule, a run that shows its symptom; write_run's defa
     "kl_blowup": {"kl": (0.01, 1.5, 2.0)},
     "entropy_rise": {"entropy": (0.3, 1.2), **FLAT},
     "reward_declined": {"reward": (1.0, 2.0, 1.0), "accuracy": (0.4, 0.4)},
+    "no_progress": {"reward": (1.0, 1.0), "accuracy": None, "kl_recorded": False},
     "length_collapse": {"length": (30.0, 4.0)},
     "narrow_lora": {"cfg": cfg_with("lora.target_modules=[v_proj,o_proj]"), **STALLED},
     "degenerate_text": {"samples": [{"completion": "so so so so so so so so so so so so so so so", "reward": 1.0}] * 8},
