@@ -299,3 +299,16 @@ def rank_correlation(a: dict, b: dict) -> float | None:
     sxy = math.fsum((u - mx) * (v - my) for u, v in zip(x, y, strict=True))
     sxx, syy = math.fsum((u - mx) ** 2 for u in x), math.fsum((v - my) ** 2 for v in y)
     return None if sxx == 0 or syy == 0 else sxy / math.sqrt(sxx * syy)
+
+
+# a stream that counts answers right (check_answer / check_numbers: Unsloth's GRPO notebooks' correctness rewards)
+SUCCESS_KEYS = ("accuracy", "correct", "solved", "succe", "win", "pass", "check_answer", "check_numbers",
+                "exact_match", "answer_match")
+
+
+def counts_right(key: str) -> bool:
+    """A stream of the share of answers right: accuracy, a correctness reward, a solved / win / success rate,
+    pass@1 (not pass@k, k > 1, nor a std)."""
+    if key.startswith(("trl/", "reward_std/")) or (key.startswith("pass@") and key != "pass@1"):
+        return False
+    return any(w in key.rsplit("/", 1)[-1].lower() for w in SUCCESS_KEYS)

@@ -30,6 +30,7 @@ from mechdiag.metrics import (  # the thresholds the live alerts share
     KL_BLOWUP,
     SAMPLER_GAP_GROWTH,
     SAMPLER_GAP_HIGH,
+    counts_right,
     sampler_gap_series,
     whole_batches_at_cap,
 )
@@ -147,9 +148,6 @@ REPEAT_NGRAM = 4  # degenerate text: the share of repeated word 4-grams in a com
 REPEAT_SHARE = 0.5  # ...above this (or an empty completion)...
 DEGENERATE_SAMPLES = 0.3  # ...in at least this share of the latest sampled completions
 DEGENERATE_MIN_WORDS = 12  # completions shorter than this are not judged for repetition
-# a stream that counts answers right (check_answer / check_numbers: Unsloth's GRPO notebooks' correctness rewards)
-SUCCESS_KEYS = ("accuracy", "correct", "solved", "succe", "win", "pass", "check_answer", "check_numbers",
-                "exact_match", "answer_match")
 
 
 # ---- findings ---------------------------------------------------------------------------------------------
@@ -323,20 +321,12 @@ def _how(s: Signals, key: str) -> str:
     return f"{held.get('how')} from {held.get('evidence')}" if held else "not shown"
 
 
-def _counts_right(key: str) -> bool:
-    """A stream of the share of answers right: accuracy, a correctness reward, a solved / win / success rate,
-    pass@1 (not pass@k, k > 1, nor a std)."""
-    if key.startswith(("trl/", "reward_std/")) or (key.startswith("pass@") and key != "pass@1"):
-        return False
-    return any(w in key.rsplit("/", 1)[-1].lower() for w in SUCCESS_KEYS)
-
-
 def _success(s: Signals) -> tuple[list[list[float]], str]:
     """The values of each stream that counts answers right (held-out accuracy, a correctness reward, a solved or
     win rate; the base eval as one more), and the name of the first, or ([], "")."""
     streams, names = [], []
     for stream, src in (("eval", s.eval), ("train", s.train)):
-        keys = sorted({k for d in src.values() for k in d if _counts_right(k)})
+        keys = sorted({k for d in src.values() for k in d if counts_right(k)})
         for k in keys:
             streams.append(s.series(k, stream)[1])
             names.append(k)
@@ -752,7 +742,7 @@ def clip_tight(s: Signals):
 def sampling_too_hot(s: Signals):
     base, temp = s.base.get("accuracy"), s.value("temperature")
     # the rollouts' own success rate (a correctness reward, a solved rate), not a share of groups
-    keys = sorted({k for d in s.train.values() for k in d if _counts_right(k) and not k.startswith("frac_")},
+    keys = sorted({k for d in s.train.values() for k in d if counts_right(k) and not k.startswith("frac_")},
                   key=lambda k: (not k.startswith("reward/"), k))
     # mechdiag's held-out accuracy is greedy; a foreign run's eval may be sampled, so it is not compared
     if s.provenance is not None or base is None or base < HOT_MIN_BASE or not keys or not _num(temp) or \
@@ -1039,7 +1029,7 @@ def component_never_pays(s: Signals):
         return None
     dead = []
     for key in sorted({k for d in s.train.values() for k in d if k.startswith("reward/")}):
-        if _counts_right(key):  # a correctness stream that never pays is no_signal's "no correct answer"
+        if counts_right(key):  # a correctness stream that never pays is no_signal's "no correct answer"
             continue
         steps, vals = s.series(key)
         _, stds = s.series("reward_std/" + key[7:])
@@ -1131,7 +1121,7 @@ def _gained(s: Signals) -> bool:
     trend = s.accuracy_trend()
     if trend is not None:
         return trend[1] - trend[2] > max(ACC_FLAT, s.gain_noise(trend[2], trend[1]))
-    keys = sorted({k for d in s.train.values() for k in d if _counts_right(k)}) or ["reward"]
+    keys = sorted({k for d in s.train.values() for k in d if counts_right(k)}) or ["reward"]
     gain = s.window_gain(keys[0])
     return gain is not None and gain[1] - gain[0] > max(gain[2], EVAL_REWARD_FLAT * s.reward_span)
 
@@ -1324,20 +1314,31 @@ def _still(s: Signals) -> tuple[str, float, float | None, float | None] | None:
     return ev, kl[0], base, final
 
 
+def _reward_flat(s: Signals) -> tuple[float, float, float, str] | None:
+    """window_gain of the train reward where it is flat over at least REWARD_STILL_MIN records: its tail no higher
+    than its head beyond two standard errors (or EVAL_REWARD_FLAT of its span), that noise under REWARD_STILL_NOISE
+    of the span (a noisier reward cannot show a rise), and under SATURATION_FRAC of a known ceiling."""
+    gain = s.window_gain("reward")
+    if gain is None or s.n_train < REWARD_STILL_MIN:
+        return None
+    head, tail, noise, _ = gain
+    level = s.reward_level(tail)
+    if tail - head > max(noise, EVAL_REWARD_FLAT * s.reward_span) or noise > REWARD_STILL_NOISE * s.reward_span \
+            or (level is not None and level >= SATURATION_FRAC):
+        return None  # it rose, its noise could hide a real rise, or it sits at its ceiling
+    return gain
+
+
 def _reward_still(s: Signals, kl: tuple[float, str], zero) -> tuple[str, float, None, None] | None:
     """_still without an eval stream: the KL measured (not a beta-0 zero) and under KL_STILL, the train reward's
     tail no higher than its head by more than two standard errors of their step-to-step spread (or
     EVAL_REWARD_FLAT of its span), over at least REWARD_STILL_MIN records. A flat reward at its ceiling is
     early_saturation's; none at all, no_signal's."""
-    gain = s.window_gain("reward")
+    gain = _reward_flat(s)
     measured = _kl_measured(s) or max(s.series("kl")[1], default=0) > 0  # a KL that moved was computed
-    if not measured or gain is None or s.n_train < REWARD_STILL_MIN or _never_right(_success(s)[0]):
+    if not measured or gain is None or _never_right(_success(s)[0]):
         return None
     head, tail, noise, where = gain
-    level = s.reward_level(tail)
-    if tail - head > max(noise, EVAL_REWARD_FLAT * s.reward_span) or noise > REWARD_STILL_NOISE * s.reward_span \
-            or (level is not None and level >= SATURATION_FRAC):
-        return None  # it rose, its noise could hide a real rise, or it sits at its ceiling
     ev = (f"kl {kl[0]:.3g} < {KL_STILL} over {kl[1]}; no eval stream: train reward {head:.3g} -> {tail:.3g} over "
           f"{where} (a rise <= {noise:.3g}, 2 SE of its step-to-step spread)"
           + (f"; frac_zero_std {zero[0]:.3g} < {HELD_ZERO_STD_MAX}: the groups still differ" if zero else ""))
@@ -1508,14 +1509,10 @@ def reward_declined(s: Signals):
 @rule("no_progress", "the train reward did not rise over a long run and no other rule names a cause: the run is "
                      "not learning")
 def no_progress(s: Signals):
-    gain = s.window_gain("reward")
-    if gain is None or s.n_train < REWARD_STILL_MIN or s.accuracy_trend() is not None:
+    gain = _reward_flat(s)
+    if gain is None or s.accuracy_trend() is not None:
         return None  # with an eval stream, held_still and the accuracy rules judge the run
     head, tail, noise, where = gain
-    level = s.reward_level(tail)
-    if tail - head > max(noise, EVAL_REWARD_FLAT * s.reward_span) or noise > REWARD_STILL_NOISE * s.reward_span \
-            or (level is not None and level >= SATURATION_FRAC):
-        return None  # it rose, its noise could hide a rise, or it sits at its ceiling
     keys = {k for d in s.train.values() for k in d}
     unseen = [name for name, ks in (("kl", {"kl"}), ("the groups' spread", {"frac_zero_std", "reward_std"}))
               if not keys & ks]

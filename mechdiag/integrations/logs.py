@@ -648,9 +648,10 @@ def _planned(text: str) -> list[int]:
     return [int(next(g for g in m.groups() if g).replace(",", "")) for m in _PLANNED.finditer(text)]
 
 
-def _exception_lines(text: str) -> list[str]:
+def _plain_lines(text: str) -> list[str]:
+    """The text's non-empty lines without colour codes or Ray's worker prefix."""
     lines = (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in text.replace("\r", "\n").split("\n"))
-    return [ln[:300] for ln in lines if _EXCEPTION.match(ln)]
+    return [ln for ln in lines if ln]
 
 
 def _crash(text: str, after: int) -> dict:
@@ -661,15 +662,15 @@ def _crash(text: str, after: int) -> dict:
     at = text.rfind(_TRACEBACK)
     if at <= after:
         return {}
-    lines = [ln for ln in (_PREFIX.sub("", _ANSI.sub("", x)).strip() for x in
-                           text[at:].replace("\r", "\n").split("\n")[1:]) if ln]
+    lines = _plain_lines(text[at:])[1:]
     hits = [i for i, ln in enumerate(lines) if _EXCEPTION.match(ln)]
     if not hits or len(lines) - hits[-1] > CRASH_TAIL_LINES:
         return {}
     error = lines[hits[-1]][:300]
     frames = [m.group(1) for ln in lines[:hits[-1]] if (m := _FRAME.match(ln))]
     kind = error.split(":", 1)[0]
-    first = next((e for e in _exception_lines(text[text.find(_TRACEBACK, after + 1):at]) if kind not in e), None)
+    first = next((ln[:300] for ln in _plain_lines(text[text.find(_TRACEBACK, after + 1):at])
+                  if _EXCEPTION.match(ln) and kind not in ln), None)
     return {"error": error + (f" (raised in {frames[-1]})" if frames else ""),
             **({"first_error": first} if first else {})}
 

@@ -14,7 +14,7 @@ from mechdiag.integrations.provenance import (
 from mechdiag.integrations.readers.common import write_foreign
 from mechdiag.integrations.readers.trl_dir import TRL_FIELDS, TRL_SKIP, is_eval_log, is_train_log, map_trl_log
 from mechdiag.integrations.readers.verl_log import map_verl
-from mechdiag.metrics import is_number
+from mechdiag.metrics import counts_right, is_number
 from mechdiag.run import RunDir
 
 # OpenRLHF (its W&B/TensorBoard train/* keys, openrlhf/trainer/ppo_utils) and custom loops: one alias table
@@ -83,7 +83,6 @@ def _trl_row(data: dict) -> tuple[dict, dict]:
 
 _COMPONENT = re.compile(r"^(?:(?P<a>\w+?)_reward|reward_(?P<b>\w+))$")  # a custom loop's reward components
 _NOT_COMPONENT = {"std", "mean", "max", "min", "cv", "groups", "total", "sum", "var", "variance"}
-_SUCCESS = ("correct", "accuracy", "solved", "success", "pass_rate")
 
 
 def _own_streams(data: dict) -> dict:
@@ -97,7 +96,7 @@ def _own_streams(data: dict) -> dict:
         name = (m.group("a") or m.group("b")) if m else None
         if name and name not in _NOT_COMPONENT and not name.startswith(("train", "total", "mean", "avg")):
             out[f"reward/{name}"] = float(v)
-        elif any(w in k.lower() for w in _SUCCESS) and "/" not in k:
+        elif counts_right(k) and "/" not in k:
             out[f"reward/{k}"] = float(v)
     return out
 
